@@ -1,0 +1,102 @@
+"""FP8 recipes: which formats to use and how to choose the scaling factors (contract C7)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from . import _C
+
+
+class Format(enum.Enum):
+    """FP8 formats of a recipe.
+
+    E4M3: every tensor in E4M3 (max 448). HYBRID: forward tensors (input, weight) in E4M3 and
+    gradients in E5M2 (max 57344), whose wider range suits gradients' dynamic range.
+    """
+
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+
+    @property
+    def fwd(self) -> _C.Format:
+        return _C.Format.E4M3
+
+    @property
+    def bwd(self) -> _C.Format:
+        return _C.Format.E4M3 if self is Format.E4M3 else _C.Format.E5M2
+
+
+_ALGOS = {"max": _C.AmaxAlgo.MAX, "most_recent": _C.AmaxAlgo.MOST_RECENT}
+
+
+def _check_format(value) -> None:
+    if not isinstance(value, Format):
+        raise ValueError(f"fp8_format: expected fp8dp.recipe.Format, got {value!r}")
+
+
+def _check_margin(value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"margin: expected a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Per-tensor delayed scaling: each tensor's scale comes from the amaxes of earlier steps.
+
+    scale = fp8_max / amax / 2**margin, with amax taken from a history of the last
+    ``amax_history_len`` steps; an amax of 0 or non-finite keeps the previous scale.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    """Formats of forward tensors and gradients. Default HYBRID: E5M2's range suits gradients."""
+    amax_history_len: int = 1024
+    """Steps of amax history. Default 1024: a long window keeps one outlier step from shrinking the
+    range for long, at the price of reacting slowly when values grow."""
+    amax_compute_algo: str = "max"
+    """"max" (largest amax in the history, the safe choice against overflow; default) or
+    "most_recent" (last step's amax, tracks changes fastest)."""
+    margin: float = 0
+    """Extra headroom in powers of two: the scale is divided by 2**margin. Default 0."""
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        h = self.amax_history_len
+        if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+            raise ValueError(f"amax_history_len: expected an integer >= 1, got {h!r}")
+        if self.amax_compute_algo not in _ALGOS:
+            raise ValueError(
+                f"amax_compute_algo: expected one of {sorted(_ALGOS)}, got {self.amax_compute_algo!r}"
+            )
+        _check_margin(self.margin)
+
+    def to_cpp(self) -> _C.Recipe:
+        r = _C.Recipe()
+        r.kind = _C.RecipeKind.DELAYED
+        r.fwd_format, r.bwd_format = self.fp8_format.fwd, self.fp8_format.bwd
+        r.amax_history_len = self.amax_history_len
+        r.amax_compute_algo = _ALGOS[self.amax_compute_algo]
+        r.margin = float(self.margin)
+        return r
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling:
+    """Per-tensor current scaling: each cast first takes the amax of the tensor being cast."""
+
+    fp8_format: Format = Format.HYBRID
+    """Formats of forward tensors and gradients. Default HYBRID."""
+    margin: float = 0
+    """Extra headroom in powers of two. Default 0: the amax is exact, so none is needed."""
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        _check_margin(self.margin)
+
+    def to_cpp(self) -> _C.Recipe:
+        r = _C.Recipe()
+        r.kind = _C.RecipeKind.CURRENT
+        r.fwd_format, r.bwd_format = self.fp8_format.fwd, self.fp8_format.bwd
+        r.amax_history_len = 1
+        r.margin = float(self.margin)
+        return r

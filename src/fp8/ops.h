@@ -1,0 +1,46 @@
+// Tensor-level FP8 casts: check at::Tensor arguments, allocate outputs, dispatch to the CPU or CUDA
+// kernel of quantize.h / scaling.h. Everything above src/fp8 casts through these functions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "fp8/format.h"
+#include "fp8/scaling.h"
+
+namespace fp8dp {
+
+at::ScalarType fp8_dtype(Format f);
+
+// Result of one quantize call; tensors that were not asked for are undefined.
+struct Quantized {
+  at::Tensor data;       // x's shape, FP8 dtype of the format
+  at::Tensor data_t;     // [last_dim, numel / last_dim]: the transposed 2-D view of x, quantized
+  at::Tensor scale_inv;  // float32 [1]
+  at::Tensor amax;       // float32 [1]: max |x| (NaN if x holds NaN)
+  at::Tensor dbias;      // float32 [last_dim]: column sums of x viewed as 2-D
+};
+
+struct QuantizeOptions {
+  bool data = true;
+  bool transpose = false;
+  bool dbias = false;
+};
+
+// x: float32 / bfloat16 / float16 of any shape (viewed as [numel / last_dim, last_dim]; a
+// non-contiguous x is copied first). scale: float32 with one element on x's device, finite and > 0
+// (checked on the CPU; on CUDA the check would need a host sync, so the kernel trusts it).
+Quantized quantize(const at::Tensor& x, const at::Tensor& scale, Format format,
+                   QuantizeOptions opts = {});
+
+// float32 [1] tensor: max |x| with the NaN / Inf rules of quantize.
+at::Tensor amax(const at::Tensor& x);
+
+// data: an FP8 tensor; returns decode(data) * scale_inv as `dtype`.
+at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scale_inv, at::ScalarType dtype);
+
+// In-place update of delayed-scaling state (see ScalingUpdateParams). amax_history [L, n],
+// scale / scale_inv / fp8_max [n], all float32 contiguous on one device.
+void update_scaling(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
+                    const at::Tensor& fp8_max, AmaxAlgo algo, float margin);
+
+}  // namespace fp8dp

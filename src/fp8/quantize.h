@@ -1,0 +1,56 @@
+// Raw-pointer FP8 cast kernels (C7), one signature for the CPU and CUDA versions.
+// Nothing here depends on LibTorch tensors: src/fp8/ops.h checks tensors and passes pointers down.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8/format.h"
+
+namespace fp8dp {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// One pass over a row-major [rows, cols] input. Every output pointer is optional (nullptr = skip):
+//   out       [rows, cols]  saturate(rne(x * scale)) as FP8 bytes
+//   out_t     [cols, rows]  the same bytes transposed (the layout Hopper's FP8 GEMM needs)
+//   amax      [1]           max |x| over the input, NaN if any NaN, +Inf if any Inf (and no NaN);
+//                           written (not max-accumulated); 0 for an empty input
+//   scale_inv [1]           1 / scale
+//   dbias     [cols]        column sums of x in FP32 (the bias gradient of a grad_output), each column
+//                           summed in row order, so the result does not depend on the thread count
+// scale points to one float (host memory for the CPU version, device memory for CUDA).
+struct QuantizeParams {
+  const void* input = nullptr;
+  DType input_dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const float* scale = nullptr;
+  Format format = Format::kE4M3;
+  uint8_t* out = nullptr;
+  uint8_t* out_t = nullptr;
+  float* amax = nullptr;
+  float* scale_inv = nullptr;
+  float* dbias = nullptr;
+};
+
+void quantize_cpu(const QuantizeParams& p);
+
+// out[i] = decode(in[i]) * scale_inv[0], written as out_dtype.
+struct DequantizeParams {
+  const uint8_t* input = nullptr;
+  int64_t numel = 0;
+  Format format = Format::kE4M3;
+  const float* scale_inv = nullptr;
+  void* out = nullptr;
+  DType out_dtype = DType::kFloat32;
+};
+
+void dequantize_cpu(const DequantizeParams& p);
+
+#if defined(FP8DP_WITH_CUDA)
+// stream is a cudaStream_t; kept as void* so this header stays free of CUDA headers.
+void quantize_cuda(const QuantizeParams& p, void* stream);
+void dequantize_cuda(const DequantizeParams& p, void* stream);
+#endif
+
+}  // namespace fp8dp

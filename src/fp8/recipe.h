@@ -1,0 +1,35 @@
+// FP8 recipes and the fp8_autocast state that the C++ modules read at forward time.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8/format.h"
+#include "fp8/scaling.h"
+
+namespace fp8dp {
+
+enum class RecipeKind : int { kDelayed = 0, kCurrent = 1 };
+
+// Python's recipe.DelayedScaling / Float8CurrentScaling validate and convert into this.
+struct Recipe {
+  RecipeKind kind = RecipeKind::kDelayed;
+  Format fwd_format = Format::kE4M3;  // input and weight
+  Format bwd_format = Format::kE5M2;  // gradients (HYBRID); E4M3 recipes use E4M3 here too
+  int64_t amax_history_len = 1024;    // delayed only
+  AmaxAlgo amax_compute_algo = AmaxAlgo::kMax;
+  float margin = 0.0f;
+};
+
+struct AutocastState {
+  bool enabled = false;
+  Recipe recipe;
+};
+
+// A process-wide stack: fp8_autocast contexts nest, the innermost wins, and exit restores the outer
+// one. Modules copy the state at forward time, because backward may run on another thread.
+void autocast_enter(bool enabled, const Recipe& recipe);
+void autocast_exit();
+AutocastState autocast_current();
+int64_t autocast_depth();
+
+}  // namespace fp8dp

@@ -1,0 +1,37 @@
+// Delayed-scaling state update (C7) over raw buffers: amax history roll and scale computation.
+#pragma once
+
+#include <cstdint>
+
+namespace fp8dp {
+
+enum class AmaxAlgo : int { kMax = 0, kMostRecent = 1 };
+
+// State of n tensors that share one history length L:
+//   amax_history [L, n]  row 0 collects the current step's amax (max over every cast of the step)
+//   scale, scale_inv [n]
+//   fp8_max [n]          the format maximum of each tensor (HYBRID mixes 448 and 57344)
+// update: amax = max over the L rows (kMax) or row 0 (kMostRecent); when amax is finite and > 0,
+// scale = fp8_max / amax / 2^margin (an infinite result clamps to FLT_MAX), else the scale is kept;
+// scale_inv = 1 / scale. Then the history rolls once: row i takes row i-1 and row 0 becomes 0.
+struct ScalingUpdateParams {
+  float* amax_history = nullptr;
+  float* scale = nullptr;
+  float* scale_inv = nullptr;
+  const float* fp8_max = nullptr;
+  int64_t n = 0;
+  int64_t history_len = 1;
+  AmaxAlgo algo = AmaxAlgo::kMax;
+  float margin = 0.0f;
+};
+
+void update_scaling_cpu(const ScalingUpdateParams& p);
+
+// The scale a current-scaling cast uses for a tensor whose amax is `amax` (same rule, no history).
+float compute_scale(float amax, float fp8_max, float margin, float previous_scale);
+
+#if defined(FP8DP_WITH_CUDA)
+void update_scaling_cuda(const ScalingUpdateParams& p, void* stream);
+#endif
+
+}  // namespace fp8dp

@@ -1,0 +1,41 @@
+// CPU delayed-scaling update: one call updates every tensor of a step (C7).
+#include <cfloat>
+#include <cmath>
+
+#include "common/check.h"
+#include "fp8/scaling.h"
+
+namespace fp8dp {
+
+float compute_scale(float amax, float fp8_max, float margin, float previous_scale) {
+  // An amax of 0 (tensor never seen or all zeros) or non-finite (overflow upstream) says nothing
+  // about the range to expect, so the previous scale stays.
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return previous_scale;
+  float s = fp8_max / amax / std::exp2(margin);
+  if (std::isinf(s)) s = FLT_MAX;  // amax so small that fp8_max / amax overflows
+  return s;
+}
+
+void update_scaling_cpu(const ScalingUpdateParams& p) {
+  FP8DP_CHECK(p.history_len >= 1, "update_scaling: history_len must be >= 1, got ", p.history_len);
+  FP8DP_CHECK(p.n >= 0, "update_scaling: n must be >= 0, got ", p.n);
+  const int64_t n = p.n, L = p.history_len;
+  for (int64_t t = 0; t < n; ++t) {
+    float amax = p.amax_history[t];
+    if (p.algo == AmaxAlgo::kMax) {
+      for (int64_t i = 1; i < L; ++i) {
+        const float a = p.amax_history[i * n + t];
+        amax = (std::isnan(a) || a > amax) ? a : amax;
+        if (std::isnan(amax)) break;
+      }
+    }
+    p.scale[t] = compute_scale(amax, p.fp8_max[t], p.margin, p.scale[t]);
+    p.scale_inv[t] = 1.0f / p.scale[t];
+  }
+  for (int64_t i = L - 1; i >= 1; --i) {
+    for (int64_t t = 0; t < n; ++t) p.amax_history[i * n + t] = p.amax_history[(i - 1) * n + t];
+  }
+  for (int64_t t = 0; t < n; ++t) p.amax_history[t] = 0.0f;
+}
+
+}  // namespace fp8dp

@@ -1,0 +1,61 @@
+// Binds src/fp8: formats, recipes, the autocast stack and the tensor-level casts.
+#include <torch/csrc/utils/pybind.h>
+
+#include "fp8/ops.h"
+#include "fp8/recipe.h"
+
+namespace py = pybind11;
+
+namespace fp8dp::python {
+
+void bind_fp8(py::module_& m) {
+  py::enum_<Format>(m, "Format").value("E4M3", Format::kE4M3).value("E5M2", Format::kE5M2);
+  m.def("fp8_max", &fp8_max, py::arg("format"));
+  py::enum_<AmaxAlgo>(m, "AmaxAlgo")
+      .value("MAX", AmaxAlgo::kMax)
+      .value("MOST_RECENT", AmaxAlgo::kMostRecent);
+  py::enum_<RecipeKind>(m, "RecipeKind")
+      .value("DELAYED", RecipeKind::kDelayed)
+      .value("CURRENT", RecipeKind::kCurrent);
+
+  py::class_<Recipe>(m, "Recipe")
+      .def(py::init<>())
+      .def_readwrite("kind", &Recipe::kind)
+      .def_readwrite("fwd_format", &Recipe::fwd_format)
+      .def_readwrite("bwd_format", &Recipe::bwd_format)
+      .def_readwrite("amax_history_len", &Recipe::amax_history_len)
+      .def_readwrite("amax_compute_algo", &Recipe::amax_compute_algo)
+      .def_readwrite("margin", &Recipe::margin);
+  py::class_<AutocastState>(m, "AutocastState")
+      .def_readonly("enabled", &AutocastState::enabled)
+      .def_readonly("recipe", &AutocastState::recipe);
+  m.def("autocast_enter", &autocast_enter, py::arg("enabled"), py::arg("recipe"));
+  m.def("autocast_exit", &autocast_exit);
+  m.def("autocast_current", &autocast_current);
+  m.def("autocast_depth", &autocast_depth);
+
+  py::class_<Quantized>(m, "Quantized")
+      .def_readonly("data", &Quantized::data)
+      .def_readonly("data_t", &Quantized::data_t)
+      .def_readonly("scale_inv", &Quantized::scale_inv)
+      .def_readonly("amax", &Quantized::amax)
+      .def_readonly("dbias", &Quantized::dbias);
+  m.def(
+      "quantize",
+      [](const at::Tensor& x, const at::Tensor& scale, Format format, bool data, bool transpose,
+         bool dbias) { return quantize(x, scale, format, QuantizeOptions{data, transpose, dbias}); },
+      py::arg("x"), py::arg("scale"), py::arg("format"), py::arg("data") = true,
+      py::arg("transpose") = false, py::arg("dbias") = false);
+  m.def("amax", &amax, py::arg("x"));
+  m.def("dequantize", &dequantize, py::arg("data"), py::arg("scale_inv"), py::arg("dtype"));
+  m.def(
+      "update_scaling",
+      [](at::Tensor amax_history, at::Tensor scale, at::Tensor scale_inv, const at::Tensor& fp8_max,
+         AmaxAlgo algo, float margin) {
+        update_scaling(amax_history, scale, scale_inv, fp8_max, algo, margin);
+      },
+      py::arg("amax_history"), py::arg("scale"), py::arg("scale_inv"), py::arg("fp8_max"),
+      py::arg("algo"), py::arg("margin"));
+}
+
+}  // namespace fp8dp::python

@@ -1,0 +1,13 @@
+// fp8dp._C: the extension module. Each subsystem binds itself in its own bind_*.cpp.
+#include <torch/csrc/utils/pybind.h>
+
+namespace fp8dp::python {
+void bind_build_info(pybind11::module_& m);
+void bind_fp8(pybind11::module_& m);
+}  // namespace fp8dp::python
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fp8dp C++ core";
+  fp8dp::python::bind_build_info(m);
+  fp8dp::python::bind_fp8(m);
+}
