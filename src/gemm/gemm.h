@@ -1,0 +1,34 @@
+// GEMM front end: out[m, n] = a[m, k] · b[n, k]ᵀ ("TN", K contiguous in both operands), FP8 or
+// high-precision, with bias and accumulate epilogues. The CPU version dequantizes and multiplies in
+// FP32 (the math of an FP8 tensor-core GEMM with FP32 accumulation); the CUDA version is cuBLASLt.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace fp8dp {
+
+// Every FP8 GEMM of a Linear layer in TN form:
+//   fprop  y  = x  · Wᵀ : a = x  [tokens, in],  b = W   [out, in]
+//   dgrad  dx = dy · W  : a = dy [tokens, out], b = Wᵀ  [in, out]    (cached transposed weight)
+//   wgrad  dW = dyᵀ· x  : a = dyᵀ [out, tokens], b = xᵀ [in, tokens] (cast_transpose outputs)
+struct GemmArgs {
+  at::Tensor a;            // [m, k] row-major; FP8 (e4m3 / e5m2) or float32 / bfloat16 / float16
+  at::Tensor a_scale_inv;  // float32 [1] when a is FP8, else undefined
+  at::Tensor b;            // [n, k] row-major; FP8 when a is FP8, else a's dtype
+  at::Tensor b_scale_inv;  // float32 [1] when b is FP8, else undefined
+  at::Tensor bias;         // optional [n], added to every row (fprop epilogue)
+  at::Tensor out;          // optional preallocated [m, n] output (e.g. a main_grad view)
+  bool accumulate = false;               // out += a·bᵀ (beta = 1); needs `out`
+  at::ScalarType out_dtype = at::kFloat; // dtype of a newly allocated output (ignored with `out`)
+  bool use_split_accumulator = true;     // CUDA FP8: exact FP32 accumulation (dgrad / wgrad)
+};
+
+// Checks every argument (dtype, device, shapes; FP8 needs k % 16 == 0 and n % 16 == 0) and names the
+// one that is wrong. Returns `out` (the given one or a new one).
+at::Tensor gemm(const GemmArgs& args);
+
+#if defined(FP8DP_WITH_CUDA)
+at::Tensor gemm_cuda(const GemmArgs& args);  // cuBLASLt; called by gemm() for CUDA tensors
+#endif
+
+}  // namespace fp8dp
