@@ -1,0 +1,310 @@
+"""Training configuration: YAML -> validated dataclasses.
+
+Every field is checked when the dataclass is built (``__post_init__``) and every error is a
+ValueError that names the key as it is written in the YAML (``model.d_model``), what was expected
+and what was given. Checks that need the world size (the global batch must split evenly over the
+ranks) run in ``TrainConfig.check_world_size`` right after torch.distributed starts, before any
+model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(key: str, v, lo: int = 1) -> None:
+    if not _is_int(v) or v < lo:
+        raise ValueError(f"{key}: expected an integer >= {lo}, got {v!r}")
+
+
+def _num(key: str, v, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> None:
+    ok = _is_num(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        rng = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise ValueError(f"{key}: expected a number {rng}, got {v!r}")
+
+
+def _bool(key: str, v) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"{key}: expected true or false, got {v!r}")
+
+
+def _choice(key: str, v, choices) -> None:
+    if v not in choices:
+        raise ValueError(f"{key}: expected one of {list(choices)}, got {v!r}")
+
+
+def _mult16(key: str, v) -> None:
+    # FP8 GEMMs need both inner dimensions to be multiples of 16 (on GPUs, and on the CPU so that
+    # behaviour does not depend on the device).
+    if v % 16 != 0:
+        raise ValueError(f"{key}: expected a multiple of 16 (FP8 GEMM dimensions), got {v}")
+
+
+@dataclass
+class ModelConfig:
+    """A GPT whose every projection is an fp8dp.LayerNormLinear or fp8dp.Linear."""
+
+    n_layer: int = 2
+    """Transformer blocks. Default 2: learns character statistics within a CPU minute."""
+    d_model: int = 64
+    """Hidden width; a multiple of 16 and of n_head. Default 64."""
+    n_head: int = 4
+    """Attention heads; d_model / n_head is the head width. Default 4."""
+    ffn_mult: int = 4
+    """MLP width = ffn_mult * d_model (the usual 4)."""
+    seq_len: int = 64
+    """Tokens (bytes) per sequence. Default 64."""
+    normalization: str = "LayerNorm"
+    """"LayerNorm" or "RMSNorm", fused into each LayerNormLinear."""
+    bias: bool = True
+    """Biases on every projection. Default true: exercises the bias-gradient path (contract C4)."""
+    params_dtype: str = "float32"
+    """"float32" or "bfloat16". Default float32: the CPU emulation is fastest in FP32."""
+
+    def __post_init__(self):
+        for k in ("n_layer", "d_model", "n_head", "ffn_mult", "seq_len"):
+            _int(f"model.{k}", getattr(self, k))
+        _mult16("model.d_model", self.d_model)
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"model.n_head: expected a divisor of model.d_model={self.d_model}, got {self.n_head}"
+            )
+        _choice("model.normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        _bool("model.bias", self.bias)
+        _choice("model.params_dtype", self.params_dtype, _DTYPES)
+
+
+@dataclass
+class TrainSection:
+    """Steps, batch sizes and the optimizer."""
+
+    steps: int = 300
+    """Optimizer steps. Default 300."""
+    global_batch_size: int = 16
+    """Sequences per step over all ranks = micro_batch_size * micro-batches * world size."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward. micro_batch_size * model.seq_len must be a multiple of 16."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate. Default 3e-3 (small model, few steps)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio. Default 0.1."""
+    warmup_steps: int = 20
+    """Linear warm-up steps. Default 20."""
+    weight_decay: float = 0.1
+    """AdamW weight decay. Default 0.1."""
+    beta1: float = 0.9
+    """AdamW beta1. Default 0.9."""
+    beta2: float = 0.95
+    """AdamW beta2. Default 0.95, as is usual for transformers."""
+    eval_every: int = 25
+    """Validation loss every this many steps (and at the last step). Default 25."""
+    eval_batches: int = 4
+    """Micro-batches per rank in one validation pass. Default 4."""
+    save_every: int = 0
+    """With --save: also checkpoint every this many steps; 0 = only at the end."""
+    seed: int = 1234
+    """Seed of the initial weights and of the data order. Default 1234."""
+
+    def __post_init__(self):
+        for k in ("steps", "global_batch_size", "micro_batch_size", "eval_every", "eval_batches"):
+            _int(f"train.{k}", getattr(self, k))
+        _int("train.warmup_steps", self.warmup_steps, lo=0)
+        _int("train.save_every", self.save_every, lo=0)
+        _int("train.seed", self.seed, lo=0)
+        _num("train.lr", self.lr, 0.0, lo_open=True)
+        _num("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _num("train.weight_decay", self.weight_decay, 0.0)
+        _num("train.beta1", self.beta1, 0.0, 1.0)
+        _num("train.beta2", self.beta2, 0.0, 1.0)
+        if self.global_batch_size % self.micro_batch_size != 0:
+            raise ValueError(
+                f"train.global_batch_size: expected a multiple of train.micro_batch_size="
+                f"{self.micro_batch_size}, got {self.global_batch_size}"
+            )
+
+
+@dataclass
+class FP8Section:
+    """FP8 recipe of the run (contract C7)."""
+
+    enabled: bool = True
+    """Run every fp8dp projection in FP8. false gives the params_dtype baseline."""
+    recipe: str = "delayed"
+    """"delayed" (DelayedScaling) or "current" (Float8CurrentScaling)."""
+    amax_history_len: int = 16
+    """Delayed scaling: steps of amax history. Default 16: reacts within a few steps in a short run."""
+    amax_compute_algo: str = "max"
+    """Delayed scaling: "max" or "most_recent"."""
+    margin: float = 0
+    """Headroom in powers of two. Default 0."""
+
+    def __post_init__(self):
+        _bool("fp8.enabled", self.enabled)
+        _choice("fp8.recipe", self.recipe, ("delayed", "current"))
+        _int("fp8.amax_history_len", self.amax_history_len)
+        _choice("fp8.amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
+        _num("fp8.margin", self.margin, 0.0)
+
+
+@dataclass
+class DDPSection:
+    """fp8dp.DistributedDataParallel and the modules' gradient routes (contracts C1-C6)."""
+
+    overlap_grad_reduce: bool = True
+    """Launch each bucket's collective as soon as it is complete, during backward / backward_dw."""
+    use_distributed_optimizer: bool = True
+    """ZeRO-1: reduce-scatter the gradients and step an FP32 master shard per rank."""
+    grad_reduce_in_fp32: bool = True
+    """main_grad (and the collective) in FP32 even for bfloat16 parameters."""
+    bucket_size: Optional[int] = None
+    """Elements per bucket; null = fp8dp's default. A small value gives several buckets."""
+    delay_wgrad_compute: bool = True
+    """Backward computes input gradients only; backward_dw() runs the weight gradients afterwards
+    (as a zero-bubble pipeline schedule would)."""
+    fuse_wgrad_accumulation: bool = True
+    """The weight-gradient GEMM accumulates straight into main_grad (contract C2 b)."""
+    average_in_collective: bool = False
+    """Average with the collective's AVG instead of a 1/dp pre-scale."""
+    check_for_nan_in_grad: bool = True
+    """Fail (naming the parameters) when a reduced gradient holds a NaN."""
+
+    def __post_init__(self):
+        for k in ("overlap_grad_reduce", "use_distributed_optimizer", "grad_reduce_in_fp32",
+                  "delay_wgrad_compute", "fuse_wgrad_accumulation", "average_in_collective",
+                  "check_for_nan_in_grad"):
+            _bool(f"ddp.{k}", getattr(self, k))
+        if self.bucket_size is not None:
+            _int("ddp.bucket_size", self.bucket_size)
+        if not self.use_distributed_optimizer:
+            raise ValueError(
+                "ddp.use_distributed_optimizer: the demo trains with fp8dp.DistributedOptimizer, "
+                "which needs true, got false"
+            )
+
+
+@dataclass
+class DataSection:
+    """The byte-level text corpus."""
+
+    path: str = "data/shakespeare.txt"
+    """Text file (relative paths are taken from the current directory). Default: the shipped one."""
+    val_fraction: float = 0.1
+    """Last fraction of the file held out for the validation loss. Default 0.1."""
+
+    def __post_init__(self):
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"data.path: expected a file path, got {self.path!r}")
+        _num("data.val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
+
+
+@dataclass
+class OutputSection:
+    """Where metrics, plot and checkpoints go."""
+
+    dir: str = "runs/demo"
+    """Run directory: <dir>/fp8/ and <dir>/nofp8/ hold each run's metrics; <dir>/loss.png the plot."""
+
+    def __post_init__(self):
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ValueError(f"out.dir: expected a directory path, got {self.dir!r}")
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "train": TrainSection,
+    "fp8": FP8Section,
+    "ddp": DDPSection,
+    "data": DataSection,
+    "out": OutputSection,
+}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    fp8: FP8Section = field(default_factory=FP8Section)
+    ddp: DDPSection = field(default_factory=DDPSection)
+    data: DataSection = field(default_factory=DataSection)
+    out: OutputSection = field(default_factory=OutputSection)
+
+    def __post_init__(self):
+        tokens = self.train.micro_batch_size * self.model.seq_len
+        if tokens % 16 != 0:
+            raise ValueError(
+                f"train.micro_batch_size: micro_batch_size * model.seq_len (tokens per FP8 GEMM) "
+                f"must be a multiple of 16, got {self.train.micro_batch_size} * "
+                f"{self.model.seq_len} = {tokens}"
+            )
+
+    def check_world_size(self, world_size: int) -> int:
+        """Micro-batches per rank per step; error naming train.global_batch_size when the global
+        batch does not split into whole micro-batches on every rank."""
+        per_step = self.train.micro_batch_size * world_size
+        if self.train.global_batch_size % per_step != 0:
+            raise ValueError(
+                f"train.global_batch_size: expected a multiple of train.micro_batch_size * world "
+                f"size = {self.train.micro_batch_size} * {world_size} = {per_step}, "
+                f"got {self.train.global_batch_size}"
+            )
+        return self.train.global_batch_size // per_step
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def config_from_dict(raw: Any) -> TrainConfig:
+    """Build a TrainConfig from a nested dict; unknown sections or keys are errors naming them."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    sections = {}
+    for name, value in raw.items():
+        if name not in _SECTIONS:
+            raise ValueError(f"{name}: unknown section; expected one of {sorted(_SECTIONS)}")
+        cls = _SECTIONS[name]
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: expected a mapping of keys, got {value!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key not in known:
+                raise ValueError(f"{name}.{key}: unknown key; expected one of {known}")
+        sections[name] = cls(**value)
+    return TrainConfig(**sections)
+
+
+def load_config(path: str, overrides: Optional[list] = None) -> TrainConfig:
+    """Read a YAML config; ``overrides`` are "section.key=value" strings (value parsed as YAML)."""
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    if raw is None:
+        raw = {}
+    for item in overrides or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ValueError(f"--set: expected section.key=value, got {item!r}")
+        dotted, value = item.split("=", 1)
+        section, key = dotted.split(".", 1)
+        if not isinstance(raw, dict):
+            break  # config_from_dict reports the malformed file
+        raw.setdefault(section, {})
+        if isinstance(raw[section], dict):
+            raw[section][key] = yaml.safe_load(value)
+    return config_from_dict(raw)

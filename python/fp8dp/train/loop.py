@@ -1,0 +1,178 @@
+"""The training loop: one optimizer step = micro-batches under no_sync(), each a forward in FP8, a
+backward that produces input gradients only, and backward_dw() on every fp8dp module (the weight
+gradients, as a zero-bubble pipeline schedule would run them); then finish_grad_sync() and the
+distributed optimizer's step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fp8dp
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .data import VOCAB_SIZE, ByteCorpus
+from .metrics import MetricsWriter
+from .model import GPT
+
+
+def setup_distributed() -> tuple:
+    """Join the torchrun job (or start a one-rank job without torchrun). NCCL when this fp8dp
+    build has CUDA and a GPU is visible, gloo on the CPU otherwise."""
+    if "RANK" not in os.environ:  # plain `python -m fp8dp.train`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+    if fp8dp.cuda_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        backend, device = "nccl", torch.device("cuda", local)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    if not dist.is_initialized():
+        # A bounded timeout: a rank that died makes the others fail instead of hanging.
+        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    return dist.get_rank(), dist.get_world_size(), device, backend
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
+
+
+def make_recipe(cfg: TrainConfig):
+    f = cfg.fp8
+    if f.recipe == "current":
+        return fp8dp.Float8CurrentScaling(margin=f.margin)
+    return fp8dp.DelayedScaling(amax_history_len=f.amax_history_len,
+                                amax_compute_algo=f.amax_compute_algo, margin=f.margin)
+
+
+def _all_mean(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, device) -> float:
+    """Mean validation loss over eval_batches micro-batches per rank (a fixed set every time).
+
+    Runs with FP8 off: the weights' own quality, and no FP8 cast records an amax, so the training
+    trajectory (and with it bit-exact resume) does not depend on when evaluation happens."""
+    total = 0.0
+    for i in range(cfg.train.eval_batches):
+        x, y = corpus.batch("val", cfg.train.seed, 0, rank, i, cfg.train.micro_batch_size)
+        logits = model(x.to(device))
+        total += F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.to(device).view(-1)).item()
+    return _all_mean(total / cfg.train.eval_batches, device)
+
+
+def train(cfg: TrainConfig, run_dir: str, *, rank: int, world_size: int, device,
+          save: str = None, resume: str = None, progress: bool = True) -> dict:
+    """Train one run (FP8 per cfg.fp8.enabled) writing <run_dir>/metrics.jsonl on rank 0; returns
+    a summary dict (first/last validation loss, steps, time)."""
+    n_micro = cfg.check_world_size(world_size)
+    corpus = ByteCorpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
+    d = cfg.ddp
+    model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)
+    ddp_cfg = fp8dp.DistributedDataParallelConfig(
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
+        use_distributed_optimizer=d.use_distributed_optimizer, bucket_size=d.bucket_size,
+        average_in_collective=d.average_in_collective, delay_wgrad_compute=d.delay_wgrad_compute,
+        check_for_nan_in_grad=d.check_for_nan_in_grad)
+    ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
+    t = cfg.train
+    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=t.lr, betas=(t.beta1, t.beta2),
+                                     weight_decay=t.weight_decay)
+    recipe = make_recipe(cfg)
+    wgrad_modules = list(reversed(model.fp8_modules())) if d.delay_wgrad_compute else []
+    config_dict = cfg.to_dict()
+
+    start = 0
+    if resume:
+        start = load_checkpoint(resume, model=model, optimizer=opt, config=config_dict, rank=rank,
+                                world_size=world_size)
+    writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"),
+                           truncate_after=start if resume else -1) if rank == 0 else None
+    tokens_per_step = t.global_batch_size * cfg.model.seq_len
+    bar = None
+    if rank == 0 and progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.steps, initial=start, unit="step", dynamic_ncols=True,
+                   desc="fp8" if cfg.fp8.enabled else "no-fp8")
+    first_val = last_val = None
+    if start == 0:
+        first_val = last_val = evaluate(model, corpus, cfg, rank, device)
+        if writer:
+            writer.write({"step": 0, "val_loss": first_val})
+    t_start = time.perf_counter()
+    for step in range(start, t.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ddp.zero_grad_buffer()
+        loss_sum = 0.0
+        for i in range(n_micro):
+            x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
+            x, y = x.to(device), y.to(device)
+            # Only the last micro-batch may launch collectives; the others just accumulate.
+            sync = ddp.no_sync() if i < n_micro - 1 else contextlib.nullcontext()
+            with sync:
+                with fp8dp.fp8_autocast(enabled=cfg.fp8.enabled, fp8_recipe=recipe):
+                    logits = ddp(x, is_first_microbatch=(i == 0))
+                loss = F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.view(-1))
+                (loss / n_micro).backward()  # input gradients only with delayed wgrad
+                for m in wgrad_modules:  # the weight gradients, later, in reverse layer order
+                    m.backward_dw()
+            loss_sum += loss.item()
+        ddp.finish_grad_sync()
+        opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
+        train_loss = _all_mean(loss_sum / n_micro, device)
+        dt = time.perf_counter() - t0
+        rec = {"step": step + 1, "train_loss": train_loss, "lr": lr,
+               "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+        done = step + 1
+        if done % t.eval_every == 0 or done == t.steps:
+            rec["val_loss"] = last_val = evaluate(model, corpus, cfg, rank, device)
+        if writer:
+            writer.write(rec)
+        if bar:
+            post = {"loss": f"{train_loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+            if "val_loss" in rec:
+                post["val"] = f"{rec['val_loss']:.3f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        if save and t.save_every and done % t.save_every == 0 and done != t.steps:
+            save_checkpoint(save, step=done, model=model, optimizer=opt, config=config_dict,
+                            rank=rank, world_size=world_size, barrier=dist.barrier)
+    if bar:
+        bar.close()
+    if save:
+        save_checkpoint(save, step=t.steps, model=model, optimizer=opt, config=config_dict,
+                        rank=rank, world_size=world_size, barrier=dist.barrier)
+    summary = {"first_val_loss": first_val, "last_val_loss": last_val, "start_step": start,
+               "steps": t.steps, "world_size": world_size, "fp8": cfg.fp8.enabled,
+               "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
+               "train_time_s": time.perf_counter() - t_start}
+    if writer:
+        writer.close()
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary

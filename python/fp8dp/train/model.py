@@ -1,0 +1,80 @@
+"""A small GPT whose every projection is an fp8dp module.
+
+Per block: LayerNormLinear (norm + QKV), scaled_dot_product_attention, Linear (out projection),
+LayerNormLinear (norm + MLP up), GELU, Linear (MLP down). The final norm and the vocabulary head
+are one more LayerNormLinear. Embeddings stay plain torch parameters, so one model exercises both
+gradient routes of contract C2: autograd + DDP hook (embeddings) and delayed/fused wgrad (the
+projections). Activations are sequence-first, [seq, batch, hidden], as Megatron passes them.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+import fp8dp
+
+from .config import ModelConfig
+from .data import VOCAB_SIZE
+
+
+def _normal(std: float, w: torch.Tensor) -> None:
+    torch.nn.init.normal_(w, mean=0.0, std=std)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, proj: dict):
+        super().__init__()
+        d, self.n_head = cfg.d_model, cfg.n_head
+        std = 0.02
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled down
+        ln = dict(normalization=cfg.normalization)
+        self.qkv = fp8dp.LayerNormLinear(d, 3 * d, init_method=partial(_normal, std), **ln, **proj)
+        self.out = fp8dp.Linear(d, d, init_method=partial(_normal, out_std), **proj)
+        self.up = fp8dp.LayerNormLinear(d, cfg.ffn_mult * d, init_method=partial(_normal, std),
+                                        **ln, **proj)
+        self.down = fp8dp.Linear(cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **proj)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch) -> torch.Tensor:
+        s, b, d = x.shape
+        h = self.n_head
+        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        # [s, b, 3, h, hd] -> three [b, h, s, hd]
+        q, k, v = qkv.view(s, b, 3, h, d // h).permute(2, 1, 3, 0, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.permute(2, 0, 1, 3).reshape(s, b, d)
+        x = x + self.out(a, is_first_microbatch=is_first_microbatch)
+        u = F.gelu(self.up(x, is_first_microbatch=is_first_microbatch))
+        return x + self.down(u, is_first_microbatch=is_first_microbatch)
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool,
+                 device: torch.device):
+        super().__init__()
+        dtype = getattr(torch, cfg.params_dtype)
+        proj = dict(bias=cfg.bias, params_dtype=dtype, device=device,
+                    delay_wgrad_compute=delay_wgrad_compute,
+                    fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        self.tok = torch.nn.Embedding(VOCAB_SIZE, cfg.d_model, dtype=dtype, device=device)
+        self.pos = torch.nn.Embedding(cfg.seq_len, cfg.d_model, dtype=dtype, device=device)
+        torch.nn.init.normal_(self.tok.weight, std=0.02)
+        torch.nn.init.normal_(self.pos.weight, std=0.01)
+        self.blocks = torch.nn.ModuleList(Block(cfg, proj) for _ in range(cfg.n_layer))
+        self.head = fp8dp.LayerNormLinear(cfg.d_model, VOCAB_SIZE, normalization=cfg.normalization,
+                                          init_method=partial(_normal, 0.02), **proj)
+
+    def forward(self, tokens: torch.Tensor, is_first_microbatch=None) -> torch.Tensor:
+        """tokens [seq, batch] (int64) -> logits [seq, batch, 256]."""
+        s = tokens.shape[0]
+        x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[:, None, :]
+        for block in self.blocks:
+            x = block(x, is_first_microbatch)
+        return self.head(x, is_first_microbatch=is_first_microbatch)
+
+    def fp8_modules(self) -> list:
+        """The fp8dp projections in forward order (backward_dw runs them in reverse)."""
+        return [m for m in self.modules() if isinstance(m, (fp8dp.Linear, fp8dp.LayerNormLinear))]
