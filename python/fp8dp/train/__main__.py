@@ -27,17 +27,26 @@ def parse_args(argv=None):
     p.add_argument("--compare-bf16", action="store_true",
                    help="after the FP8 run, train the same config with FP8 off and plot both")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR at the end "
-                   "(and every train.save_every steps)")
+                   "(and to DIR/step_NNNNNN every train.save_every steps)")
     p.add_argument("--resume", metavar="DIR", help="continue bit-exactly from the checkpoint in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+def _fail(e: Exception) -> int:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"fp8dp.train: error: {e}", file=sys.stderr, flush=True)
+    return 2
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compare_bf16 and (args.save or args.resume):
         raise SystemExit("--compare-bf16 trains two runs; use --save/--resume without it")
-    cfg = load_config(args.config, args.set)  # errors name the key, before any process starts work
+    try:
+        cfg = load_config(args.config, args.set)  # errors name the key, before any work starts
+    except (ValueError, OSError) as e:
+        return _fail(e)
     rank, world, device, backend = setup_distributed()
     try:
         cfg.check_world_size(world)
@@ -64,6 +73,8 @@ def main(argv=None) -> int:
                               {"fp8": f"FP8 ({cfg.fp8.recipe})", "nofp8": f"no FP8 ({dtype})"})
             print(f"[fp8dp.train] plot {png}", flush=True)
         dist.barrier()  # rank 0's files are complete before any rank exits
+    except ValueError as e:  # a config or checkpoint that does not fit this job
+        return _fail(e)
     finally:
         dist.destroy_process_group()
     return 0

@@ -26,6 +26,16 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _as_float(v):
+    # YAML 1.1 reads "3e-3" (no dot) as a string; take it as the number it obviously is.
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
 def _int(key: str, v, lo: int = 1) -> None:
     if not _is_int(v) or v < lo:
         raise ValueError(f"{key}: expected an integer >= {lo}, got {v!r}")
@@ -116,7 +126,8 @@ class TrainSection:
     eval_batches: int = 4
     """Micro-batches per rank in one validation pass. Default 4."""
     save_every: int = 0
-    """With --save: also checkpoint every this many steps; 0 = only at the end."""
+    """With --save DIR: also checkpoint into DIR/step_NNNNNN every this many steps; 0 = only the
+    final checkpoint (into DIR)."""
     seed: int = 1234
     """Seed of the initial weights and of the data order. Default 1234."""
 
@@ -126,6 +137,8 @@ class TrainSection:
         _int("train.warmup_steps", self.warmup_steps, lo=0)
         _int("train.save_every", self.save_every, lo=0)
         _int("train.seed", self.seed, lo=0)
+        for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2"):
+            setattr(self, k, _as_float(getattr(self, k)))
         _num("train.lr", self.lr, 0.0, lo_open=True)
         _num("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         _num("train.weight_decay", self.weight_decay, 0.0)
@@ -154,6 +167,7 @@ class FP8Section:
     """Headroom in powers of two. Default 0."""
 
     def __post_init__(self):
+        self.margin = _as_float(self.margin)
         _bool("fp8.enabled", self.enabled)
         _choice("fp8.recipe", self.recipe, ("delayed", "current"))
         _int("fp8.amax_history_len", self.amax_history_len)
@@ -209,6 +223,7 @@ class DataSection:
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"data.path: expected a file path, got {self.path!r}")
+        self.val_fraction = _as_float(self.val_fraction)
         _num("data.val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
 
 

@@ -1,0 +1,77 @@
+"""The pairwise generator behind the test matrix's CI subset: every pair of axis values covered,
+deterministic, and far smaller than the full product."""
+
+import itertools
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from fp8dp.testing.matrix import load_matrix, make_cells
+from fp8dp.testing.pairwise import all_pairs, full_product, pairwise
+
+MATRIX = Path(__file__).resolve().parents[2] / "configs" / "test_matrix.yaml"
+
+
+def _covered(cells, axes):
+    names = list(axes)
+    return {((a, c[a]), (b, c[b])) for c in cells for a, b in itertools.combinations(names, 2)}
+
+
+def _random_axes(seed):
+    rng = random.Random(seed)
+    return {f"a{i}": list(range(rng.randint(1, 4))) for i in range(rng.randint(2, 7))}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_pair_is_covered(seed):
+    axes = _random_axes(seed)
+    cells = pairwise(axes)
+    assert all_pairs(axes) <= _covered(cells, axes)
+    # every cell takes one allowed value per axis
+    assert all(set(c) == set(axes) and all(c[k] in axes[k] for k in axes) for c in cells)
+    # never more than the product, never fewer than the two largest axes multiplied
+    sizes = sorted((len(v) for v in axes.values()), reverse=True)
+    assert sizes[0] * sizes[1] <= len(cells) <= math.prod(sizes)
+
+
+def test_matrix_subset_is_small_and_deterministic():
+    axes, _ = load_matrix(str(MATRIX))
+    a = make_cells(axes, "gloo", full=False)
+    b = make_cells(axes, "gloo", full=False)
+    assert a == b  # ids stay stable between runs
+    rest = {k: v for k, v in axes.items() if k != "backend"}
+    assert all_pairs(rest) <= _covered(a, rest)
+    # world size (4) x recipe (3) = 12 is the lower bound; the greedy stays within 2 of it
+    assert 12 <= len(a) <= 14
+    assert len(make_cells(axes, "gloo", full=True)) == len(full_product(rest)) == 3072
+
+
+@pytest.mark.parametrize("text, message", [
+    ("axes: {bogus: [1]}", "axes.bogus: unknown axis"),
+    ("axes: {world_size: [3]}", "axes.world_size: expected values from [1, 2, 4, 8], got 3"),
+    ("axes: {bias: [1]}", "axes.bias: expected values from [False, True], got 1"),
+    ("axes: {world_size: []}", "axes.world_size: expected a non-empty list"),
+    ("extra: 1", "extra: unknown section"),
+])
+def test_matrix_config_errors(tmp_path, text, message):
+    base = MATRIX.read_text()
+    p = tmp_path / "m.yaml"
+    if text.startswith("axes:"):
+        import yaml
+
+        raw = yaml.safe_load(base)
+        raw["axes"].update(yaml.safe_load(text)["axes"])
+        p.write_text(yaml.safe_dump(raw))
+    else:
+        p.write_text(base + "\n" + text + "\n")
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_matrix(str(p))
+
+
+def test_matrix_problem_errors(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text(MATRIX.read_text().replace("hidden: 32", "hidden: 24"))
+    with pytest.raises(ValueError, match="problem.hidden: FP8 GEMMs need hidden"):
+        load_matrix(str(p))

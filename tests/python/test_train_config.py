@@ -1,0 +1,81 @@
+"""The demo's config: YAML -> validated dataclasses; every bad value fails at start with a message
+that names the key as written in the YAML."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fp8dp.train.config import config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "gpu.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(str(REPO / "configs" / name))
+    for world in (1, 2, 4, 8):  # `make demo` runs them on 2 CPU ranks or on every GPU
+        assert cfg.check_world_size(world) >= 1
+
+
+def _demo():
+    return yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("model", "n_layers", 2, r"model.n_layers: unknown key; expected one of \['n_layer'"),
+    ("model", "d_model", 72, "model.d_model: expected a multiple of 16 .*got 72"),
+    ("model", "n_head", 5, "model.n_head: expected a divisor of model.d_model=64, got 5"),
+    ("model", "d_model", 0, "model.d_model: expected an integer >= 1, got 0"),
+    ("model", "normalization", "BatchNorm", "model.normalization: expected one of"),
+    ("model", "params_dtype", "float16", "model.params_dtype: expected one of"),
+    ("model", "bias", "yes", "model.bias: expected true or false, got 'yes'"),
+    ("train", "micro_batch_size", 3, "train.global_batch_size: expected a multiple of "
+                                     "train.micro_batch_size=3, got 16"),
+    ("train", "lr", -1.0, "train.lr: expected a number > 0"),
+    ("train", "steps", 2.5, "train.steps: expected an integer >= 1, got 2.5"),
+    ("fp8", "recipe", "mxfp8", "fp8.recipe: expected one of"),
+    ("ddp", "bucket_size", 0, "ddp.bucket_size: expected an integer >= 1, got 0"),
+    ("ddp", "use_distributed_optimizer", False, "ddp.use_distributed_optimizer: the demo trains"),
+    ("data", "val_fraction", 0.9, "data.val_fraction: expected a number > 0.0 and <= 0.5"),
+])
+def test_bad_values_name_the_key(section, key, value, message):
+    raw = _demo()
+    raw[section][key] = value
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(raw)
+
+
+def test_unknown_section():
+    raw = _demo()
+    raw["optimizer"] = {"lr": 1}
+    with pytest.raises(ValueError, match=r"optimizer: unknown section"):
+        config_from_dict(raw)
+
+
+def test_tokens_per_gemm_must_be_multiple_of_16():
+    raw = _demo()
+    raw["model"]["seq_len"] = 63
+    raw["train"]["micro_batch_size"] = 2
+    with pytest.raises(ValueError, match=r"train.micro_batch_size: .* 2 \* 63 = 126"):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize("world, ok", [(1, True), (2, True), (8, True), (3, False), (16, False)])
+def test_world_size_must_divide_the_batch(world, ok):
+    cfg = config_from_dict(_demo())  # global batch 16, micro-batch 2
+    if ok:
+        assert cfg.check_world_size(world) == 16 // (2 * world)
+    else:
+        with pytest.raises(ValueError, match=rf"train.global_batch_size: expected a multiple of "
+                                             rf"train.micro_batch_size \* world size = 2 \* {world}"):
+            cfg.check_world_size(world)
+
+
+def test_overrides_are_checked_too(tmp_path):
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), ["train.steps=7", "fp8.recipe=current"])
+    assert cfg.train.steps == 7 and cfg.fp8.recipe == "current"
+    with pytest.raises(ValueError, match="train.step: unknown key"):
+        load_config(str(REPO / "configs" / "demo.yaml"), ["train.step=7"])
+    with pytest.raises(ValueError, match="--set: expected section.key=value"):
+        load_config(str(REPO / "configs" / "demo.yaml"), ["steps=7"])
