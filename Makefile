@@ -5,7 +5,7 @@ JOBS      ?= $(shell nproc)
 CMAKE_ARGS ?=
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: setup build test test-cpp test-python bench format install clean
+.PHONY: setup build test test-cpp test-python bench format install clean demo matrix
 
 setup:
 	bash scripts/setup_env.sh
@@ -22,6 +22,28 @@ test-python: build
 	$(PY) -m pytest -q tests/python tests/distributed
 
 test: test-cpp test-python
+
+# The training demo: torchrun with one rank per GPU (NCCL) when fp8dp was built with CUDA and sees
+# GPUs, else 2 CPU ranks (gloo). DEMO_CONFIG overrides the config, DEMO_ARGS the extra arguments.
+DEMO_ARGS ?= --compare-bf16
+demo: build
+	@set -e; \
+	ngpu=$$($(PY) -c "import fp8dp, torch; print(torch.cuda.device_count() if fp8dp.cuda_available() else 0)"); \
+	if [ "$$ngpu" -gt 0 ]; then \
+	  nproc=$$ngpu; cfg=$(or $(DEMO_CONFIG),configs/gpu.yaml); echo "[demo] $$ngpu GPU(s), NCCL: $$cfg"; \
+	else \
+	  why=$$($(PY) -c "import fp8dp; print(fp8dp.cuda_available(return_reason=True)[1])"); \
+	  nproc=2; cfg=$(or $(DEMO_CONFIG),configs/demo.yaml); echo "[demo] no GPU ($$why): 2 CPU ranks, gloo: $$cfg"; \
+	fi; \
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$$nproc -m fp8dp.train --config $$cfg $(DEMO_ARGS); \
+	out=$$($(PY) -c "from fp8dp.train import load_config; print(load_config('$$cfg').out.dir)"); \
+	echo "[demo] metrics: $$out/fp8/metrics.jsonl (FP8) and $$out/nofp8/metrics.jsonl (no FP8, if run)"; \
+	echo "[demo] plot:    $$out/loss.png"
+
+# The distributed test matrix: BACKEND=gloo|nccl, FULL=1 for the whole product.
+BACKEND ?= gloo
+matrix: build
+	$(PY) -m fp8dp.testing.matrix --backend $(BACKEND) $(if $(FULL),--full)
 
 bench: build
 	$(PY) bench/quantize_cpu.py

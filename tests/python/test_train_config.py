@@ -79,3 +79,14 @@ def test_overrides_are_checked_too(tmp_path):
         load_config(str(REPO / "configs" / "demo.yaml"), ["train.step=7"])
     with pytest.raises(ValueError, match="--set: expected section.key=value"):
         load_config(str(REPO / "configs" / "demo.yaml"), ["steps=7"])
+
+
+def test_readme_documents_every_key():
+    import dataclasses
+
+    from fp8dp.train.config import _SECTIONS
+
+    readme = (REPO / "README.md").read_text()
+    missing = [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+               if f"`{s}.{f.name}`" not in readme]
+    assert not missing, f"README's configuration reference lacks {missing}"
