@@ -1,10 +1,14 @@
 """cuBLASLt GEMM (gemm_cuda) against a float64 reference of the dequantized operands.
 
-Tolerances come from the numerics: FP8 x FP8 products are exact in FP32, so with the split (FP32)
-accumulator the only errors are the FP32 summation of k terms, at most k * 2^-24 * sum|a||b| per
-element, and the final rounding to the output dtype (half an ulp: 2^-8 relative for bfloat16, 2^-11
-for float16, 2^-24 for float32). Fast accumulation keeps fewer accumulator bits on Hopper (about 14
-are reported), so its bound uses 2^-13 instead of 2^-24.
+Tolerances come from the numerics. FP8 x FP8 products are exact, but Hopper's FP8 tensor cores add
+them with a reduced-precision accumulator (about 14 mantissa bits, as reported for H800/H100), so a
+run of up to c products carries up to c * 2^-14 * sum|a||b|. With the split accumulator the partial
+sums are promoted to FP32 at least every 128 products (c = min(k, 128)) and then summed in FP32
+(k * 2^-24 * sum|a||b|); with fast accumulation they never are (c = k). The output rounding adds
+half an ulp: 2^-8 relative for bfloat16, 2^-11 for float16, 2^-24 for float32. Measured first on the
+H200 with a bound of k * 2^-24 alone, small-k split-accumulator results exceeded it by up to 8x,
+which is the reduced-precision accumulation showing.
+For the high-precision (bf16 / fp16 inputs, FP32 compute) GEMMs only the FP32 term applies.
 """
 
 import pytest
@@ -36,9 +40,9 @@ def reference(a, a_si, b, b_si):
     return a64 @ b64.T, a64.abs() @ b64.abs().T
 
 
-def assert_within(out, ref, absprod, k, out_dtype, fast):
-    acc = 2.0**-13 if fast else 2.0**-24
-    bound = k * acc * absprod + ROUND[out_dtype] * ref.abs() + 1e-30
+def assert_within(out, ref, absprod, k, out_dtype, fast, fp8=True):
+    chunk = (k if fast else min(k, 128)) if fp8 else 0
+    bound = (chunk * 2.0**-14 + k * 2.0**-24) * absprod + ROUND[out_dtype] * ref.abs() + 1e-30
     err = (out.double() - ref).abs()
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"error {worst:.3f}x the bound"
@@ -113,7 +117,8 @@ def test_high_precision_gemm(dtype, out_dtype, gen):
     b = torch.randn(n, k, generator=gen, device="cuda").to(dtype)
     out = _C._gemm_cuda(a, b, out_dtype=out_dtype)
     ref = a.double() @ b.double().T
-    assert_within(out, ref, a.double().abs() @ b.double().abs().T, k, out_dtype, fast=False)
+    assert_within(out, ref, a.double().abs() @ b.double().abs().T, k, out_dtype, fast=False,
+                  fp8=False)
 
 
 def test_plan_cache_per_shape(gen):

@@ -104,6 +104,13 @@ struct TileArgs {
   float* dbias_partial;  // [gridDim.y, cols] column sums of each strip, or null
 };
 
+// Rows of a tile: four 16-byte loads per thread for every input dtype (64 rows of fp32, 128 of
+// bf16 / fp16), so each thread keeps as many bytes in flight whatever the element size.
+template <typename T>
+__host__ __device__ constexpr int tile_rows() {
+  return 4 * kThreads / (kTile / (16 / static_cast<int>(sizeof(T))));
+}
+
 // kVec: input and out are 16-byte aligned and cols is a multiple of the vector width, so each
 // thread's kV elements of a row are either all inside the matrix or all outside.
 template <Format F, typename T, bool kVec>
@@ -111,10 +118,12 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const TileArgs
   constexpr int kV = 16 / sizeof(T);         // elements per thread and row (one 16-byte load)
   constexpr int kTpr = kTile / kV;           // threads per tile row
   constexpr int kRpp = kThreads / kTpr;      // tile rows per pass
-  constexpr int kPasses = kTile / kRpp;
+  constexpr int kRows = tile_rows<T>();      // tile rows
+  constexpr int kPasses = kRows / kRpp;      // = 4
+  constexpr int kSegs = kRows / 16;          // 16-byte segments per transposed row
   // +1 byte of padding per row: the transposed reads (16 rows of one column per thread) then fall
   // into different banks.
-  __shared__ uint8_t tile[kTile][kTile + 1];
+  __shared__ uint8_t tile[kRows][kTile + 1];
   __shared__ float red[kThreads / kWarp][kTile];
 
   const T* in = static_cast<const T*>(a.in);
@@ -122,46 +131,33 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const TileArgs
   const int tc = threadIdx.x % kTpr, tr = threadIdx.x / kTpr;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t col = c0 + tc * kV;
-  const int64_t strip0 = static_cast<int64_t>(blockIdx.y) * kStripTiles * kTile;
+  const int64_t strip0 = static_cast<int64_t>(blockIdx.y) * kStripTiles * kRows;
   float csum[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) csum[j] = 0.0f;
   uint32_t am = 0;
 
-  union Vec {
-    uint4 u;
-    T t[kV];
-  };
-  // The kPasses 16-byte loads of one tile (zeros outside the matrix), all issued together.
-  auto load_tile = [&](Vec(&v)[kPasses], int64_t r0) {
+  for (int t = 0; t < kStripTiles; ++t) {
+    const int64_t r0 = strip0 + static_cast<int64_t>(t) * kRows;
+    if (r0 >= a.rows) break;  // uniform across the block
+    // All four 16-byte loads first, so they are in flight together (zeros outside the matrix).
+    union Vec {
+      uint4 u;
+      T t[kV];
+    } x[kPasses];
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int64_t r = r0 + tr + p * kRpp;
       if constexpr (kVec) {
-        v[p].u = (r < a.rows && col < a.cols)
+        x[p].u = (r < a.rows && col < a.cols)
                      ? __ldcs(reinterpret_cast<const uint4*>(in + r * a.cols + col))
                      : make_uint4(0, 0, 0, 0);
       } else {
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
-          v[p].t[j] = (r < a.rows && col + j < a.cols) ? in[r * a.cols + col + j] : T(0.0f);
+          x[p].t[j] = (r < a.rows && col + j < a.cols) ? in[r * a.cols + col + j] : T(0.0f);
         }
       }
-    }
-  };
-  Vec x[kPasses];
-  load_tile(x, strip0);
-  for (int t = 0; t < kStripTiles; ++t) {
-    const int64_t r0 = strip0 + static_cast<int64_t>(t) * kTile;
-    if (r0 >= a.rows) break;  // uniform across the block
-    // Software pipelining down the strip: the next tile's loads are issued before this tile is
-    // converted, staged through shared memory and stored, so they overlap those steps.
-    Vec nx[kPasses];
-    if (t + 1 < kStripTiles && r0 + kTile < a.rows) {
-      load_tile(nx, r0 + kTile);
-    } else {
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) nx[p].u = make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
@@ -202,31 +198,33 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const TileArgs
     }
     if (a.out_t != nullptr) {
       __syncthreads();
-      // Thread -> 16 consecutive rows of one transposed row (tile column): 64 rows x 4 segments.
-      const int oc = threadIdx.x / 4, seg = (threadIdx.x % 4) * 16;
-      const int64_t orow = c0 + oc;
-      const int64_t rbeg = r0 + seg;
-      if (orow < a.cols && rbeg < a.rows) {
-        union {
-          uint4 u;
-          uint8_t b[16];
-        } o;
+      // Each transposed row (tile column) is kSegs 16-byte segments of 16 tile rows.
 #pragma unroll
-        for (int i = 0; i < 16; ++i) o.b[i] = tile[seg + i][oc];
-        uint8_t* dst = a.out_t + orow * a.rows + rbeg;
-        if (a.vec_t) {  // rows % 16 == 0, so rbeg < rows means all 16 are inside
-          *reinterpret_cast<uint4*>(dst) = o.u;
-        } else {
+      for (int k = 0; k < kSegs * kTile / kThreads; ++k) {
+        const int idx = threadIdx.x + k * kThreads;
+        const int oc = idx / kSegs, seg = (idx % kSegs) * 16;
+        const int64_t orow = c0 + oc;
+        const int64_t rbeg = r0 + seg;
+        if (orow < a.cols && rbeg < a.rows) {
+          union {
+            uint4 u;
+            uint8_t b[16];
+          } o;
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {  // constant indices keep `o` in registers
-            if (rbeg + i < a.rows) dst[i] = o.b[i];
+          for (int i = 0; i < 16; ++i) o.b[i] = tile[seg + i][oc];
+          uint8_t* dst = a.out_t + orow * a.rows + rbeg;
+          if (a.vec_t) {  // rows % 16 == 0, so rbeg < rows means all 16 are inside
+            *reinterpret_cast<uint4*>(dst) = o.u;
+          } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {  // constant indices keep `o` in registers
+              if (rbeg + i < a.rows) dst[i] = o.b[i];
+            }
           }
         }
       }
       __syncthreads();
     }
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) x[p] = nx[p];
   }
 
   if (a.dbias_partial != nullptr) {
@@ -259,8 +257,8 @@ __global__ void dbias_finalize_kernel(const float* __restrict__ partial, int64_t
                                       float* __restrict__ dbias) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
-  // Eight independent loads in flight per step; the adds stay in strip order (deterministic).
-  constexpr int kUnroll = 8;
+  // Sixteen independent loads in flight per step; the adds stay in strip order (deterministic).
+  constexpr int kUnroll = 16;
   float s = 0.0f;
   for (int64_t i0 = 0; i0 < strips; i0 += kUnroll) {
     float v[kUnroll];
@@ -292,9 +290,10 @@ void launch_flat(const QuantizeParams& p, cudaStream_t st) {
 template <Format F, typename T>
 void launch_tiled(const QuantizeParams& p, cudaStream_t st) {
   constexpr int64_t kV = 16 / sizeof(T);
-  const int64_t strips = ceil_div(p.rows, kTile * kStripTiles);
+  constexpr int64_t kStripRows = int64_t{tile_rows<T>()} * kStripTiles;
+  const int64_t strips = ceil_div(p.rows, kStripRows);
   FP8DP_CHECK(strips <= 65535, "quantize_cuda: transpose/dbias path supports up to ",
-              65535 * kTile * kStripTiles, " rows, got ", p.rows);
+              65535 * kStripRows, " rows, got ", p.rows);
   TileArgs a{p.input, p.rows, p.cols, p.scale, p.out, p.out_t,
              p.out_t != nullptr && aligned16(p.out_t) && p.rows % 16 == 0,
              reinterpret_cast<unsigned int*>(p.amax), p.scale_inv, nullptr};
@@ -312,7 +311,8 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st) {
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
   if (p.dbias != nullptr) {
-    dbias_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.cols, 256)), 256, 0, st>>>(
+    // 64-thread blocks: enough of them to spread a few thousand columns over every SM.
+    dbias_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.cols, 64)), 64, 0, st>>>(
         a.dbias_partial, strips, p.cols, p.dbias);
     FP8DP_CHECK_CUDA(cudaGetLastError());
     FP8DP_CHECK_CUDA(cudaFreeAsync(a.dbias_partial, st));

@@ -139,7 +139,10 @@ at::Tensor gemm_cuda(const GemmArgs& args) {
                     ": FP8 GEMM needs row strides that are multiples of 16, got ", p.lda, " and ",
                     p.ldb);
   }
-  if (bias.defined()) {
+  // cuBLASLt has no BIAS epilogue for FP8 inputs with an FP32 output (CUBLAS_STATUS_NOT_SUPPORTED on
+  // the H200); there the bias is added by a separate kernel after the GEMM.
+  const bool bias_after = bias.defined() && fp8 && ot == at::kFloat;
+  if (bias.defined() && !bias_after) {
     p.bias = bias.data_ptr();
     p.bias_type = to_gemm(ot, "bias");
   }
@@ -149,6 +152,7 @@ at::Tensor gemm_cuda(const GemmArgs& args) {
   p.accumulate = args.accumulate;
   p.fast_accum = fp8 && !args.use_split_accumulator;
   gemm_lt(p, c10::cuda::getCurrentCUDAStream().stream());
+  if (bias_after) out.add_(bias);
   return out;
 }
 
