@@ -83,8 +83,7 @@ FP8DP_HD float fp8_decode(uint8_t v, Format f) {
 // Saturating quantize of one value: saturate(rne(x)); x must already be multiplied by the scale.
 template <Format F>
 FP8DP_HD uint8_t quantize_one(float v) {
-  // Spelled out rather than fp8_max(F): a host constexpr call needs --expt-relaxed-constexpr on device.
-  constexpr float kMax = F == Format::kE4M3 ? 448.0f : 57344.0f;
+  constexpr float kMax = fp8_max(F);
   v = v > kMax ? kMax : (v < -kMax ? -kMax : v);  // comparisons with NaN are false: NaN passes through
   if constexpr (F == Format::kE4M3) {
     return fp8_from_clamped_float<3, 7>(v);

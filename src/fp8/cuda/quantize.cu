@@ -30,7 +30,7 @@ namespace {
 constexpr int kThreads = 256;
 // Flat path: 16 elements per thread and step, so every thread stores one 16-byte FP8 vector.
 constexpr int kChunk = 16;
-// Tiled path: 64 x 64 tiles; a block walks kStripTiles tiles down one column strip so that its
+// Tiled path: 64-column tiles; a block walks up to kStripTiles tiles down one column strip so that its
 // column sums (dbias) cover 256 rows before they leave the block.
 constexpr int kTile = 64;
 constexpr int kStripTiles = 4;
@@ -102,6 +102,7 @@ struct TileArgs {
   unsigned int* amax_bits;
   float* scale_inv;
   float* dbias_partial;  // [gridDim.y, cols] column sums of each strip, or null
+  int strip_tiles;       // tiles a block walks down its column strip
 };
 
 // Rows of a tile: four 16-byte loads per thread for every input dtype (64 rows of fp32, 128 of
@@ -113,8 +114,11 @@ __host__ __device__ constexpr int tile_rows() {
 
 // kVec: input and out are 16-byte aligned and cols is a multiple of the vector width, so each
 // thread's kV elements of a row are either all inside the matrix or all outside.
-template <Format F, typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const TileArgs a) {
+// kMinBlocks (resident blocks per SM the register budget must allow) and kPrefetch (issue the next
+// tile's loads before converting this one) are tuning choices; bench/cast_transpose_variants.cu
+// times them against each other and the library launches the winner (see launch_tiled).
+template <Format F, typename T, bool kVec, int kMinBlocks, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(const TileArgs a) {
   constexpr int kV = 16 / sizeof(T);         // elements per thread and row (one 16-byte load)
   constexpr int kTpr = kTile / kV;           // threads per tile row
   constexpr int kRpp = kThreads / kTpr;      // tile rows per pass
@@ -131,20 +135,18 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const TileArgs
   const int tc = threadIdx.x % kTpr, tr = threadIdx.x / kTpr;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t col = c0 + tc * kV;
-  const int64_t strip0 = static_cast<int64_t>(blockIdx.y) * kStripTiles * kRows;
+  const int64_t strip0 = static_cast<int64_t>(blockIdx.y) * a.strip_tiles * kRows;
   float csum[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) csum[j] = 0.0f;
   uint32_t am = 0;
 
-  for (int t = 0; t < kStripTiles; ++t) {
-    const int64_t r0 = strip0 + static_cast<int64_t>(t) * kRows;
-    if (r0 >= a.rows) break;  // uniform across the block
-    // All four 16-byte loads first, so they are in flight together (zeros outside the matrix).
-    union Vec {
-      uint4 u;
-      T t[kV];
-    } x[kPasses];
+  union Vec {
+    uint4 u;
+    T t[kV];
+  };
+  // The four 16-byte loads of one tile, issued together (zeros outside the matrix).
+  auto load_tile = [&](Vec(&x)[kPasses], int64_t r0) {
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int64_t r = r0 + tr + p * kRpp;
@@ -159,6 +161,9 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const TileArgs
         }
       }
     }
+  };
+  // amax, column sums, conversion, row-major store, and the transposed store through shared memory.
+  auto process_tile = [&](const Vec(&x)[kPasses], int64_t r0) {
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int lr = tr + p * kRpp;
@@ -225,6 +230,27 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const TileArgs
       }
       __syncthreads();
     }
+  };
+
+  if constexpr (kPrefetch) {
+    Vec x[kPasses], nx[kPasses];
+    load_tile(x, strip0);
+    for (int t = 0; t < a.strip_tiles; ++t) {
+      const int64_t r0 = strip0 + static_cast<int64_t>(t) * kRows;
+      if (r0 >= a.rows) break;  // uniform across the block
+      if (t + 1 < a.strip_tiles) load_tile(nx, r0 + kRows);
+      process_tile(x, r0);
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) x[p] = nx[p];
+    }
+  } else {
+    for (int t = 0; t < a.strip_tiles; ++t) {
+      const int64_t r0 = strip0 + static_cast<int64_t>(t) * kRows;
+      if (r0 >= a.rows) break;  // uniform across the block
+      Vec x[kPasses];
+      load_tile(x, r0);
+      process_tile(x, r0);
+    }
   }
 
   if (a.dbias_partial != nullptr) {
@@ -287,27 +313,42 @@ void launch_flat(const QuantizeParams& p, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-template <Format F, typename T>
-void launch_tiled(const QuantizeParams& p, cudaStream_t st) {
+// Tuning choices of the cast-transpose kernel (see cast_transpose_kernel and BENCHMARKS.md).
+constexpr int kCtMinBlocks = 1;
+constexpr bool kCtPrefetch = false;
+
+// Tiles per block: kStripTiles, or fewer when the grid would have under ~32 blocks per SM, so that
+// mid-size tensors still spread over enough waves (a 64 MiB tensor is only ~1.5 waves otherwise).
+int auto_strip_tiles(int64_t rows, int64_t cols, int rows_per_tile) {
+  const int64_t tiles = ceil_div(rows, rows_per_tile) * ceil_div(cols, kTile);
+  const int64_t per = tiles / (int64_t{sm_count()} * 32);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per, kStripTiles)));
+}
+
+// strip_tiles <= 0 picks auto_strip_tiles; the variant parameters exist for the tuning benchmark.
+template <Format F, typename T, int kMinBlocks = kCtMinBlocks, bool kPrefetch = kCtPrefetch>
+void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0) {
   constexpr int64_t kV = 16 / sizeof(T);
-  constexpr int64_t kStripRows = int64_t{tile_rows<T>()} * kStripTiles;
-  const int64_t strips = ceil_div(p.rows, kStripRows);
+  constexpr int kRowsPerTile = tile_rows<T>();
+  if (strip_tiles <= 0) strip_tiles = auto_strip_tiles(p.rows, p.cols, kRowsPerTile);
+  const int64_t strip_rows = int64_t{kRowsPerTile} * strip_tiles;
+  const int64_t strips = ceil_div(p.rows, strip_rows);
   FP8DP_CHECK(strips <= 65535, "quantize_cuda: transpose/dbias path supports up to ",
-              65535 * kStripRows, " rows, got ", p.rows);
+              65535 * strip_rows, " rows, got ", p.rows);
   TileArgs a{p.input, p.rows, p.cols, p.scale, p.out, p.out_t,
              p.out_t != nullptr && aligned16(p.out_t) && p.rows % 16 == 0,
-             reinterpret_cast<unsigned int*>(p.amax), p.scale_inv, nullptr};
+             reinterpret_cast<unsigned int*>(p.amax), p.scale_inv, nullptr, strip_tiles};
   if (p.dbias != nullptr) {
-    // Stream-ordered scratch for the per-strip sums (strips * cols floats, ~1/64 of an fp32 input).
+    // Stream-ordered scratch for the per-strip sums (strips * cols floats).
     FP8DP_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&a.dbias_partial),
                                      static_cast<size_t>(strips * p.cols) * sizeof(float), st));
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(p.cols, kTile)), static_cast<unsigned>(strips));
   const bool vec = aligned16(p.input) && (p.out == nullptr || aligned16(p.out)) && p.cols % kV == 0;
   if (vec) {
-    cast_transpose_kernel<F, T, true><<<grid, kThreads, 0, st>>>(a);
+    cast_transpose_kernel<F, T, true, kMinBlocks, kPrefetch><<<grid, kThreads, 0, st>>>(a);
   } else {
-    cast_transpose_kernel<F, T, false><<<grid, kThreads, 0, st>>>(a);
+    cast_transpose_kernel<F, T, false, kMinBlocks, kPrefetch><<<grid, kThreads, 0, st>>>(a);
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
   if (p.dbias != nullptr) {
