@@ -29,6 +29,22 @@ def naive_quantize(x, transpose):
     return (q, q.t().contiguous()) if transpose else q
 
 
+def check_against_cpu(x, scale):
+    """The timed shapes use launch configurations (several tiles per block) that the small test
+    shapes do not reach: check bytes, amax and dbias against the CPU kernels here too."""
+    gpu = _C.quantize(x, scale, E4M3, True, True, True)
+    cpu = _C.quantize(x.cpu(), scale.cpu(), E4M3, True, True, True)
+    same = torch.equal(gpu.data.view(torch.uint8).cpu(), cpu.data.view(torch.uint8))
+    same &= torch.equal(gpu.data_t.view(torch.uint8).cpu(), cpu.data_t.view(torch.uint8))
+    same &= torch.equal(gpu.amax.cpu(), cpu.amax)
+    # Two FP32 sums of the same column in different orders: within 2 (rows - 1) 2^-24 sum|x|.
+    bound = 2 * (x.shape[0] - 1) * 2.0**-24 * x.float().abs().sum(0).cpu()
+    same &= bool(((gpu.dbias.cpu() - cpu.dbias).abs() <= bound).all())
+    if not same:
+        print("MISMATCH between the CUDA and CPU casts", file=sys.stderr)
+    return bool(same)
+
+
 def bench_one(rows, cols, dtype):
     x = torch.randn(rows, cols, device="cuda", dtype=dtype)
     scale = torch.tensor([2.0], device="cuda")
@@ -47,6 +63,7 @@ def bench_one(rows, cols, dtype):
         "naive_cast_transpose": (lambda: naive_quantize(x, True), n * es + 2 * n),
     }
     ms = time_interleaved({k: v[0] for k, v in ops.items()})
+    matches = check_against_cpu(x, scale)
     copy_bw = ops["copy"][1] / ms["copy"] / 1e9
     res = []
     for name, (_, nbytes) in ops.items():
@@ -55,7 +72,8 @@ def bench_one(rows, cols, dtype):
         if name in ("quantize", "cast_transpose"):
             entry["speedup_vs_naive"] = ms["naive_" + name] / ms[name]
         res.append(entry)
-    return {"shape": [rows, cols], "dtype": str(dtype), "input_MiB": n * es / 2**20, "ops": res}
+    return {"shape": [rows, cols], "dtype": str(dtype), "input_MiB": n * es / 2**20,
+            "matches_cpu": matches, "ops": res}
 
 
 def main():
@@ -73,9 +91,12 @@ def main():
             sp = o.get("speedup_vs_naive")
             rows.append([o["op"], f"{o['ms'] * 1e3:.1f}", f"{o['TBps']:.2f}",
                          f"{100 * o['frac_copy_bw']:.0f}%", f"{sp:.1f}x" if sp else ""])
-        print_table(f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB)",
+        print_table(f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB), "
+                    f"matches CPU: {r['matches_cpu']}",
                     ["op", "us", "TB/s", "of copy", "vs naive"], rows)
     write_json(args.json, {"device": device_info(), "command": " ".join(sys.argv), "results": results})
+    if not all(r["matches_cpu"] for r in results):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,12 @@ Input make_input(DType d, int64_t n, uint32_t seed, Special special) {
     if (special == Special::kNaN && at != static_cast<size_t>(n - 1)) {
       put(in, d, n - 1, std::numeric_limits<float>::infinity());
     }
+    // A negative NaN too: its FP8 byte keeps the sign (0xFF), which the hardware conversion alone
+    // would not give.
+    const size_t neg = (at + 1) % static_cast<size_t>(n);
+    if (special == Special::kNaN && n >= 2 && neg != static_cast<size_t>(n - 1)) {
+      put(in, d, neg, -std::numeric_limits<float>::quiet_NaN());
+    }
   }
   return in;
 }

@@ -313,8 +313,11 @@ void launch_flat(const QuantizeParams& p, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-// Tuning choices of the cast-transpose kernel (see cast_transpose_kernel and BENCHMARKS.md).
-constexpr int kCtMinBlocks = 1;
+// Tuning choices of the cast-transpose kernel, from bench/cast_transpose_variants.cu on the H200
+// (BENCHMARKS.md): a register budget for 5 resident blocks per SM was fastest or tied everywhere (6
+// and 8 forced spills or too few registers and lost up to 30%); prefetching the next tile lost
+// 15-70% (it costs the registers that occupancy needs).
+constexpr int kCtMinBlocks = 5;
 constexpr bool kCtPrefetch = false;
 
 // Tiles per block: kStripTiles, or fewer when the grid would have under ~32 blocks per SM, so that
@@ -325,12 +328,16 @@ int auto_strip_tiles(int64_t rows, int64_t cols, int rows_per_tile) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per, kStripTiles)));
 }
 
-// strip_tiles <= 0 picks auto_strip_tiles; the variant parameters exist for the tuning benchmark.
+// strip_tiles <= 0 picks: one tile per block without dbias (most parallelism, nothing to combine),
+// auto_strip_tiles with dbias (fewer strips = fewer partial sums to write and combine). The
+// variant parameters exist for the tuning benchmark.
 template <Format F, typename T, int kMinBlocks = kCtMinBlocks, bool kPrefetch = kCtPrefetch>
 void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0) {
   constexpr int64_t kV = 16 / sizeof(T);
   constexpr int kRowsPerTile = tile_rows<T>();
-  if (strip_tiles <= 0) strip_tiles = auto_strip_tiles(p.rows, p.cols, kRowsPerTile);
+  if (strip_tiles <= 0) {
+    strip_tiles = p.dbias != nullptr ? auto_strip_tiles(p.rows, p.cols, kRowsPerTile) : 1;
+  }
   const int64_t strip_rows = int64_t{kRowsPerTile} * strip_tiles;
   const int64_t strips = ceil_div(p.rows, strip_rows);
   FP8DP_CHECK(strips <= 65535, "quantize_cuda: transpose/dbias path supports up to ",
@@ -348,7 +355,8 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
   if (vec) {
     cast_transpose_kernel<F, T, true, kMinBlocks, kPrefetch><<<grid, kThreads, 0, st>>>(a);
   } else {
-    cast_transpose_kernel<F, T, false, kMinBlocks, kPrefetch><<<grid, kThreads, 0, st>>>(a);
+    // The element-wise fallback needs more registers; a residency target would make it spill.
+    cast_transpose_kernel<F, T, false, 1, kPrefetch><<<grid, kThreads, 0, st>>>(a);
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
   if (p.dbias != nullptr) {
