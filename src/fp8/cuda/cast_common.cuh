@@ -69,23 +69,33 @@ struct InputType<DType::kFloat16> {
   using T = __half;
 };
 
-// Quantizes K products (x * scale already applied, K even) into FP8 bytes. On sm_89+ the hardware
-// conversion (cvt.rn.satfinite, two values per instruction) does the work: round-to-nearest-even with
+// x * scale as the CPU kernels compute it. A GPU multiply turns every NaN into one positive NaN,
+// while the CPU's keeps the NaN's sign, which quantize_one carries into the FP8 byte (0xFF for a
+// negative NaN); so a NaN input passes through unscaled.
+__device__ __forceinline__ float scaled_like_cpu(float v, float scale) {
+  const float p = __fmul_rn(v, scale);
+  return v != v ? v : p;
+}
+
+// Quantizes K inputs (K even) times scale into FP8 bytes. On sm_89+ the hardware conversion
+// (cvt.rn.satfinite, two values per instruction) does the work: round-to-nearest-even with
 // saturation of every non-NaN value, Inf included, is exactly quantize_one's clamp-then-round. The one
-// difference is NaN (hardware writes one canonical NaN, quantize_one keeps the sign), so a caller
+// difference is NaN (the hardware writes one positive NaN, quantize_one keeps the sign), so a caller
 // that has seen a NaN passes `exact` and gets the bit recipe of the CPU kernels instead.
 template <Format F, int K>
-__device__ __forceinline__ void quantize_products(const float (&p)[K], bool exact, uint8_t (&q)[K]) {
+__device__ __forceinline__ void quantize_scaled(const float (&v)[K], float scale, bool exact,
+                                                uint8_t (&q)[K]) {
   static_assert(K % 2 == 0, "pairs");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if (!exact) {
 #pragma unroll
     for (int j = 0; j < K; j += 2) {
+      const float lo = __fmul_rn(v[j], scale), hi = __fmul_rn(v[j + 1], scale);
       uint16_t r;
       if constexpr (F == Format::kE4M3) {
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(p[j + 1]), "f"(p[j]));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
       } else {
-        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(p[j + 1]), "f"(p[j]));
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
       }
       q[j] = static_cast<uint8_t>(r & 0xFFu);
       q[j + 1] = static_cast<uint8_t>(r >> 8);
@@ -94,7 +104,7 @@ __device__ __forceinline__ void quantize_products(const float (&p)[K], bool exac
   }
 #endif
 #pragma unroll
-  for (int j = 0; j < K; ++j) q[j] = quantize_one<F>(p[j]);
+  for (int j = 0; j < K; ++j) q[j] = quantize_one<F>(scaled_like_cpu(v[j], scale));
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

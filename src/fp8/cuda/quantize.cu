@@ -1,7 +1,7 @@
 // CUDA FP8 cast kernels: quantize (+ amax) in one pass over the flat tensor, and cast + transpose
 // (+ dbias, + amax) through shared-memory tiles. Same bytes and amax as quantize_cpu (C7): the scale
 // is applied with an unfused multiply, the bf16/fp16 -> float widening is exact, and the conversion
-// is either the hardware's saturating RNE or, around NaNs, quantize_one itself (quantize_products).
+// is either the hardware's saturating RNE or, around NaNs, quantize_one itself (quantize_scaled).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,19 +64,18 @@ __global__ void __launch_bounds__(kThreads)
       const uint4* src = reinterpret_cast<const uint4*>(in + c * kChunk);
 #pragma unroll
       for (int j = 0; j < kLoads; ++j) x.u[j] = __ldcs(src + j);
-      float prod[kChunk];
+      float v[kChunk];
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
-        const float v = to_float(x.t[j]);
-        am = max(am, abs_bits(v));
-        prod[j] = __fmul_rn(v, scale);
+        v[j] = to_float(x.t[j]);
+        am = max(am, abs_bits(v[j]));
       }
       if constexpr (kWrite) {
         union {
           uint4 u;
           uint8_t b[kChunk];
         } q;
-        quantize_products<F, kChunk>(prod, am == kQuietNaNBits, q.b);
+        quantize_scaled<F, kChunk>(v, scale, am == kQuietNaNBits, q.b);
         __stcs(reinterpret_cast<uint4*>(out + c * kChunk), q.u);
       }
     }
@@ -85,7 +84,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = done + tid; i < n; i += stride) {  // tail, or everything when unaligned
     const float v = to_float(in[i]);
     am = max(am, abs_bits(v));
-    if constexpr (kWrite) out[i] = quantize_one<F>(__fmul_rn(v, scale));
+    if constexpr (kWrite) out[i] = quantize_one<F>(scaled_like_cpu(v, scale));
   }
   block_amax_commit<kThreads>(am, amax_bits);
   if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
@@ -172,15 +171,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(co
         uint8_t b[kV];
         uint32_t w[kV / 4];
       } q;
-      float prod[kV];
+      float v[kV];
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
-        const float v = to_float(x[p].t[j]);  // zero outside the matrix: no effect on sums / amax
-        am = max(am, abs_bits(v));
-        csum[j] += v;
-        prod[j] = __fmul_rn(v, scale);
+        v[j] = to_float(x[p].t[j]);  // zero outside the matrix: no effect on sums / amax
+        am = max(am, abs_bits(v[j]));
+        csum[j] += v[j];
       }
-      quantize_products<F, kV>(prod, am == kQuietNaNBits, q.b);
+      quantize_scaled<F, kV>(v, scale, am == kQuietNaNBits, q.b);
 #pragma unroll
       for (int j = 0; j < kV; ++j) tile[lr][tc * kV + j] = q.b[j];
       if (a.out != nullptr && r < a.rows) {
