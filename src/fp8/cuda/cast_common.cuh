@@ -69,12 +69,14 @@ struct InputType<DType::kFloat16> {
   using T = __half;
 };
 
-// x * scale as the CPU kernels compute it. A GPU multiply turns every NaN into one positive NaN,
-// while the CPU's keeps the NaN's sign, which quantize_one carries into the FP8 byte (0xFF for a
-// negative NaN); so a NaN input passes through unscaled.
-__device__ __forceinline__ float scaled_like_cpu(float v, float scale) {
-  const float p = __fmul_rn(v, scale);
-  return v != v ? v : p;
+// quantize_one<F>(v * scale) with the CPU kernels' result for NaN: 0x7F with v's sign bit. On the
+// GPU the sign of a NaN does not survive arithmetic (the multiply, and the min / max instructions
+// the clamp compiles to, return a positive NaN), while on the CPU it does; so NaN is decided on
+// the input. (Seen on the H200: a negative NaN gave 0x7F on the GPU, 0xFF on the CPU.)
+template <Format F>
+__device__ __forceinline__ uint8_t quantize_like_cpu(float v, float scale) {
+  const uint8_t q = quantize_one<F>(__fmul_rn(v, scale));
+  return v != v ? static_cast<uint8_t>(0x7Fu | ((__float_as_uint(v) >> 24) & 0x80u)) : q;
 }
 
 // Quantizes K inputs (K even) times scale into FP8 bytes. On sm_89+ the hardware conversion
@@ -104,7 +106,7 @@ __device__ __forceinline__ void quantize_scaled(const float (&v)[K], float scale
   }
 #endif
 #pragma unroll
-  for (int j = 0; j < K; ++j) q[j] = quantize_one<F>(scaled_like_cpu(v[j], scale));
+  for (int j = 0; j < K; ++j) q[j] = quantize_like_cpu<F>(v[j], scale);
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

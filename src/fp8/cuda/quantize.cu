@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = done + tid; i < n; i += stride) {  // tail, or everything when unaligned
     const float v = to_float(in[i]);
     am = max(am, abs_bits(v));
-    if constexpr (kWrite) out[i] = quantize_one<F>(scaled_like_cpu(v, scale));
+    if constexpr (kWrite) out[i] = quantize_like_cpu<F>(v, scale);
   }
   block_amax_commit<kThreads>(am, amax_bits);
   if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
