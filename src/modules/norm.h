@@ -27,6 +27,12 @@ NormForward norm_forward(const at::Tensor& x, const at::Tensor& gamma, const at:
                          const NormConfig& cfg, bool want_out, const at::Tensor& scale,
                          Format format);
 
+// The same forward in ATen ops (FP32 statistics, output rounded to x's dtype, then one quantize):
+// used on devices without a fused kernel (CUDA until norm_fwd_cuda exists) and as the reference of
+// the kernel tests. Always returns `out`.
+NormForward norm_forward_aten(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                              const NormConfig& cfg, const at::Tensor& scale, Format format);
+
 struct NormGrads {
   at::Tensor dx, dgamma, dbeta;  // dbeta undefined without beta
 };
