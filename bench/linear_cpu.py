@@ -43,6 +43,7 @@ def make_step(module, x, dy, recipe):
                 y = module(xa)
         y.backward(dy)
         module.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -83,15 +84,24 @@ def main() -> None:
     results = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        results.append({"variant": name, "median_ms": med * 1e3, "min_ms": min(ts) * 1e3,
-                        "gflops": flops / med / 1e9, "time_vs_torch": med / base})
+        results.append(
+            {
+                "variant": name,
+                "median_ms": med * 1e3,
+                "min_ms": min(ts) * 1e3,
+                "gflops": flops / med / 1e9,
+                "time_vs_torch": med / base,
+            }
+        )
     record = {
         "benchmark": "linear_cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "PYTHONPATH=python .venv/bin/python bench/linear_cpu.py "
-                   f"--tokens {t} --in {k} --out {n} --dtype {args.dtype} --iters {args.iters}",
+        f"--tokens {t} --in {k} --out {n} --dtype {args.dtype} --iters {args.iters}",
         "shape": {"tokens": t, "in": k, "out": n, "dtype": args.dtype},
-        "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         "load_average": os.getloadavg(),
         "results": results,
     }
@@ -100,8 +110,10 @@ def main() -> None:
         json.dump(record, f, indent=2)
     print(f"{t}x{k}x{n} {args.dtype}, {record['threads']} threads, {record['cpu']}")
     for r in results:
-        print(f"  {r['variant']:<28} {r['median_ms']:9.2f} ms  {r['gflops']:7.1f} GFLOP/s  "
-              f"{r['time_vs_torch']:5.2f}x torch time")
+        print(
+            f"  {r['variant']:<28} {r['median_ms']:9.2f} ms  {r['gflops']:7.1f} GFLOP/s  "
+            f"{r['time_vs_torch']:5.2f}x torch time"
+        )
     print(f"wrote {args.json}")
 
 

@@ -32,21 +32,36 @@ def _check_bool(name: str, value) -> None:
 class _FP8LinearBase(torch.nn.Module):
     """What Linear and LayerNormLinear share: weight/bias, the C++ core and the C3 API."""
 
-    def __init__(self, in_features, out_features, bias, params_dtype, device,
-                 fuse_wgrad_accumulation, delay_wgrad_compute, init_method):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias,
+        params_dtype,
+        device,
+        fuse_wgrad_accumulation,
+        delay_wgrad_compute,
+        init_method,
+    ):
         super().__init__()
         _check_features("in_features", in_features)
         _check_features("out_features", out_features)
-        for name, value in (("bias", bias), ("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
-                            ("delay_wgrad_compute", delay_wgrad_compute)):
+        for name, value in (
+            ("bias", bias),
+            ("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
+            ("delay_wgrad_compute", delay_wgrad_compute),
+        ):
             _check_bool(name, value)
         dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
-                f"params_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}"
+                "params_dtype: expected torch.float32, torch.bfloat16 or torch.float16, "
+                f"got {dtype!r}"
             )
         if init_method is not None and not callable(init_method):
-            raise ValueError(f"init_method: expected a callable(weight) or None, got {init_method!r}")
+            raise ValueError(
+                f"init_method: expected a callable(weight) or None, got {init_method!r}"
+            )
         self.in_features = in_features
         self.out_features = out_features
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
@@ -64,11 +79,18 @@ class _FP8LinearBase(torch.nn.Module):
         self._init_param_attrs()
 
     def _make_core(self, **norm) -> None:
-        name = f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features})"
+        name = (
+            f"{type(self).__name__}(in_features={self.in_features}, "
+            f"out_features={self.out_features})"
+        )
         self._core = _C.LinearCore(
-            name=name, in_features=self.in_features, out_features=self.out_features,
+            name=name,
+            in_features=self.in_features,
+            out_features=self.out_features,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-            delay_wgrad_compute=self.delay_wgrad_compute, **norm)
+            delay_wgrad_compute=self.delay_wgrad_compute,
+            **norm,
+        )
         # The callables reach the module through a weak reference: a strong one would make a
         # module -> C++ core -> module cycle that Python's GC cannot see through. They look up
         # self.weight on each call, so a weight re-assigned after construction (tying) is used.
@@ -119,10 +141,12 @@ class _FP8LinearBase(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         self._core.set_extra_state(state)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         key = prefix + _EXTRA_STATE_KEY
         if key not in state_dict:
             # A state dict without FP8 state (e.g. from torch.nn.Linear) loads; the FP8 state
@@ -138,12 +162,17 @@ class _FP8LinearBase(torch.nn.Module):
             )
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"input: expected a torch.Tensor, got {type(x).__name__}")
-        return self._core.forward(x, self.weight, self.bias, ln_weight, ln_bias, is_first_microbatch)
+        return self._core.forward(
+            x, self.weight, self.bias, ln_weight, ln_bias, is_first_microbatch
+        )
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
-                f"delay_wgrad_compute={self.delay_wgrad_compute}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, "
+            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
+            f"delay_wgrad_compute={self.delay_wgrad_compute}"
+        )
 
 
 class Linear(_FP8LinearBase):
@@ -159,14 +188,34 @@ class Linear(_FP8LinearBase):
     init_method: callable(weight) that initialises the weight; default torch.nn.Linear's.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: Optional[torch.dtype] = None, device=None,
-                 fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
-                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
-        super().__init__(in_features, out_features, bias, params_dtype, device,
-                         fuse_wgrad_accumulation, delay_wgrad_compute, init_method)
-        self._make_core(layernorm=False, rms=False, eps=1e-5, zero_centered_gamma=False,
-                        return_layernorm_output=False)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        init_method: Optional[Callable[[torch.Tensor], None]] = None,
+    ):
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            params_dtype,
+            device,
+            fuse_wgrad_accumulation,
+            delay_wgrad_compute,
+            init_method,
+        )
+        self._make_core(
+            layernorm=False,
+            rms=False,
+            eps=1e-5,
+            zero_centered_gamma=False,
+            return_layernorm_output=False,
+        )
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """x: [..., in_features]. is_first_microbatch: None or True refresh the FP8 weight cache,
@@ -186,14 +235,31 @@ class LayerNormLinear(_FP8LinearBase):
     Other arguments as in fp8dp.Linear.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: Optional[torch.dtype] = None, device=None,
-                 fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
-                 init_method: Optional[Callable[[torch.Tensor], None]] = None,
-                 normalization: str = "LayerNorm", eps: float = 1e-5,
-                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False):
-        super().__init__(in_features, out_features, bias, params_dtype, device,
-                         fuse_wgrad_accumulation, delay_wgrad_compute, init_method)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        init_method: Optional[Callable[[torch.Tensor], None]] = None,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
+        return_layernorm_output: bool = False,
+    ):
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            params_dtype,
+            device,
+            fuse_wgrad_accumulation,
+            delay_wgrad_compute,
+            init_method,
+        )
         if normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
                 f"normalization: expected 'LayerNorm' or 'RMSNorm', got {normalization!r}"
@@ -209,11 +275,18 @@ class LayerNormLinear(_FP8LinearBase):
         factory = {"dtype": self.weight.dtype, "device": self.weight.device}
         gamma = torch.zeros if zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(gamma(in_features, **factory))
-        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(in_features, **factory))
-                                if normalization == "LayerNorm" else None)
-        self._make_core(layernorm=True, rms=normalization == "RMSNorm", eps=self.eps,
-                        zero_centered_gamma=zero_centered_gamma,
-                        return_layernorm_output=return_layernorm_output)
+        self.layer_norm_bias = (
+            torch.nn.Parameter(torch.zeros(in_features, **factory))
+            if normalization == "LayerNorm"
+            else None
+        )
+        self._make_core(
+            layernorm=True,
+            rms=normalization == "RMSNorm",
+            eps=self.eps,
+            zero_centered_gamma=zero_centered_gamma,
+            return_layernorm_output=return_layernorm_output,
+        )
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """x: [..., in_features]; returns y, or (y, ln_out) with return_layernorm_output."""

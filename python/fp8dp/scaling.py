@@ -30,7 +30,11 @@ def update_fp8_scales(group=None) -> None:
     """Reduce the step's amaxes (MAX) across ``group`` (default: the default process group) and
     update every delayed-scaling state of this process: new scales, histories rolled once."""
     amaxes = _C.fp8_registry_amaxes()
-    if amaxes.numel() > 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if (
+        amaxes.numel() > 0
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+    ):
         if torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
     _C.fp8_registry_update(amaxes)

@@ -1,7 +1,7 @@
 // GEMM front end: argument checks shared by every device, and the CPU path.
-// The CPU path dequantizes FP8 operands exactly (decode(byte) * scale_inv is exact in FP32 unless it
-// underflows), multiplies in FP32 and applies the epilogues in FP32, so its result is the one an FP8
-// tensor-core GEMM with FP32 accumulation computes, up to the order of the FP32 additions.
+// The CPU path dequantizes FP8 operands exactly (decode(byte) * scale_inv is exact in FP32 unless
+// it underflows), multiplies in FP32 and applies the epilogues in FP32, so its result is the one an
+// FP8 tensor-core GEMM with FP32 accumulation computes, up to the order of the FP32 additions.
 #include "gemm/gemm.h"
 
 #include <ATen/ATen.h>
@@ -48,8 +48,9 @@ void check_args(const GemmArgs& g) {
   FP8DP_CHECK_ARG(g.a.device() == g.b.device(), kFn, ": operands on different devices: a on ",
                   g.a.device(), ", b on ", g.b.device());
   const bool fp8 = is_fp8(g.a);
-  FP8DP_CHECK_ARG(fp8 == is_fp8(g.b), kFn, ": operands must be both FP8 or both high precision, got a ",
-                  g.a.scalar_type(), " and b ", g.b.scalar_type());
+  FP8DP_CHECK_ARG(fp8 == is_fp8(g.b), kFn,
+                  ": operands must be both FP8 or both high precision, got a ", g.a.scalar_type(),
+                  " and b ", g.b.scalar_type());
   if (!fp8) {
     FP8DP_CHECK_ARG(g.a.scalar_type() == g.b.scalar_type(), kFn,
                     ": high-precision operands must share a dtype, got a ", g.a.scalar_type(),
@@ -61,10 +62,12 @@ void check_args(const GemmArgs& g) {
   if (fp8) {
     // FP8 tensor cores need 16-byte aligned K and N; the CPU applies the same rule so that a model
     // that runs here also runs on a GPU.
-    FP8DP_CHECK_ARG(k % 16 == 0, kFn, ": FP8 GEMM needs the inner dimension k to be a multiple of 16, got k=",
-                    k, " (a [", m, ", ", k, "], b [", n, ", ", k, "])");
-    FP8DP_CHECK_ARG(n % 16 == 0, kFn, ": FP8 GEMM needs the output dimension n to be a multiple of 16, got n=",
-                    n, " (a [", m, ", ", k, "], b [", n, ", ", k, "])");
+    FP8DP_CHECK_ARG(k % 16 == 0, kFn,
+                    ": FP8 GEMM needs the inner dimension k to be a multiple of 16, got k=", k,
+                    " (a [", m, ", ", k, "], b [", n, ", ", k, "])");
+    FP8DP_CHECK_ARG(n % 16 == 0, kFn,
+                    ": FP8 GEMM needs the output dimension n to be a multiple of 16, got n=", n,
+                    " (a [", m, ", ", k, "], b [", n, ", ", k, "])");
   }
   if (g.bias.defined()) {
     FP8DP_CHECK_ARG(g.bias.dim() == 1 && g.bias.size(0) == n, kFn, ": 'bias' must have shape [", n,

@@ -32,9 +32,9 @@ struct LinearConfig {
 // Attributes that live on the Python weight Parameter: the bindings fill these with callables so
 // that the C++ core reads and writes them where C2 says (defaults: none of them is set).
 struct WeightAttrs {
-  std::function<at::Tensor()> main_grad;                 // undefined tensor when the attribute is missing
-  std::function<bool()> zero_out_wgrad;                  // weight.zero_out_wgrad, default False
-  std::function<void()> mark_grad_added_to_main_grad;    // weight.grad_added_to_main_grad = True
+  std::function<at::Tensor()> main_grad;  // undefined tensor when the attribute is missing
+  std::function<bool()> zero_out_wgrad;   // weight.zero_out_wgrad, default False
+  std::function<void()> mark_grad_added_to_main_grad;  // weight.grad_added_to_main_grad = True
 };
 
 class LinearCore : public std::enable_shared_from_this<LinearCore> {
@@ -51,7 +51,8 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // makes the fused wgrad overwrite main_grad instead of accumulating.
   std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& weight,
                                   const at::Tensor& bias, const at::Tensor& ln_weight,
-                                  const at::Tensor& ln_bias, std::optional<bool> is_first_microbatch);
+                                  const at::Tensor& ln_bias,
+                                  std::optional<bool> is_first_microbatch);
 
   // C3/C4: pops the oldest queued wgrad, runs it, writes weight.grad (or main_grad when fused),
   // backfills the bias gradient only when the deferred GEMM produced one, then runs every hook.
@@ -77,7 +78,7 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   ScalingState scaling_;
   Quantized weight_cache_;  // FP8 weight and its transpose, kept across micro-batches
   Format weight_cache_format_ = Format::kE4M3;
-  at::Tensor dummy_;        // the cached dummy weight gradient of the fused route (C2 b)
+  at::Tensor dummy_;  // the cached dummy weight gradient of the fused route (C2 b)
   bool dummy_zeroed_ = false;
   WeightGradStore store_;
   std::vector<std::function<void()>> hooks_;

@@ -227,7 +227,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     }
     // Free what forward kept; the queued task holds its own references.
     c->release();
-    return {dx, dweight, dbias, dln_w, dln_b, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx,           dweight,      dbias,        dln_w,       dln_b,
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -260,9 +261,8 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
     if (ln_bias.defined()) check_param(ln_bias, "layer_norm_bias", {in}, weight, mod);
   }
   FP8DP_CHECK_ARG(x.defined(), mod, ": input is undefined");
-  FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod,
-                  ": input must have in_features=", in, " as its last dimension, got shape ",
-                  x.sizes());
+  FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod, ": input must have in_features=", in,
+                  " as its last dimension, got shape ", x.sizes());
   FP8DP_CHECK_ARG(x.scalar_type() == dt, mod, ": input has dtype ", x.scalar_type(),
                   " but the parameters have dtype ", dt, " (cast the input to params_dtype)");
   FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
@@ -279,12 +279,14 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
     const int64_t tokens = x.numel() / in;
     FP8DP_CHECK_ARG(!need_wgrad || tokens % 16 == 0, mod,
                     ": FP8 training needs the number of tokens (the product of the input's leading "
-                    "dimensions) to be a multiple of 16, got ", tokens, " from input shape ",
-                    x.sizes());
+                    "dimensions) to be a multiple of 16, got ",
+                    tokens, " from input shape ", x.sizes());
   }
-  auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  return LinearFunction::apply(x, weight, opt(bias), opt(ln_weight), opt(ln_bias), shared_from_this(),
-                               is_first_microbatch, ac, need_wgrad);
+  auto opt = [](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  return LinearFunction::apply(x, weight, opt(bias), opt(ln_weight), opt(ln_bias),
+                               shared_from_this(), is_first_microbatch, ac, need_wgrad);
 }
 
 }  // namespace fp8dp

@@ -50,8 +50,7 @@ Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& 
   // Reuse only when asked (is_first_microbatch=False) and the cache was made for this weight
   // shape and format; True or None refresh it (the weight may have changed since).
   const bool reuse = is_first_microbatch.has_value() && !*is_first_microbatch &&
-                     weight_cache_.data.defined() &&
-                     weight_cache_format_ == ac.recipe.fwd_format &&
+                     weight_cache_.data.defined() && weight_cache_format_ == ac.recipe.fwd_format &&
                      weight_cache_.data.sizes() == weight.sizes() &&
                      weight_cache_.data.device() == weight.device();
   if (!reuse) {
@@ -90,9 +89,7 @@ at::Tensor LinearCore::dummy_wgrad(const at::Tensor& weight) {
 
 void LinearCore::mark_grad_added_to_main_grad() { attrs_.mark_grad_added_to_main_grad(); }
 
-bool LinearCore::need_backward_dw() const {
-  return cfg_.delay_wgrad_compute && !store_.empty();
-}
+bool LinearCore::need_backward_dw() const { return cfg_.delay_wgrad_compute && !store_.empty(); }
 
 void LinearCore::register_wgrad_hook(std::function<void()> hook) {
   FP8DP_CHECK_ARG(static_cast<bool>(hook), cfg_.name,

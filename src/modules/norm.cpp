@@ -12,9 +12,12 @@ namespace {
 
 DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
     default:
       FP8DP_CHECK_ARG(false, "norm: input must be float32, bfloat16 or float16, got ",
                       t.scalar_type());

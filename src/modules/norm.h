@@ -8,7 +8,7 @@
 namespace fp8dp {
 
 struct NormConfig {
-  bool rms = false;                  // RMSNorm instead of LayerNorm
+  bool rms = false;  // RMSNorm instead of LayerNorm
   float eps = 1e-5f;
   bool zero_centered_gamma = false;  // the scale applied is 1 + gamma
 };

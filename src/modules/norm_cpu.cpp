@@ -83,9 +83,12 @@ void norm_dispatch(const NormFwdParams& p) {
 template <Format F>
 void norm_dispatch_dtype(const NormFwdParams& p) {
   switch (p.dtype) {
-    case DType::kFloat32: return norm_dispatch<F, float>(p);
-    case DType::kBFloat16: return norm_dispatch<F, c10::BFloat16>(p);
-    case DType::kFloat16: return norm_dispatch<F, c10::Half>(p);
+    case DType::kFloat32:
+      return norm_dispatch<F, float>(p);
+    case DType::kBFloat16:
+      return norm_dispatch<F, c10::BFloat16>(p);
+    case DType::kFloat16:
+      return norm_dispatch<F, c10::Half>(p);
   }
   FP8DP_CHECK(false, "norm_fwd_cpu: unknown dtype ", static_cast<int>(p.dtype));
 }

@@ -34,9 +34,12 @@ Format role_format(Role r, const Recipe& recipe) {
 
 const char* role_name(Role r) {
   switch (r) {
-    case Role::kInput: return "input";
-    case Role::kWeight: return "weight";
-    case Role::kGradOutput: return "grad_output";
+    case Role::kInput:
+      return "input";
+    case Role::kWeight:
+      return "weight";
+    case Role::kGradOutput:
+      return "grad_output";
   }
   return "?";
 }
@@ -139,7 +142,8 @@ void ScalingState::restore(const Snapshot& s) {
   }
   FP8DP_CHECK_ARG(s.amax_history.dim() == 2 && s.amax_history.size(1) == kNumRoles &&
                       s.amax_history.size(0) >= 1,
-                  fn, ": 'amax_history' must be [L, ", kNumRoles, "], got ", s.amax_history.sizes());
+                  fn, ": 'amax_history' must be [L, ", kNumRoles, "], got ",
+                  s.amax_history.sizes());
   for (const at::Tensor* t : {&s.scale, &s.scale_inv, &s.fp8_max, &s.initialized}) {
     FP8DP_CHECK_ARG(t->defined() && t->numel() == kNumRoles, fn,
                     ": scale, scale_inv, fp8_max and initialized need ", kNumRoles, " elements");

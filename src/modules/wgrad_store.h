@@ -14,9 +14,9 @@ namespace fp8dp {
 // precision), written into main_grad (fused) or returned.
 struct WgradTask {
   at::Tensor a, a_scale_inv, b, b_scale_inv;
-  at::Tensor dy;               // [tokens, out] high precision: the bias gradient without FP8, else undefined
-  at::Tensor weight, bias;     // the parameters (variables) the gradients belong to
-  at::Tensor main_grad;        // fused route: where dW accumulates
+  at::Tensor dy;  // [tokens, out] high precision: the bias gradient without FP8, else undefined
+  at::Tensor weight, bias;           // the parameters (variables) the gradients belong to
+  at::Tensor main_grad;              // fused route: where dW accumulates
   bool accumulate_main_grad = true;  // false on is_first_microbatch=True: overwrite
 };
 

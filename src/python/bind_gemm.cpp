@@ -28,8 +28,8 @@ void bind_gemm(py::module_& m) {
       },
       py::arg("a"), py::arg("b"), py::arg("a_scale_inv") = py::none(),
       py::arg("b_scale_inv") = py::none(), py::arg("bias") = py::none(),
-      py::arg("out") = py::none(), py::arg("accumulate") = false,
-      py::arg("out_dtype") = at::kFloat, py::arg("use_split_accumulator") = true,
+      py::arg("out") = py::none(), py::arg("accumulate") = false, py::arg("out_dtype") = at::kFloat,
+      py::arg("use_split_accumulator") = true,
       "out[m, n] = a[m, k] · b[n, k]ᵀ (+ bias) (+ out when accumulate); FP8 operands need "
       "scale_inv and k, n multiples of 16.");
 }

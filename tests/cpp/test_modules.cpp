@@ -59,8 +59,8 @@ TEST(NormKernelEdge, NanRowGivesNanAmax) {
 
 std::string norm_name(const ::testing::TestParamInfo<NormCase>& info) {
   const auto [rms, dtype, rows, cols] = info.param;
-  return std::string(rms ? "RMS" : "LN") + "_" + c10::toString(dtype) + "_" +
-         std::to_string(rows) + "x" + std::to_string(cols);
+  return std::string(rms ? "RMS" : "LN") + "_" + c10::toString(dtype) + "_" + std::to_string(rows) +
+         "x" + std::to_string(cols);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, NormKernel,
@@ -106,7 +106,7 @@ TEST(ScalingState, FirstCastUsesOwnAmaxThenUpdateUsesHistory) {
   r.amax_history_len = 2;
   const at::Tensor x = at::tensor({1.0f, -4.0f, 2.0f});
   st.cast(x, Role::kInput, r, QuantizeOptions{});
-  EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 4.0f);   // first cast: its own amax
+  EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 4.0f);  // first cast: its own amax
   st.cast(x * 2, Role::kInput, r, QuantizeOptions{});
   EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 4.0f);   // fixed within the step
   EXPECT_FLOAT_EQ(st.amax_history()[0][0].item<float>(), 8.0f);  // max over the step's casts
@@ -116,7 +116,7 @@ TEST(ScalingState, FirstCastUsesOwnAmaxThenUpdateUsesHistory) {
   EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 8.0f);
   EXPECT_FLOAT_EQ(st.amax_history()[1][0].item<float>(), 8.0f);  // rolled
   EXPECT_FLOAT_EQ(st.amax_history()[0][0].item<float>(), 0.0f);
-  EXPECT_FLOAT_EQ(st.scale()[2].item<float>(), 1.0f);            // grad_output never cast
+  EXPECT_FLOAT_EQ(st.scale()[2].item<float>(), 1.0f);  // grad_output never cast
 }
 
 TEST(ScalingState, RegistryUpdateRejectsWrongSize) {

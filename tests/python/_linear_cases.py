@@ -22,8 +22,11 @@ def make_module(kind: str, **kw) -> torch.nn.Module:
 
 
 def make_recipe(name: str):
-    return {"none": None, "delayed": fp8dp.DelayedScaling(amax_history_len=4),
-            "current": fp8dp.Float8CurrentScaling()}[name]
+    return {
+        "none": None,
+        "delayed": fp8dp.DelayedScaling(amax_history_len=4),
+        "current": fp8dp.Float8CurrentScaling(),
+    }[name]
 
 
 def autocast(recipe):
@@ -134,8 +137,9 @@ def input_grad_bound(module, x2d, gemm_in_bound):
     if not isinstance(module, fp8dp.LayerNormLinear):
         return gemm_in_bound
     _, xhat, rs = norm_stats(module, x2d)
-    g = (module.layer_norm_weight.detach().double()
-         + (1.0 if module.zero_centered_gamma else 0.0)).abs()
+    g = (
+        module.layer_norm_weight.detach().double() + (1.0 if module.zero_centered_gamma else 0.0)
+    ).abs()
     ge = g * gemm_in_bound.double()
     inner = ge + xhat.abs() * (ge * xhat.abs()).mean(1, keepdim=True)
     if module.normalization == "LayerNorm":

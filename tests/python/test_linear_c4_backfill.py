@@ -13,7 +13,8 @@ Evidence that this test catches a broken guard (both runs on 2026-11-30, then re
        if (r.dbias.defined() && task.bias.defined()) accumulate_into_grad(task.bias, r.dbias);
    replaced by the unconditional backfill of the known failure (`.to()` on the bias gradient the
    deferred GEMM did not produce):
-       if (task.bias.defined()) accumulate_into_grad(task.bias, r.dbias.to(task.bias.scalar_type()));
+       if (task.bias.defined())
+         accumulate_into_grad(task.bias, r.dbias.to(task.bias.scalar_type()));
    All 6 parametrizations fail inside backward_dw():
        E   RuntimeError: Expected a proper Tensor but got None (or an undefined Tensor in C++)
            for argument #0 'self'
@@ -33,7 +34,15 @@ import torch
 
 import fp8dp
 from _linear_cases import (
-    IN, OUT, batches, input_grad_bound, make_module, norm_stats, product_bound, randomize_)
+    IN,
+    OUT,
+    batches,
+    input_grad_bound,
+    make_module,
+    norm_stats,
+    product_bound,
+    randomize_,
+)
 
 
 def consume(p):

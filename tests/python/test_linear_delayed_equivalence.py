@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import fp8dp
-from _linear_cases import KINDS, RECIPES, attach_main_grad, batches, make_recipe, run_microbatches, twin
+from _linear_cases import (
+    KINDS,
+    RECIPES,
+    attach_main_grad,
+    batches,
+    make_recipe,
+    run_microbatches,
+    twin,
+)
 
 
 def assert_same(a, b, what):

@@ -5,9 +5,16 @@ delayed contributions."""
 import pytest
 import torch
 
-import fp8dp
 from _linear_cases import (
-    IN, KINDS, RECIPES, attach_main_grad, autocast, batches, make_module, make_recipe, twin)
+    KINDS,
+    RECIPES,
+    attach_main_grad,
+    autocast,
+    batches,
+    make_module,
+    make_recipe,
+    twin,
+)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])

@@ -4,7 +4,6 @@ the fused wgrad's overwrite (True) versus accumulate (False/None) into main_grad
 import pytest
 import torch
 
-import fp8dp
 from _linear_cases import KINDS, attach_main_grad, autocast, batches, make_module, make_recipe
 
 
@@ -13,7 +12,7 @@ from _linear_cases import KINDS, attach_main_grad, autocast, batches, make_modul
 def test_weight_cache(kind, recipe_name):
     recipe = make_recipe(recipe_name)
     m = make_module(kind)
-    (x, _), = batches(1, torch.float32, seed=31)
+    ((x, _),) = batches(1, torch.float32, seed=31)
     with torch.no_grad(), autocast(recipe):
         y_first = m(x, is_first_microbatch=True)
         m.weight.mul_(-2.0)  # as an optimizer step would; the cache does not see it
@@ -34,7 +33,7 @@ def test_weight_cache(kind, recipe_name):
 def test_no_cache_outside_fp8():
     """Without FP8 there is nothing to cache: a changed weight is used at once."""
     m = make_module("Linear")
-    (x, _), = batches(1, torch.float32, seed=32)
+    ((x, _),) = batches(1, torch.float32, seed=32)
     with torch.no_grad():
         y1 = m(x, is_first_microbatch=True)
         m.weight.mul_(-2.0)
@@ -48,7 +47,7 @@ def test_main_grad_overwrite_vs_accumulate(recipe_name, delay):
     recipe = make_recipe(recipe_name)
     m = make_module("Linear", fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
     attach_main_grad(m, fill=7.0)
-    (x, dy), = batches(1, torch.float32, seed=33)
+    ((x, dy),) = batches(1, torch.float32, seed=33)
 
     def step(first):
         with autocast(recipe):

@@ -11,7 +11,16 @@ import torch
 
 import fp8dp
 from _linear_cases import (
-    IN, OUT, FP8, batches, input_grad_bound, make_module, norm_stats, product_bound, randomize_)
+    IN,
+    OUT,
+    FP8,
+    batches,
+    input_grad_bound,
+    make_module,
+    norm_stats,
+    product_bound,
+    randomize_,
+)
 
 BF16_U = 2.0**-8  # unit roundoff of bfloat16 (7 stored mantissa bits): one rounding of a result
 
@@ -30,24 +39,31 @@ def check(actual, ref, bound, dtype, what):
     if dtype == torch.bfloat16:  # one rounding of the FP32 result into bf16
         bound = bound + BF16_U * (ref.abs() + bound)
     err = (actual.float() - ref).abs()
-    assert (err <= bound + 1e-6).all(), f"{what}: error exceeds the FP8 bound by {(err - bound).max()}"
+    assert (
+        err <= bound + 1e-6
+    ).all(), f"{what}: error exceeds the FP8 bound by {(err - bound).max()}"
     assert err.max() > 0, f"{what}: no quantization error at all, so FP8 did not run"
 
 
-CASES = [("Linear", torch.float32), ("Linear", torch.bfloat16), ("LayerNorm", torch.float32),
-         ("RMSNorm", torch.float32)]
+CASES = [
+    ("Linear", torch.float32),
+    ("Linear", torch.bfloat16),
+    ("LayerNorm", torch.float32),
+    ("RMSNorm", torch.float32),
+]
 
 
 @pytest.mark.parametrize("fmt", [fp8dp.Format.HYBRID, fp8dp.Format.E4M3], ids=["HYBRID", "E4M3"])
-@pytest.mark.parametrize("recipe_cls", [fp8dp.DelayedScaling, fp8dp.Float8CurrentScaling],
-                         ids=["delayed", "current"])
+@pytest.mark.parametrize(
+    "recipe_cls", [fp8dp.DelayedScaling, fp8dp.Float8CurrentScaling], ids=["delayed", "current"]
+)
 @pytest.mark.parametrize("kind,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
 def test_fp8_matches_reference(kind, dtype, recipe_cls, fmt):
     recipe = recipe_cls(fp8_format=fmt)
     fmt_fwd, fmt_bwd = "E4M3", ("E5M2" if fmt is fp8dp.Format.HYBRID else "E4M3")
     m = make_module(kind, bias=True, params_dtype=dtype)
     randomize_(m, seed=7)
-    (x, dy), = batches(1, dtype, seed=8)
+    ((x, dy),) = batches(1, dtype, seed=8)
     xa = x.clone().requires_grad_(True)
     with fp8dp.fp8_autocast(fp8_recipe=recipe):
         y = m(xa)
@@ -60,11 +76,21 @@ def test_fp8_matches_reference(kind, dtype, recipe_cls, fmt):
     s_in, s_w, s_go = scales_used(m, recipe, x_in, dy2d, fmt_fwd, fmt_bwd)
 
     y_ref = x_in @ W.t() + b
-    check(y.reshape(-1, OUT), y_ref, product_bound(x_in, W, fmt_fwd, s_in, fmt_fwd, s_w), dtype,
-          "output")
+    check(
+        y.reshape(-1, OUT),
+        y_ref,
+        product_bound(x_in, W, fmt_fwd, s_in, fmt_fwd, s_w),
+        dtype,
+        "output",
+    )
     dw_ref = dy2d.t() @ x_in
-    check(m.weight.grad, dw_ref, product_bound(dy2d.t(), x_in.t(), fmt_bwd, s_go, fmt_fwd, s_in),
-          dtype, "weight grad")
+    check(
+        m.weight.grad,
+        dw_ref,
+        product_bound(dy2d.t(), x_in.t(), fmt_bwd, s_go, fmt_fwd, s_in),
+        dtype,
+        "weight grad",
+    )
     # Bias gradient: FP32 column sums of the unquantized grad_output (no FP8 error at all).
     rtol = 1e-5 if dtype == torch.float32 else BF16_U  # bf16: the FP32 sum rounded once
     torch.testing.assert_close(m.bias.grad.double(), dy2d.sum(0), rtol=rtol, atol=1e-5)
@@ -77,14 +103,21 @@ def test_fp8_matches_reference(kind, dtype, recipe_cls, fmt):
         norm, _, _ = _norm_f64(m, xr)
         (norm @ W.t()).backward(dy2d)
         dx_ref = xr.grad
-    check(xa.grad.reshape(-1, IN), dx_ref, input_grad_bound(m, x.reshape(-1, IN), e_dgrad), dtype,
-          "input grad")
+    check(
+        xa.grad.reshape(-1, IN),
+        dx_ref,
+        input_grad_bound(m, x.reshape(-1, IN), e_dgrad),
+        dtype,
+        "input grad",
+    )
 
 
 def _norm_f64(m, x):
     g = m.layer_norm_weight.detach().double()
     if m.normalization == "LayerNorm":
-        out = torch.nn.functional.layer_norm(x, (IN,), g, m.layer_norm_bias.detach().double(), m.eps)
+        out = torch.nn.functional.layer_norm(
+            x, (IN,), g, m.layer_norm_bias.detach().double(), m.eps
+        )
     else:
         out = torch.nn.functional.rms_norm(x, (IN,), g, m.eps)
     return out, None, None
@@ -95,10 +128,11 @@ def _norm_f64(m, x):
 def test_norm_without_fp8_matches_torch(kind, zero_centered):
     """The fused norm kernel and its backward, outside FP8, against torch's own norms in FP64:
     FP32 arithmetic throughout, so the error stays within a few FP32 ulps of the values."""
-    m = fp8dp.LayerNormLinear(IN, OUT, normalization=kind, zero_centered_gamma=zero_centered,
-                              return_layernorm_output=True)
+    m = fp8dp.LayerNormLinear(
+        IN, OUT, normalization=kind, zero_centered_gamma=zero_centered, return_layernorm_output=True
+    )
     randomize_(m, seed=9)
-    (x, dy), = batches(1, torch.float32, seed=10)
+    ((x, dy),) = batches(1, torch.float32, seed=10)
     xa = x.clone().requires_grad_(True)
     y, ln = m(xa)
     torch.autograd.backward([y, ln], [dy, torch.ones_like(ln)])

@@ -36,7 +36,7 @@ def test_round_trip_restores_fp8_outputs(kind):
     torch.testing.assert_close(loaded._core.amax_history, m._core.amax_history, rtol=0, atol=0)
     torch.testing.assert_close(loaded._core.scale, m._core.scale, rtol=0, atol=0)
 
-    (x, _), = batches(1, torch.float32, seed=42)
+    ((x, _),) = batches(1, torch.float32, seed=42)
     x = x * 5  # a different amax: a fresh module's first-cast scale would differ from the saved one
     fresh = make_module(kind)
     fresh.load_state_dict({k: v for k, v in sd.items() if k != "_extra_state"})
@@ -55,7 +55,7 @@ def test_load_without_extra_state():
     m.load_state_dict(ref.state_dict(), strict=True)
     assert m.get_extra_state() is None
     assert torch.equal(m.weight, ref.weight) and torch.equal(m.bias, ref.bias)
-    (x, _), = batches(1, torch.float32, seed=43)
+    ((x, _),) = batches(1, torch.float32, seed=43)
     torch.testing.assert_close(m(x), ref(x), rtol=1e-6, atol=1e-6)
 
 
@@ -84,5 +84,6 @@ def test_update_fp8_scales_rolls_history():
     expected = torch.tensor(448.0) / torch.tensor(max(amax_in))
     torch.testing.assert_close(m._core.scale[0], expected, rtol=0, atol=0)
     grad_amax = max(float(dy.abs().max()) for _, dy in data)
-    torch.testing.assert_close(m._core.scale[2], torch.tensor(57344.0) / torch.tensor(grad_amax),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        m._core.scale[2], torch.tensor(57344.0) / torch.tensor(grad_amax), rtol=0, atol=0
+    )
