@@ -11,6 +11,8 @@ import torch
 
 import fp8dp
 from _linear_cases import (
+    autocast,
+    make_recipe,
     IN,
     OUT,
     FP8,
@@ -154,3 +156,24 @@ def test_norm_without_fp8_matches_torch(kind, zero_centered):
     torch.testing.assert_close(m.layer_norm_weight.grad.double(), g.grad, **tol)
     if kind == "LayerNorm":
         torch.testing.assert_close(m.layer_norm_bias.grad.double(), beta.grad, **tol)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_return_layernorm_output_under_fp8(kind, recipe_name):
+    """The returned norm output does not depend on FP8 (the fused kernel writes the same rounded
+    values it casts), and its gradient flows into the norm's backward."""
+    m = fp8dp.LayerNormLinear(IN, OUT, normalization=kind, return_layernorm_output=True)
+    randomize_(m, seed=11)
+    ((x, _),) = batches(1, torch.float32, seed=12)
+    grads = []
+    for recipe in (make_recipe(recipe_name), None):
+        xa = x.clone().requires_grad_(True)
+        with autocast(recipe):
+            y, ln = m(xa)
+        # Zero gradient for y: only the ln_out path carries a gradient, which is FP8-free.
+        torch.autograd.backward([y, ln], [torch.zeros_like(y), torch.ones_like(ln)])
+        grads.append((ln.detach(), xa.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+    assert torch.count_nonzero(grads[0][1]) > 0
