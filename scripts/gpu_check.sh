@@ -62,6 +62,7 @@ fi
 if want distributed; then
   if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
     run_step distributed "$OUT/tests.log" 400 "$PY" -m pytest -q -rs tests/distributed
+    [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
   else
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
   fi
