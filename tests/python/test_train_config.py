@@ -25,7 +25,7 @@ def _demo():
 @pytest.mark.parametrize("section, key, value, message", [
     ("model", "n_layers", 2, r"model.n_layers: unknown key; expected one of \['n_layer'"),
     ("model", "d_model", 72, "model.d_model: expected a multiple of 16 .*got 72"),
-    ("model", "n_head", 5, "model.n_head: expected a divisor of model.d_model=64, got 5"),
+    ("model", "n_head", 5, "model.n_head: expected a divisor of model.d_model=128, got 5"),
     ("model", "d_model", 0, "model.d_model: expected an integer >= 1, got 0"),
     ("model", "normalization", "BatchNorm", "model.normalization: expected one of"),
     ("model", "params_dtype", "float16", "model.params_dtype: expected one of"),
@@ -67,8 +67,9 @@ def test_world_size_must_divide_the_batch(world, ok):
     if ok:
         assert cfg.check_world_size(world) == 16 // (2 * world)
     else:
-        with pytest.raises(ValueError, match=rf"train.global_batch_size: expected a multiple of "
-                                             rf"train.micro_batch_size \* world size = 2 \* {world}"):
+        msg = (rf"train.global_batch_size: expected a multiple of "
+               rf"train.micro_batch_size \* world size = 2 \* {world}")
+        with pytest.raises(ValueError, match=msg):
             cfg.check_world_size(world)
 
 

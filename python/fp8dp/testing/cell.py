@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -211,7 +210,8 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
         for k, p in params.items():
             want = before[k] - prob.lr * g_sum[k]
             # the update inherits the gradient's bound times lr, plus the parameter's own rounding
-            scale = prob.lr * g_abs[k] + (u_p / (n * u + _GEMM_ORDER)) * (want.abs() + before[k].abs())
+            scale = (prob.lr * g_abs[k]
+                     + (u_p / (n * u + _GEMM_ORDER)) * (want.abs() + before[k].abs()))
             e, a = _compare(p.detach(), want, scale, u, n)
             worst_param = max(worst_param, e, a)
             checks += 1
@@ -239,9 +239,3 @@ def make_optimizer(ddp, model, cfg, lr):
     if cfg.use_distributed_optimizer:
         return fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=lr)
     return _PlainSGD(model.parameters(), lr)
-
-
-def timed(fn, *a):
-    t0 = time.perf_counter()
-    out = fn(*a)
-    return out, time.perf_counter() - t0

@@ -190,7 +190,8 @@ def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: f
     with tempfile.TemporaryDirectory(prefix="fp8dp-matrix-") as workdir:
         for world in sorted({c["world_size"] for c in runnable}):
             group = [c for c in runnable if c["world_size"] == world]
-            for rid, r in _launch(group, world, prob, backend, workdir, timeout, log, inject).items():
+            launched = _launch(group, world, prob, backend, workdir, timeout, log, inject)
+            for rid, r in launched.items():
                 r["status"] = "pass" if r["ok"] else ("error" if "error" in r else "FAIL")
                 results[rid] = r
     elapsed = time.perf_counter() - t0
@@ -207,11 +208,14 @@ def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: f
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8dp.testing.matrix", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fp8dp.testing.matrix",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--backend", required=True, choices=["gloo", "nccl"])
-    p.add_argument("--full", action="store_true", help="the whole product instead of the pairwise subset")
+    p.add_argument("--full", action="store_true",
+                   help="the whole product instead of the pairwise subset")
     p.add_argument("--config", default="configs/test_matrix.yaml")
-    p.add_argument("--json", default=None, help="report path (default runs/test_matrix_<backend>.json)")
+    p.add_argument("--json", default=None,
+                   help="report path (default runs/test_matrix_<backend>.json)")
     p.add_argument("--launch-timeout", type=float, default=1800.0,
                    help="seconds one torchrun launch may take (default %(default)s)")
     p.add_argument("--inject", default="", choices=["", "double", "skip"],

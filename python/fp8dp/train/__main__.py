@@ -21,14 +21,16 @@ from .metrics import plot_losses
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fp8dp.train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="configs/demo.yaml", help="YAML config (default: %(default)s)")
+    p.add_argument("--config", default="configs/demo.yaml",
+                   help="YAML config (default: %(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set train.steps=50")
     p.add_argument("--compare-bf16", action="store_true",
                    help="after the FP8 run, train the same config with FP8 off and plot both")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR at the end "
                    "(and to DIR/step_NNNNNN every train.save_every steps)")
-    p.add_argument("--resume", metavar="DIR", help="continue bit-exactly from the checkpoint in DIR")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue bit-exactly from the checkpoint in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -66,7 +68,8 @@ def main(argv=None) -> int:
                             save=args.save, resume=args.resume, progress=not args.no_progress)
             if rank == 0:
                 print(f"[fp8dp.train] {name}: val loss {summary['first_val_loss']} -> "
-                      f"{summary['last_val_loss']:.4f}; metrics {run_dir}/metrics.jsonl", flush=True)
+                      f"{summary['last_val_loss']:.4f}; metrics {run_dir}/metrics.jsonl",
+                      flush=True)
         if rank == 0:
             dtype = cfg.model.params_dtype
             png = plot_losses(cfg.out.dir, os.path.join(cfg.out.dir, "loss.png"),

@@ -92,7 +92,8 @@ class ModelConfig:
         _mult16("model.d_model", self.d_model)
         if self.d_model % self.n_head != 0:
             raise ValueError(
-                f"model.n_head: expected a divisor of model.d_model={self.d_model}, got {self.n_head}"
+                f"model.n_head: expected a divisor of model.d_model={self.d_model}, "
+                f"got {self.n_head}"
             )
         _choice("model.normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _bool("model.bias", self.bias)
@@ -160,7 +161,8 @@ class FP8Section:
     recipe: str = "delayed"
     """"delayed" (DelayedScaling) or "current" (Float8CurrentScaling)."""
     amax_history_len: int = 16
-    """Delayed scaling: steps of amax history. Default 16: reacts within a few steps in a short run."""
+    """Delayed scaling: steps of amax history. Default 16: reacts within a few steps in a short
+    run."""
     amax_compute_algo: str = "max"
     """Delayed scaling: "max" or "most_recent"."""
     margin: float = 0
@@ -232,7 +234,8 @@ class OutputSection:
     """Where metrics, plot and checkpoints go."""
 
     dir: str = "runs/demo"
-    """Run directory: <dir>/fp8/ and <dir>/nofp8/ hold each run's metrics; <dir>/loss.png the plot."""
+    """Run directory: <dir>/fp8/ and <dir>/nofp8/ hold each run's metrics, <dir>/loss.png the
+    plot."""
 
     def __post_init__(self):
         if not isinstance(self.dir, str) or not self.dir:

@@ -160,7 +160,8 @@ def train(cfg: TrainConfig, run_dir: str, *, rank: int, world_size: int, device,
             bar.set_postfix(post, refresh=False)
             bar.update(1)
         if save and t.save_every and done % t.save_every == 0 and done != t.steps:
-            save_checkpoint(os.path.join(save, f"step_{done:06d}"), step=done, model=model, optimizer=opt, config=config_dict,
+            save_checkpoint(os.path.join(save, f"step_{done:06d}"), step=done, model=model,
+                            optimizer=opt, config=config_dict,
                             rank=rank, world_size=world_size, barrier=dist.barrier)
     if bar:
         bar.close()
