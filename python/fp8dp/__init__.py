@@ -5,6 +5,9 @@ import torch  # noqa: F401  (loads libtorch before the extension that links agai
 from . import _C
 from . import recipe
 from .autocast import fp8_autocast, is_fp8_enabled
+from .ddp import DistributedDataParallel
+from .ddp_config import DistributedDataParallelConfig
+from .optimizer import DistributedOptimizer
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __version__ = "0.1.0"
@@ -29,6 +32,9 @@ def cuda_available(return_reason: bool = False):
 
 __all__ = [
     "DelayedScaling",
+    "DistributedDataParallel",
+    "DistributedDataParallelConfig",
+    "DistributedOptimizer",
     "Float8CurrentScaling",
     "Format",
     "build_info",
