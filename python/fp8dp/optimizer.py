@@ -67,6 +67,7 @@ class DistributedOptimizer:
             "optimizer": self.optimizer.state_dict(),
         }
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores a state_dict() saved by the same rank at the same world size, exactly, and copies
         the restored masters into the parameters."""

@@ -11,6 +11,8 @@
 namespace fp8dp {
 namespace {
 
+// The backend's own operation timeout stays the group's (init_process_group(timeout=...)); wait()
+// gives up after the communicator's timeout, whichever comes first.
 class ProcessGroupWork : public CommWork {
  public:
   ProcessGroupWork(std::string what, std::chrono::milliseconds timeout,
@@ -71,7 +73,6 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_all_reduce(
     const std::vector<at::Tensor>& buffers, ReduceOp op) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   c10d::AllreduceOptions opts;
-  opts.timeout = timeout();
   bool divide = false;
   for (const auto& b : buffers) {
     std::vector<at::Tensor> one{b};
@@ -108,7 +109,6 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_reduce_scatter(
   std::vector<bool> full;  // scratch holds the whole reduction (fallback), not just the chunk
   bool divide = false;
   c10d::ReduceScatterOptions opts;
-  opts.timeout = timeout();
   for (size_t i = 0; i < inputs.size(); ++i) {
     at::Tensor in = inputs[i];
     if (reduce_scatter_supported_) {
@@ -142,7 +142,6 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_reduce_scatter(
     at::Tensor copy = in.clone();
     std::vector<at::Tensor> one{copy};
     c10d::AllreduceOptions ar;
-    ar.timeout = timeout();
     ar.reduceOp = c10d::ReduceOp::SUM;
     works.push_back(group_->allreduce(one, ar));
     scratch.push_back(copy);
@@ -168,7 +167,6 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_all_gather(
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> copies;  // kept alive until wait() returns
   c10d::AllgatherOptions opts;
-  opts.timeout = timeout();
   for (size_t i = 0; i < inputs.size(); ++i) {
     at::Tensor out = outputs[i];
     // In place (input = own chunk of output): send a copy so the backend never reads what it writes.
@@ -185,7 +183,6 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_broadcast(
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  opts.timeout = timeout();
   for (const auto& b : buffers) {
     std::vector<at::Tensor> one{b};
     works.push_back(group_->broadcast(one, opts));

@@ -228,9 +228,11 @@ void GradSync::finish_grad_sync() {
     if (!g.launched()) g.start_grad_sync(*comm_, settings_);
   try {
     for (auto& g : groups_) g.finish_grad_sync();
-  } catch (...) {
+  } catch (const std::exception& e) {
     abandon_iteration();
-    throw;
+    throw Error(std::string(e.what()) +
+                "\nfinish_grad_sync: main_grad is NOT reduced (buckets may be pre-scaled or "
+                "partially reduced); zero_grad_buffer() and redo the iteration");
   }
   for (auto& g : groups_) g.reset();
   readiness_->end_iteration();

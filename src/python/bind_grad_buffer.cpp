@@ -63,10 +63,14 @@ void bind_grad_buffer(py::module_& m) {
   py::class_<GradSync>(m, "GradSync")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
                     std::shared_ptr<Communicator>, GradSyncOptions>(),
-           py::arg("params"), py::arg("names"), py::arg("communicator"), py::arg("options"))
+           py::arg("params"), py::arg("names"), py::arg("communicator"), py::arg("options"),
+           // Every entry that may enqueue a collective drops the GIL: gloo's worker threads take the
+           // GIL (to release Python state captured with a finished work) while holding their queue
+           // lock, which the enqueue needs too.
+           py::call_guard<py::gil_scoped_release>())
       .def("main_grad", &GradSync::main_grad, py::arg("index"))
       .def("param_ready", &GradSync::param_ready, py::arg("index"), py::arg("grad"),
-           py::arg("grad_added_to_main_grad"))
+           py::arg("grad_added_to_main_grad"), py::call_guard<py::gil_scoped_release>())
       .def("begin_microbatch", &GradSync::begin_microbatch)
       .def_property("sync_enabled", &GradSync::sync_enabled, &GradSync::set_sync_enabled)
       .def("start_grad_sync", &GradSync::start_grad_sync, py::call_guard<py::gil_scoped_release>())
@@ -74,7 +78,8 @@ void bind_grad_buffer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("zero_grad_buffer", &GradSync::zero_grad_buffer,
            py::call_guard<py::gil_scoped_release>())
-      .def("scale_gradients", &GradSync::scale_gradients, py::arg("factor"))
+      .def("scale_gradients", &GradSync::scale_gradients, py::arg("factor"),
+           py::call_guard<py::gil_scoped_release>())
       .def("broadcast_params", &GradSync::broadcast_params, py::arg("root"),
            py::call_guard<py::gil_scoped_release>())
       .def("owned_shards", &GradSync::owned_shards)
