@@ -7,8 +7,10 @@ from . import recipe
 from .autocast import fp8_autocast, is_fp8_enabled
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig
+from .modules import LayerNormLinear, Linear
 from .optimizer import DistributedOptimizer
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
+from .scaling import update_fp8_scales
 
 __version__ = "0.1.0"
 
@@ -37,9 +39,12 @@ __all__ = [
     "DistributedOptimizer",
     "Float8CurrentScaling",
     "Format",
+    "LayerNormLinear",
+    "Linear",
     "build_info",
     "cuda_available",
     "fp8_autocast",
     "is_fp8_enabled",
     "recipe",
+    "update_fp8_scales",
 ]

@@ -5,6 +5,8 @@ namespace fp8dp::python {
 void bind_build_info(pybind11::module_& m);
 void bind_fp8(pybind11::module_& m);
 void bind_grad_buffer(pybind11::module_& m);
+void bind_modules(pybind11::module_& m);
+void bind_gemm(pybind11::module_& m);
 }  // namespace fp8dp::python
 
 PYBIND11_MODULE(_C, m) {
@@ -12,4 +14,6 @@ PYBIND11_MODULE(_C, m) {
   fp8dp::python::bind_build_info(m);
   fp8dp::python::bind_fp8(m);
   fp8dp::python::bind_grad_buffer(m);
+  fp8dp::python::bind_modules(m);
+  fp8dp::python::bind_gemm(m);
 }
