@@ -28,10 +28,12 @@ FP32 = dict(rtol=1e-5, atol=64 * 2.0**-23)
 CASES = []
 
 
-def case(**grid):
+def case(when=None, **grid):
     def register(fn):
         for combo in itertools.product(*grid.values()):
             kw = dict(zip(grid.keys(), combo))
+            if when is not None and not when(**kw):
+                continue
             args = ",".join(f"{k}={v}" for k, v in kw.items())
             CASES.append((f"{fn.__name__}[{args}]", fn, kw))
         return fn
@@ -242,6 +244,102 @@ def delayed_wgrad_routing(rank, ws, overlap, consumer, n_mb):
 
         iteration(ddp, x, y, rank, n_mb, delayed=delayed, inject=inject)
         check_main_grads(ddp, reference_grads(ref, x, y), **FP32)
+
+
+def fp8dp_model(fuse, delay):
+    """fp8dp.Linear(16, 32) -> Tanh -> fp8dp.LayerNormLinear(32, 16): every route of C2 at once
+    (the norm's parameters always take the autograd hook)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        fp8dp.Linear(16, 32, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay),
+        nn.Tanh(),
+        fp8dp.LayerNormLinear(32, 16, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay),
+    )
+
+
+@case(fp8=[False, True], delay=[False, True], fuse=[False, True], consumer=[False, True],
+      when=lambda fp8, delay, fuse, consumer: not (fuse and consumer))
+def fp8dp_modules_count_every_gradient_once(rank, ws, fp8, delay, fuse, consumer):
+    """With fp8dp modules: fused accumulation (C2 b), delayed wgrad (C3) and an unconditional external
+    consumer (C4) each deliver every gradient exactly once (the ledger is on too). The reference runs
+    the same modules without DDP, fusion or delay: each rank's micro-batches on a fresh model (so
+    FP8 scales start from the same first-cast amaxes as on that rank), gradients summed in FP32 and
+    averaged; the FP8 quantization is identical, so only the FP32 reduction order differs."""
+    n_mb, tokens = 2, 16  # FP8 GEMMs need multiples of 16 in every inner dimension (tokens: wgrad)
+    g = torch.Generator().manual_seed(77)
+    x = torch.randn(ws * n_mb, tokens, 16, generator=g)
+    y = torch.randn(ws * n_mb, tokens, 16, generator=g)
+    recipe = fp8dp.DelayedScaling()
+
+    def run(model, i):
+        with fp8dp.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            out = model(x[i])
+        return mse(out, y[i]) / n_mb
+
+    total = None
+    for r in range(ws):
+        ref = fp8dp_model(fuse=False, delay=False)
+        for k in range(n_mb):
+            run(ref, r * n_mb + k).backward()
+        grads = [p.grad.float() for p in ref.parameters()]
+        total = grads if total is None else [t + q for t, q in zip(total, grads)]
+    total = [t / ws for t in total]
+
+    model = fp8dp_model(fuse, delay)
+    if consumer:
+        def consume(p):  # moves whatever autograd produced into main_grad, unconditionally
+            if p.grad is not None:
+                p.main_grad.add_(p.grad)
+                p.grad = None
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(consume)
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=True, bucket_size=400, delay_wgrad_compute=delay,
+                   grad_ledger=True))
+    delayed = [model[0], model[2]] if delay else []
+    ddp.zero_grad_buffer()
+    for k in range(n_mb):
+        with ddp.no_sync() if k < n_mb - 1 else contextlib.nullcontext():
+            run(ddp, rank * n_mb + k).backward()
+            if delay and k == n_mb - 1:
+                # C5: the delayed parameters' buckets wait for backward_dw().
+                g0 = ddp._sync.group_of_param(0)  # 0.weight
+                assert not ddp._sync.group_launched(g0)
+            for m in reversed(delayed):
+                m.backward_dw()
+    ddp.finish_grad_sync()
+    for p, t, name in zip(ddp._params, total, ddp._names):
+        torch.testing.assert_close(p.main_grad, t, **FP32, msg=lambda m: f"{name}: {m}")
+
+
+@case(delay=[False, True])
+def fp8dp_training_stays_in_sync(rank, ws, delay):
+    """DistributedOptimizer(AdamW) over fp8dp modules in FP8: after each step every rank holds the
+    same parameters (the all-gather) and the same FP8 scales (step() runs update_fp8_scales, whose
+    MAX reduction makes the scaling state identical on every rank)."""
+    tokens = 16
+    model = fp8dp_model(fuse=False, delay=delay)
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=400,
+                   delay_wgrad_compute=delay))
+    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
+    g = torch.Generator().manual_seed(5 + rank)  # different data on every rank
+    for _ in range(3):
+        opt.zero_grad()
+        with fp8dp.fp8_autocast(enabled=True, fp8_recipe=fp8dp.DelayedScaling()):
+            out = ddp(torch.randn(tokens, 16, generator=g))
+        mse(out, torch.randn(tokens, 16, generator=g)).backward()
+        if delay:
+            model[2].backward_dw()
+            model[0].backward_dw()
+        opt.step()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        scales = torch.cat([m._core.get_extra_state()["scale"].flatten() for m in (model[0], model[2])])
+        for t in (flat, scales):
+            every = [torch.empty_like(t) for _ in range(ws)]
+            dist.all_gather(every, t)
+            assert all(torch.equal(every[0], e) for e in every), "ranks diverged"
 
 
 @case(kind=["double", "skip"])
