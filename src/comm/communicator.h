@@ -1,6 +1,6 @@
 // Communicator: the collectives the gradient buffer needs (all-reduce, reduce-scatter, all-gather,
-// broadcast of flat buffers), grouped per bucket group and asynchronous, behind one interface that the
-// ProcessGroup (any c10d group, e.g. gloo) and the native NCCL communicators implement.
+// broadcast of flat buffers), grouped per bucket group and asynchronous, behind one interface that
+// the ProcessGroup (any c10d group, e.g. gloo) and the native NCCL communicators implement.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,8 +21,8 @@ class CommWork {
  public:
   virtual ~CommWork() = default;
   // Blocks until the collective has finished (CPU) or orders the caller's current stream after it
-  // (CUDA: an event wait, no host sync). Throws fp8dp::Error naming the collective when it failed or
-  // did not finish within the communicator's timeout. A second call returns at once.
+  // (CUDA: an event wait, no host sync). Throws fp8dp::Error naming the collective when it failed
+  // or did not finish within the communicator's timeout. A second call returns at once.
   virtual void wait() = 0;
   // True once wait() would return without blocking.
   virtual bool is_completed() = 0;

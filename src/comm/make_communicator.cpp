@@ -1,5 +1,5 @@
-// The communicator factory. The native NCCL communicator (src/comm/cuda/) plugs in here: a CUDA build
-// that has it defines FP8DP_HAVE_NCCL_COMMUNICATOR and make_nccl_communicator().
+// The communicator factory. The native NCCL communicator (src/comm/cuda/) plugs in here: a CUDA
+// build that has it defines FP8DP_HAVE_NCCL_COMMUNICATOR and make_nccl_communicator().
 #include "comm/make_communicator.h"
 
 #include "comm/process_group_communicator.h"
@@ -25,8 +25,9 @@ std::shared_ptr<Communicator> make_communicator(const std::string& backend,
     FP8DP_CHECK_ARG(native_nccl_available(),
                     "comm_backend: 'nccl' needs fp8dp built with CUDA and NCCL; this build has no "
                     "native NCCL communicator (use 'process_group' or 'auto')");
-    FP8DP_CHECK_ARG(cuda, "comm_backend: 'nccl' needs the parameters on a CUDA device, they are on "
-                          "the CPU");
+    FP8DP_CHECK_ARG(cuda,
+                    "comm_backend: 'nccl' needs the parameters on a CUDA device, they are on "
+                    "the CPU");
 #if defined(FP8DP_HAVE_NCCL_COMMUNICATOR)
     return make_nccl_communicator(std::move(group));
 #endif

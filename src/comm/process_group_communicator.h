@@ -1,6 +1,6 @@
 // ProcessGroupCommunicator: the Communicator over any c10d ProcessGroup (gloo on the CPU; torch's
-// NCCL group works too). Backend gaps are filled correctly: AVG becomes SUM then a divide, a missing
-// reduce-scatter becomes an all-reduce then a copy of the rank's chunk.
+// NCCL group works too). Backend gaps are filled correctly: AVG becomes SUM then a divide, a
+// missing reduce-scatter becomes an all-reduce then a copy of the rank's chunk.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -26,8 +26,7 @@ class ProcessGroupCommunicator : public Communicator {
                                               ReduceOp op) override;
   std::shared_ptr<CommWork> do_all_gather(const std::vector<at::Tensor>& inputs,
                                           const std::vector<at::Tensor>& outputs) override;
-  std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers,
-                                         int root) override;
+  std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers, int root) override;
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -1,6 +1,7 @@
 // Binds src/comm (Communicator, the factory) and src/grad_buffer (layout, GradSync).
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "comm/make_communicator.h"
 #include "grad_buffer/grad_sync.h"
@@ -64,9 +65,9 @@ void bind_grad_buffer(py::module_& m) {
       .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
                     std::shared_ptr<Communicator>, GradSyncOptions>(),
            py::arg("params"), py::arg("names"), py::arg("communicator"), py::arg("options"),
-           // Every entry that may enqueue a collective drops the GIL: gloo's worker threads take the
-           // GIL (to release Python state captured with a finished work) while holding their queue
-           // lock, which the enqueue needs too.
+           // Every entry that may enqueue a collective drops the GIL: gloo's worker threads take
+           // the GIL (to release Python state captured with a finished work) while holding their
+           // queue lock, which the enqueue needs too.
            py::call_guard<py::gil_scoped_release>())
       .def("main_grad", &GradSync::main_grad, py::arg("index"))
       .def("param_ready", &GradSync::param_ready, py::arg("index"), py::arg("grad"),
