@@ -60,8 +60,11 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-ProcessGroupCommunicator::ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : group_(std::move(group)) {
+ProcessGroupCommunicator::ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                   bool native_avg, bool native_reduce_scatter)
+    : group_(std::move(group)),
+      avg_supported_(native_avg),
+      reduce_scatter_supported_(native_reduce_scatter) {
   FP8DP_CHECK_ARG(group_, "process_group: expected a live c10d ProcessGroup, got None");
 }
 

@@ -11,8 +11,11 @@ namespace fp8dp {
 
 class ProcessGroupCommunicator : public Communicator {
  public:
-  // group: a live process group; the communicator keeps it alive.
-  explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  // group: a live process group; the communicator keeps it alive. native_avg /
+  // native_reduce_scatter false make it use the fallbacks even where the backend has the native op
+  // (so tests cover them).
+  explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                    bool native_avg = true, bool native_reduce_scatter = true);
 
   int rank() const override;
   int size() const override;

@@ -98,6 +98,53 @@ def cfg(**kw):
 
 
 # ---------------------------------------------------------------------------------------------
+@case(native=[True, False], dtype=[torch.float32, torch.bfloat16, torch.float16])
+def communicator_collectives(rank, ws, native, dtype):
+    """Every collective of the ProcessGroupCommunicator, grouped (two buffers per call), in place,
+    against values derived by hand; native=False forces the fallbacks (AVG as SUM + divide,
+    reduce-scatter as all-reduce + chunk copy). Rank r contributes (r + 1) * base with
+    base = arange % 8: all sums are small integers or halves, exact in every dtype."""
+    C = fp8dp._C
+    comm = C.ProcessGroupCommunicator(
+        dist.group.WORLD, native_avg=native, native_reduce_scatter=native
+    )
+    n = [ws * 5, ws * 128]  # two buckets of different sizes, each divisible by ws
+    base = [(torch.arange(k) % 8).to(dtype) for k in n]
+    total = ws * (ws + 1) / 2  # sum over ranks of (r + 1)
+    for op, factor in ((C.ReduceOp.SUM, total), (C.ReduceOp.AVG, total / ws)):
+        bufs = [b * (rank + 1) for b in base]
+        comm.all_reduce(bufs, op).wait()
+        for b, e in zip(bufs, base):
+            assert torch.equal(b, e * factor), (op, b, e * factor)
+        bufs = [b * (rank + 1) for b in base]
+        chunks = [b.view(ws, -1)[rank] for b in bufs]  # in place: outputs alias the inputs
+        comm.reduce_scatter(bufs, chunks, op).wait()
+        for c, e in zip(chunks, base):
+            assert torch.equal(c, (e * factor).view(ws, -1)[rank])
+    bufs = [torch.zeros(k, dtype=dtype) for k in n]
+    for b in bufs:
+        b.view(ws, -1)[rank] = rank + 1
+    comm.all_gather([b.view(ws, -1)[rank] for b in bufs], bufs).wait()
+    for b in bufs:
+        want = torch.arange(1, ws + 1, dtype=dtype).repeat_interleave(b.numel() // ws)
+        assert torch.equal(b, want)
+    bufs = [torch.full((k,), float(rank), dtype=dtype) for k in n]
+    comm.broadcast(bufs, ws - 1).wait()
+    assert all(torch.equal(b, torch.full_like(b, ws - 1)) for b in bufs)
+    other = torch.float16 if dtype == torch.float32 else torch.float32
+    wrong = [bufs[0][: n[0] // ws].to(other)]
+    expect_error(
+        ValueError,
+        "reduce_scatter outputs[0]: expected dtype",
+        lambda: comm.reduce_scatter([bufs[0]], wrong, C.ReduceOp.SUM),
+    )
+    expect_error(
+        ValueError,
+        "all_reduce buffers[0]: expected a flat contiguous buffer",
+        lambda: comm.all_reduce([torch.zeros(2, 2, dtype=dtype)], C.ReduceOp.SUM),
+    )
+
+
 @case(overlap=[False, True], dist_opt=[False, True], avg=[False, True], n_mb=[1, 4])
 def grads_match_reference(rank, ws, overlap, dist_opt, avg, n_mb):
     model = mlp()
