@@ -543,8 +543,9 @@ def late_rank_times_out(rank, ws, late_rank):
     ddp._sync.communicator().set_timeout(2.0)
     ddp.zero_grad_buffer()
     mse(ddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+    dist.barrier()  # aligned here, the late rank's 6 s dwarf any scheduling skew on a busy machine
     if rank == late:
-        time.sleep(4.0)
+        time.sleep(6.0)
         ddp.finish_grad_sync()  # pairs with the others' abandoned collective
     else:
         try:
