@@ -7,6 +7,7 @@ void bind_fp8(pybind11::module_& m);
 void bind_grad_buffer(pybind11::module_& m);
 void bind_modules(pybind11::module_& m);
 void bind_gemm(pybind11::module_& m);
+void bind_gemm_cuda(pybind11::module_& m);
 }  // namespace fp8dp::python
 
 PYBIND11_MODULE(_C, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_C, m) {
   fp8dp::python::bind_grad_buffer(m);
   fp8dp::python::bind_modules(m);
   fp8dp::python::bind_gemm(m);
+  fp8dp::python::bind_gemm_cuda(m);
 }
