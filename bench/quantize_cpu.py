@@ -100,16 +100,22 @@ def main() -> None:
         r["speedup_vs_naive"] = naive_ms / r["median_ms"]
         r["fraction_of_copy_bw"] = r["gb_per_s"] / copy_bw
 
-    print(f"FP32 -> E4M3, {args.rows} x {args.cols}, {args.threads} threads, "
-          f"median of {args.reps} interleaved repetitions")
+    print(
+        f"FP32 -> E4M3, {args.rows} x {args.cols}, {args.threads} threads, "
+        f"median of {args.reps} interleaved repetitions"
+    )
     print(f"{'variant':<30} {'ms':>8} {'GB/s':>7} {'x naive':>8} {'of copy BW':>10}")
     for name, r in rows.items():
-        print(f"{name:<30} {r['median_ms']:8.2f} {r['gb_per_s']:7.2f} "
-              f"{r['speedup_vs_naive']:8.2f} {r['fraction_of_copy_bw']:10.0%}")
+        print(
+            f"{name:<30} {r['median_ms']:8.2f} {r['gb_per_s']:7.2f} "
+            f"{r['speedup_vs_naive']:8.2f} {r['fraction_of_copy_bw']:10.0%}"
+        )
     ok_naive = q["speedup_vs_naive"] >= 3.0
     ok_copy = q["fraction_of_copy_bw"] >= 0.5
-    print(f"targets: >= 3x naive: {'met' if ok_naive else 'MISSED'}; "
-          f">= 50% of copy bandwidth: {'met' if ok_copy else 'MISSED'}")
+    print(
+        f"targets: >= 3x naive: {'met' if ok_naive else 'MISSED'}; "
+        f">= 50% of copy bandwidth: {'met' if ok_copy else 'MISSED'}"
+    )
 
     result = {
         "benchmark": "quantize_cpu",

@@ -1,4 +1,4 @@
-// FP8 formats (C7): E4M3 (max 448, no infinities) and E5M2 (max 57344), and float <-> FP8 bit casts.
+// FP8 formats (C7): E4M3 (max 448, no infinities) and E5M2 (max 57344); float <-> FP8 bit casts.
 #pragma once
 
 #include <cstdint>
@@ -41,8 +41,8 @@ FP8DP_HD float bits_float(uint32_t u) {
 // All ones when cond holds, else 0 (for branch-free selects).
 FP8DP_HD uint32_t mask_if(bool cond) { return 0u - static_cast<uint32_t>(cond); }
 
-// FP8 code (sign bit clear) of a float magnitude given as its bit pattern `mag` (sign cleared), which
-// must be at most the format's max (not NaN); kMant = mantissa bits, kBias = exponent bias.
+// FP8 code (sign bit clear) of a float magnitude given as its bit pattern `mag` (sign cleared),
+// which must be at most the format's max (not NaN); kMant = mantissa bits, kBias = exponent bias.
 //
 // Rounding by addition: C = 2^(e + 23 - kMant), where e is the exponent of mag but at least that of
 // the smallest FP8 normal (FP8 subnormals share its spacing), has a float ulp equal to the FP8

@@ -19,19 +19,23 @@ namespace {
 
 DType to_dtype(const at::Tensor& t, const char* fn, const char* arg) {
   switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
     default:
-      FP8DP_CHECK_ARG(false, fn, ": argument '", arg, "' must be float32, bfloat16 or float16, got ",
-                      t.scalar_type());
+      FP8DP_CHECK_ARG(false, fn, ": argument '", arg,
+                      "' must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
 }
 
 Format format_of(at::ScalarType t, const char* fn, const char* arg) {
   if (t == at::kFloat8_e4m3fn) return Format::kE4M3;
   if (t == at::kFloat8_e5m2) return Format::kE5M2;
-  FP8DP_CHECK_ARG(false, fn, ": argument '", arg, "' must be float8_e4m3fn or float8_e5m2, got ", t);
+  FP8DP_CHECK_ARG(false, fn, ": argument '", arg, "' must be float8_e4m3fn or float8_e5m2, got ",
+                  t);
 }
 
 void check_device_supported(const at::Tensor& t, const char* fn, const char* arg) {
@@ -128,7 +132,8 @@ at::Tensor amax(const at::Tensor& x) {
   return quantize_impl(x, one, Format::kE4M3, QuantizeOptions{false, false, false}, fn).amax;
 }
 
-at::Tensor dequantize(const at::Tensor& data_in, const at::Tensor& scale_inv, at::ScalarType dtype) {
+at::Tensor dequantize(const at::Tensor& data_in, const at::Tensor& scale_inv,
+                      at::ScalarType dtype) {
   constexpr const char* fn = "fp8dp.dequantize";
   FP8DP_CHECK_ARG(data_in.defined(), fn, ": argument 'data' is undefined");
   check_device_supported(data_in, fn, "data");
@@ -174,12 +179,13 @@ void update_scaling(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& sca
                     t->device(), " but 'amax_history' is on ", amax_history.device());
   }
   FP8DP_CHECK_ARG(amax_history.dim() == 2 && amax_history.size(0) >= 1, fn,
-                  ": argument 'amax_history' must be [L, n] with L >= 1, got ", amax_history.sizes());
+                  ": argument 'amax_history' must be [L, n] with L >= 1, got ",
+                  amax_history.sizes());
   const int64_t n = amax_history.size(1);
   FP8DP_CHECK_ARG(scale.numel() == n, fn, ": argument 'scale' needs ", n, " elements, got ",
                   scale.numel());
-  FP8DP_CHECK_ARG(scale_inv.numel() == n, fn, ": argument 'scale_inv' needs ", n,
-                  " elements, got ", scale_inv.numel());
+  FP8DP_CHECK_ARG(scale_inv.numel() == n, fn, ": argument 'scale_inv' needs ", n, " elements, got ",
+                  scale_inv.numel());
   FP8DP_CHECK_ARG(fp8_max.numel() == n, fn, ": argument 'fp8_max' needs ", n, " elements, got ",
                   fp8_max.numel());
   FP8DP_CHECK_ARG(std::isfinite(margin) && margin >= 0.0f, fn,

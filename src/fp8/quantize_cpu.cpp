@@ -1,9 +1,10 @@
 // CPU FP8 cast kernels: quantize (+ amax, + transpose, + dbias) in one pass, and dequantize.
 //
 // Vectorisation: the hot loops work on plain float arrays and keep the amax as the maximum of the
-// magnitudes' bit patterns (an unsigned max, one instruction per vector). For non-negative floats the
-// integer order is the float order and every NaN pattern lies above +Inf's, so the same reduction
-// gives "NaN if any NaN, else +Inf if any Inf, else max |x|" with no separate NaN flag or branch.
+// magnitudes' bit patterns (an unsigned max, one instruction per vector). For non-negative floats
+// the integer order is the float order and every NaN pattern lies above +Inf's, so the same
+// reduction gives "NaN if any NaN, else +Inf if any Inf, else max |x|" with no separate NaN flag or
+// branch.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -54,11 +55,11 @@ inline __m256i quantize8_avx2(__m256 v, __m256 scale, __m256i& amax) {
   const __m256i mag = _mm256_and_si256(bits, abs_mask);
   const __m256i sign = _mm256_srli_epi32(_mm256_andnot_si256(abs_mask, bits), 24);
   const __m256i clamped = _mm256_min_epu32(mag, _mm256_set1_epi32(fp8_max_bits(F)));
-  const __m256i e = _mm256_max_epu32(_mm256_and_si256(clamped, _mm256_set1_epi32(0x7F800000)),
-                                     min_exp);
+  const __m256i e =
+      _mm256_max_epu32(_mm256_and_si256(clamped, _mm256_set1_epi32(0x7F800000)), min_exp);
   const __m256i c = _mm256_add_epi32(e, _mm256_set1_epi32((23 - kMant) << 23));
-  const __m256i sum = _mm256_castps_si256(
-      _mm256_add_ps(_mm256_castsi256_ps(clamped), _mm256_castsi256_ps(c)));
+  const __m256i sum =
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(clamped), _mm256_castsi256_ps(c)));
   __m256i code = _mm256_add_epi32(_mm256_sub_epi32(sum, c),
                                   _mm256_srli_epi32(_mm256_sub_epi32(e, min_exp), 23 - kMant));
   const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));  // mag < 2^31
@@ -126,8 +127,8 @@ uint32_t quantize_span(const T* in, uint8_t* out, float scale, int64_t n) {
     for (int64_t i = 0; i < n; i += kBlock) {
       const int64_t m = std::min(kBlock, n - i);
       widen(in + i, buf.data(), m);
-      amax = amax_bits_of(amax, quantize_floats<F, kWrite>(buf.data(), kWrite ? out + i : nullptr,
-                                                           scale, m));
+      amax = amax_bits_of(
+          amax, quantize_floats<F, kWrite>(buf.data(), kWrite ? out + i : nullptr, scale, m));
     }
     return amax;
   }
@@ -156,10 +157,10 @@ inline void transpose_tile(const uint8_t* __restrict tile, int64_t h, int64_t w,
   }
 }
 
-// Transposing / dbias path. The work is a grid of 64 x 64 tiles; each task quantizes one tile row by
-// row (the vectorised loop above), writes its row-major bytes, transposes the tile into out_t and
-// sums its columns in row order into a per-row-chunk partial. The partials are then added in chunk
-// order, so dbias does not depend on how the tiles were spread over threads.
+// Transposing / dbias path. The work is a grid of 64 x 64 tiles; each task quantizes one tile row
+// by row (the vectorised loop above), writes its row-major bytes, transposes the tile into out_t
+// and sums its columns in row order into a per-row-chunk partial. The partials are then added in
+// chunk order, so dbias does not depend on how the tiles were spread over threads.
 template <Format F, typename T>
 uint32_t quantize_tiled(const QuantizeParams& p, float scale) {
   const T* in = static_cast<const T*>(p.input);
@@ -217,9 +218,12 @@ uint32_t quantize_dispatch_path(const QuantizeParams& p, float scale) {
 template <Format F>
 uint32_t quantize_dispatch_dtype(const QuantizeParams& p, float scale) {
   switch (p.input_dtype) {
-    case DType::kFloat32: return quantize_dispatch_path<F, float>(p, scale);
-    case DType::kBFloat16: return quantize_dispatch_path<F, c10::BFloat16>(p, scale);
-    case DType::kFloat16: return quantize_dispatch_path<F, c10::Half>(p, scale);
+    case DType::kFloat32:
+      return quantize_dispatch_path<F, float>(p, scale);
+    case DType::kBFloat16:
+      return quantize_dispatch_path<F, c10::BFloat16>(p, scale);
+    case DType::kFloat16:
+      return quantize_dispatch_path<F, c10::Half>(p, scale);
   }
   FP8DP_CHECK(false, "quantize_cpu: unknown input dtype ", static_cast<int>(p.input_dtype));
 }
@@ -256,9 +260,12 @@ void dequantize_cpu(const DequantizeParams& p) {
   const float s = *p.scale_inv;
   for (int i = 0; i < 256; ++i) lut[i] = fp8_decode(static_cast<uint8_t>(i), p.format) * s;
   switch (p.out_dtype) {
-    case DType::kFloat32: return dequantize_typed<float>(p, lut);
-    case DType::kBFloat16: return dequantize_typed<c10::BFloat16>(p, lut);
-    case DType::kFloat16: return dequantize_typed<c10::Half>(p, lut);
+    case DType::kFloat32:
+      return dequantize_typed<float>(p, lut);
+    case DType::kBFloat16:
+      return dequantize_typed<c10::BFloat16>(p, lut);
+    case DType::kFloat16:
+      return dequantize_typed<c10::Half>(p, lut);
   }
   FP8DP_CHECK(false, "dequantize_cpu: unknown output dtype ", static_cast<int>(p.out_dtype));
 }

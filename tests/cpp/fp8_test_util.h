@@ -1,5 +1,5 @@
-// Helpers shared by the FP8 GoogleTests: torch's own float8 conversion as the reference, byte views,
-// and readable parameter names.
+// Helpers shared by the FP8 GoogleTests: torch's own float8 conversion as the reference, byte
+// views, and readable parameter names.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,10 +15,14 @@ namespace fp8dp::test {
 
 inline const char* dtype_name(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return "f32";
-    case at::kBFloat16: return "bf16";
-    case at::kHalf: return "f16";
-    default: return "other";
+    case at::kFloat:
+      return "f32";
+    case at::kBFloat16:
+      return "bf16";
+    case at::kHalf:
+      return "f16";
+    default:
+      return "other";
   }
 }
 

@@ -36,21 +36,20 @@ TEST_P(DequantizeAllBytes, MatchesTorchDecodeTimesScaleInv) {
   const at::Tensor data = all_bytes(f);
   const at::Tensor out = dequantize(data, scalar_scale(scale_inv), dt);
   ASSERT_EQ(out.sizes(), data.sizes());
-  // torch's decode is exact; the FP32 product with a power of two or 3 is exact for <= 4 significant
-  // bits, and the final cast to BF16 / FP16 rounds the same way in both.
+  // torch's decode is exact; the FP32 product with a power of two or 3 is exact for <= 4
+  // significant bits, and the final cast to BF16 / FP16 rounds the same way in both.
   expect_same_values(out, (data.to(at::kFloat) * scale_inv).to(dt));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Fp8, DequantizeAllBytes,
-    ::testing::Combine(::testing::Values(Format::kE4M3, Format::kE5M2),
-                       ::testing::Values(at::kFloat, at::kBFloat16, at::kHalf),
-                       ::testing::Values(1.0f, 0.5f, 3.0f)),
-    [](const ::testing::TestParamInfo<Param>& info) {
-      return std::string(format_name(std::get<0>(info.param))) + "_" +
-             dtype_name(std::get<1>(info.param)) + "_scale_inv_x10_" +
-             std::to_string(static_cast<int>(std::get<2>(info.param) * 10));
-    });
+INSTANTIATE_TEST_SUITE_P(Fp8, DequantizeAllBytes,
+                         ::testing::Combine(::testing::Values(Format::kE4M3, Format::kE5M2),
+                                            ::testing::Values(at::kFloat, at::kBFloat16, at::kHalf),
+                                            ::testing::Values(1.0f, 0.5f, 3.0f)),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::string(format_name(std::get<0>(info.param))) + "_" +
+                                  dtype_name(std::get<1>(info.param)) + "_scale_inv_x10_" +
+                                  std::to_string(static_cast<int>(std::get<2>(info.param) * 10));
+                         });
 
 TEST(Dequantize, SpecialBytes) {
   const at::Tensor e4 = dequantize(all_bytes(Format::kE4M3), scalar_scale(1.0f), at::kFloat);
@@ -67,8 +66,8 @@ TEST(Dequantize, SpecialBytes) {
   for (int b : {0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF}) EXPECT_TRUE(std::isnan(e5[b].item<float>()));
 }
 
-// Every x whose x * scale is a finite FP8 value survives quantize -> dequantize unchanged (powers of
-// two as scales keep x * scale and x * scale * scale_inv exact).
+// Every x whose x * scale is a finite FP8 value survives quantize -> dequantize unchanged (powers
+// of two as scales keep x * scale and x * scale * scale_inv exact).
 TEST(Dequantize, RoundTripOfRepresentableValues) {
   for (Format f : {Format::kE4M3, Format::kE5M2}) {
     const at::Tensor v = dequantize(all_bytes(f), scalar_scale(1.0f), at::kFloat);
@@ -83,8 +82,8 @@ TEST(Dequantize, RoundTripOfRepresentableValues) {
 }
 
 TEST(Dequantize, NonContiguousInput) {
-  const at::Tensor data = all_bytes(Format::kE4M3).view(at::kByte).reshape({16, 16}).t()
-                              .view(at::kFloat8_e4m3fn);
+  const at::Tensor data =
+      all_bytes(Format::kE4M3).view(at::kByte).reshape({16, 16}).t().view(at::kFloat8_e4m3fn);
   ASSERT_FALSE(data.is_contiguous());
   expect_same_values(dequantize(data, scalar_scale(2.0f), at::kFloat), data.to(at::kFloat) * 2);
 }

@@ -1,5 +1,6 @@
-// quantize / cast_transpose / amax (C7): bit-identical to torch's float8 conversion wherever torch's
-// conversion is defined (|x * scale| <= max), saturating beyond it, NaN kept, amax with NaN/Inf rules.
+// quantize / cast_transpose / amax (C7): bit-identical to torch's float8 conversion wherever
+// torch's conversion is defined (|x * scale| <= max), saturating beyond it, NaN kept, amax with
+// NaN/Inf rules.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -84,8 +85,8 @@ class FloatSweep : public ::testing::TestWithParam<Format> {};
 
 // All floats whose top 20 bits are arbitrary and whose low 12 bits are one of a few patterns. FP8
 // rounding drops the low 20 (E4M3) or 21 (E5M2) bits of the mantissa, more for subnormals, so every
-// halfway case (dropped bits 100...0) and both of its neighbours (low bits 0x001 / 0xFFF) appear for
-// every exponent, every kept mantissa and every sign.
+// halfway case (dropped bits 100...0) and both of its neighbours (low bits 0x001 / 0xFFF) appear
+// for every exponent, every kept mantissa and every sign.
 TEST_P(FloatSweep, RoundingBoundariesOfEveryExponent) {
   const Format f = GetParam();
   const at::Tensor top = at::arange(0, int64_t{1} << 20, at::kLong).mul(int64_t{1} << 12);
@@ -113,23 +114,23 @@ TEST(QuantizeValues, TiesRoundToEvenAndOverflowSaturates) {
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<Case> cases = {
       {1.0f, 0x38, 0x3C},
-      {1.0625f, 0x38, 0x3C},          // E4M3 tie between 1 and 1.125: even mantissa (1.0)
-      {1.1875f, 0x3A, 0x3D},          // E4M3 tie between 1.125 and 1.25: even (1.25)
-      {1.125f, 0x39, 0x3C},           // E5M2 tie between 1 and 1.25: even (1.0)
-      {1.375f, 0x3B, 0x3E},           // E5M2 tie between 1.25 and 1.5: even (1.5)
-      {std::ldexp(1.0f, -10), 0x00, 0x14},  // E4M3: half its smallest subnormal 2^-9 -> 0
-      {std::ldexp(3.0f, -10), 0x02, 0x1A},  // E4M3 subnormal tie 1.5 * 2^-9 -> 2 * 2^-9
-      {std::ldexp(1.0f, -17), 0x00, 0x00},  // E5M2: half its smallest subnormal 2^-16 -> 0
-      {std::ldexp(3.0f, -17), 0x00, 0x02},  // E5M2 subnormal tie -> 2 * 2^-16
-      {std::ldexp(15.5f, -10), 0x08, 0x24}, // E4M3: 7.75 * 2^-9, above its largest subnormal
-                                            // 7 * 2^-9: rounds up into the smallest normal 0x08
+      {1.0625f, 0x38, 0x3C},                 // E4M3 tie between 1 and 1.125: even mantissa (1.0)
+      {1.1875f, 0x3A, 0x3D},                 // E4M3 tie between 1.125 and 1.25: even (1.25)
+      {1.125f, 0x39, 0x3C},                  // E5M2 tie between 1 and 1.25: even (1.0)
+      {1.375f, 0x3B, 0x3E},                  // E5M2 tie between 1.25 and 1.5: even (1.5)
+      {std::ldexp(1.0f, -10), 0x00, 0x14},   // E4M3: half its smallest subnormal 2^-9 -> 0
+      {std::ldexp(3.0f, -10), 0x02, 0x1A},   // E4M3 subnormal tie 1.5 * 2^-9 -> 2 * 2^-9
+      {std::ldexp(1.0f, -17), 0x00, 0x00},   // E5M2: half its smallest subnormal 2^-16 -> 0
+      {std::ldexp(3.0f, -17), 0x00, 0x02},   // E5M2 subnormal tie -> 2 * 2^-16
+      {std::ldexp(15.5f, -10), 0x08, 0x24},  // E4M3: 7.75 * 2^-9, above its largest subnormal
+                                             // 7 * 2^-9: rounds up into the smallest normal 0x08
       {448.0f, 0x7E, 0x5F},
-      {464.0f, 0x7E, 0x5F},            // tie between 448 and 480 (E4M3 NaN slot): 448
-      {465.0f, 0x7E, 0x5F},            // torch gives NaN here; saturation gives max
+      {464.0f, 0x7E, 0x5F},  // tie between 448 and 480 (E4M3 NaN slot): 448
+      {465.0f, 0x7E, 0x5F},  // torch gives NaN here; saturation gives max
       {57344.0f, 0x7E, 0x7B},
       {61439.0f, 0x7E, 0x7B},
       {1e30f, 0x7E, 0x7B},
-      {inf, 0x7E, 0x7B},               // Inf * scale saturates to max (C7: saturate)
+      {inf, 0x7E, 0x7B},  // Inf * scale saturates to max (C7: saturate)
       {-inf, 0xFE, 0xFB},
       {-1e30f, 0xFE, 0xFB},
       {-0.0f, 0x80, 0x80},
@@ -146,7 +147,8 @@ TEST(QuantizeValues, TiesRoundToEvenAndOverflowSaturates) {
   }
 }
 
-// ---- random inputs and scales over shapes that straddle the vector width and the 64-wide tile ----
+// ---- random inputs and scales over shapes that straddle the vector width and the 64-wide tile
+// ----
 
 using RandomParam = std::tuple<Format, at::ScalarType, std::vector<int64_t>>;
 
@@ -227,9 +229,11 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(QuantizeDbias, ExactColumnSumsOfIntegers) {
   at::manual_seed(3);
-  // Small integers: every partial sum is exact in FP32, so dbias must equal the column sums exactly.
+  // Small integers: every partial sum is exact in FP32, so dbias must equal the column sums
+  // exactly.
   const at::Tensor x = at::randint(-50, 50, {333, 77}).to(at::kFloat);
-  const Quantized q = quantize(x, scalar_scale(1.0f), Format::kE5M2, QuantizeOptions{false, false, true});
+  const Quantized q =
+      quantize(x, scalar_scale(1.0f), Format::kE5M2, QuantizeOptions{false, false, true});
   EXPECT_FALSE(q.data.defined());
   EXPECT_TRUE(at::equal(q.dbias, x.sum(0)));
 }

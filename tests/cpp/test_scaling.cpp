@@ -23,8 +23,8 @@ const float kNaN = std::numeric_limits<float>::quiet_NaN();
 // ---- compute_scale: the rule for one tensor ----
 
 TEST(ComputeScale, FormulaAndMargin) {
-  EXPECT_EQ(compute_scale(3.5f, 448.0f, 0.0f, 1.0f), 128.0f);       // 448 / 3.5
-  EXPECT_EQ(compute_scale(3.5f, 448.0f, 2.0f, 1.0f), 32.0f);        // 448 / 3.5 / 2^2
+  EXPECT_EQ(compute_scale(3.5f, 448.0f, 0.0f, 1.0f), 128.0f);  // 448 / 3.5
+  EXPECT_EQ(compute_scale(3.5f, 448.0f, 2.0f, 1.0f), 32.0f);   // 448 / 3.5 / 2^2
   EXPECT_EQ(compute_scale(57344.0f, 57344.0f, 0.0f, 7.0f), 1.0f);
   // fractional margin: the same FP32 expression the rule states
   EXPECT_EQ(compute_scale(3.0f, 448.0f, 0.5f, 1.0f), 448.0f / 3.0f / std::exp2(0.5f));
@@ -106,8 +106,8 @@ TEST_P(UpdateScaling, MatchesReferenceOverSteps) {
   at::Tensor scale = at::rand({n}) + 0.5;
   at::Tensor scale_inv = 1.0 / scale;
   // HYBRID: E4M3 and E5M2 tensors side by side
-  at::Tensor fp8_max = at::where(at::arange(n).remainder(2).eq(0), at::full({}, 448.0f),
-                                 at::full({}, 57344.0f));
+  at::Tensor fp8_max =
+      at::where(at::arange(n).remainder(2).eq(0), at::full({}, 448.0f), at::full({}, 57344.0f));
   std::vector<float> h = to_vec(hist), s = to_vec(scale), si = to_vec(scale_inv);
   const std::vector<float> fm = to_vec(fp8_max);
   for (int step = 0; step < L + 2; ++step) {
@@ -125,17 +125,16 @@ TEST_P(UpdateScaling, MatchesReferenceOverSteps) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fp8, UpdateScaling,
-                         ::testing::Combine(::testing::Values(AmaxAlgo::kMax,
-                                                              AmaxAlgo::kMostRecent),
-                                            ::testing::Values(1, 2, 5, 16),
-                                            ::testing::Values(0.0f, 1.0f, 0.5f)),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           const bool is_max = std::get<0>(info.param) == AmaxAlgo::kMax;
-                           return std::string(is_max ? "max" : "most_recent") + "_L" +
-                                  std::to_string(std::get<1>(info.param)) + "_margin_x10_" +
-                                  std::to_string(static_cast<int>(std::get<2>(info.param) * 10));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Fp8, UpdateScaling,
+    ::testing::Combine(::testing::Values(AmaxAlgo::kMax, AmaxAlgo::kMostRecent),
+                       ::testing::Values(1, 2, 5, 16), ::testing::Values(0.0f, 1.0f, 0.5f)),
+    [](const ::testing::TestParamInfo<Param>& info) {
+      const bool is_max = std::get<0>(info.param) == AmaxAlgo::kMax;
+      return std::string(is_max ? "max" : "most_recent") + "_L" +
+             std::to_string(std::get<1>(info.param)) + "_margin_x10_" +
+             std::to_string(static_cast<int>(std::get<2>(info.param) * 10));
+    });
 
 // ---- hand-computed cases (readable failures) ----
 
@@ -210,13 +209,15 @@ TEST(UpdateScalingCases, BadArgumentsNameTheArgument) {
   };
   State s = make_state({{1.0f, 2.0f}}, 1.0f);
   at::Tensor empty_hist = at::zeros({0, 2});
-  expect_error([&] { update_scaling(empty_hist, s.scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, 0); },
-               "'amax_history'");
+  expect_error(
+      [&] { update_scaling(empty_hist, s.scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, 0); },
+      "'amax_history'");
   expect_error([&] { update_scaling(s.hist, s.scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, -1); },
                "'margin'");
   at::Tensor short_scale = at::ones({1});
-  expect_error([&] { update_scaling(s.hist, short_scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, 0); },
-               "'scale'");
+  expect_error(
+      [&] { update_scaling(s.hist, short_scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, 0); },
+      "'scale'");
   at::Tensor dbl = at::ones({2}, at::kDouble);
   expect_error([&] { update_scaling(s.hist, s.scale, dbl, s.fp8_max, AmaxAlgo::kMax, 0); },
                "'scale_inv'");

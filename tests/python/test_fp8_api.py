@@ -126,7 +126,7 @@ def test_amax_rules(values, expected):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dequantize_all_bytes(fmt, dtype):
-    cfmt, fp8, _, _ = FORMATS[fmt]
+    _, fp8, _, _ = FORMATS[fmt]
     data = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8)
     out = _C.dequantize(data, torch.tensor([0.5]), dtype)
     want = (data.float() * 0.5).to(dtype)

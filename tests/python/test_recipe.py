@@ -113,7 +113,9 @@ def test_default_recipe_is_delayed_scaling():
 
 @pytest.mark.parametrize("outer, inner", [(True, False), (False, True), (True, True)])
 def test_nesting_inner_wins_and_exit_restores_outer(outer, inner):
-    r_out, r_in = recipe.DelayedScaling(amax_history_len=8), recipe.DelayedScaling(amax_history_len=3)
+    r_out, r_in = recipe.DelayedScaling(amax_history_len=8), recipe.DelayedScaling(
+        amax_history_len=3
+    )
     with fp8dp.fp8_autocast(enabled=outer, fp8_recipe=r_out, fp8_group="outer-group"):
         assert _current() == (outer, 8)
         with fp8dp.fp8_autocast(enabled=inner, fp8_recipe=r_in, fp8_group="inner-group"):
