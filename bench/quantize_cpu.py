@@ -7,7 +7,7 @@ quantize reads 4 B and writes 1 B per element (2 B with the transposed copy); th
 4 B each. The naive path is rated on the same 5 B per element as our quantize, so its GB/s shows the
 throughput a user gets for the same job.
 
-    PYTHONPATH=python .venv/bin/python bench/quantize_cpu.py            # 4096 x 4096, 21 repetitions
+    PYTHONPATH=python .venv/bin/python bench/quantize_cpu.py            # 4096 x 4096, 31 repetitions
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=21, help="timed repetitions of every variant")
+    ap.add_argument("--reps", type=int, default=31, help="timed repetitions of every variant")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench/results/quantize_cpu.json")
     args = ap.parse_args()
@@ -84,6 +84,7 @@ def main() -> None:
     for fn, _ in variants.values():  # warm-up: page faults, thread pool start
         fn()
         fn()
+    load_before = os.getloadavg()[0]
     times = {name: [] for name in variants}
     for _ in range(args.reps):
         for name, (fn, _) in variants.items():
@@ -92,7 +93,12 @@ def main() -> None:
     rows = {}
     for name, (_, nbytes) in variants.items():
         med = statistics.median(times[name])
-        rows[name] = {"median_ms": med * 1e3, "bytes": nbytes, "gb_per_s": nbytes / med / 1e9}
+        rows[name] = {
+            "median_ms": med * 1e3,
+            "min_ms": min(times[name]) * 1e3,
+            "bytes": nbytes,
+            "gb_per_s": nbytes / med / 1e9,
+        }
     q = rows["fp8dp quantize"]
     copy_bw = rows["copy (dst.copy_(src))"]["gb_per_s"]
     naive_ms = rows["torch naive (amax, mul, .to)"]["median_ms"]
@@ -110,6 +116,7 @@ def main() -> None:
             f"{name:<30} {r['median_ms']:8.2f} {r['gb_per_s']:7.2f} "
             f"{r['speedup_vs_naive']:8.2f} {r['fraction_of_copy_bw']:10.0%}"
         )
+    print(f"1-min load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
     ok_naive = q["speedup_vs_naive"] >= 3.0
     ok_copy = q["fraction_of_copy_bw"] >= 0.5
     print(
@@ -121,6 +128,8 @@ def main() -> None:
         "benchmark": "quantize_cpu",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads},
+        # other processes on the machine skew the absolute numbers; the ratios less so
+        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
         "torch": torch.__version__,
         "fp8dp": fp8dp.__version__,
         "shape": [args.rows, args.cols],
