@@ -6,17 +6,21 @@
 
 namespace fp8dp {
 
-enum class Format : int { kE4M3 = 0, kE5M2 = 1 };
-
-constexpr float fp8_max(Format f) { return f == Format::kE4M3 ? 448.0f : 57344.0f; }
-const char* format_name(Format f);
-
-// The conversions below are shared by the CPU kernels and the CUDA kernels (host + device).
+// Everything below but format_name is shared by the CPU and the CUDA kernels (host + device).
 #if defined(__CUDACC__)
 #define FP8DP_HD __host__ __device__ __forceinline__
 #else
 #define FP8DP_HD inline
 #endif
+
+enum class Format : int { kE4M3 = 0, kE5M2 = 1 };
+
+FP8DP_HD constexpr float fp8_max(Format f) { return f == Format::kE4M3 ? 448.0f : 57344.0f; }
+// Bit pattern of the format's largest finite value (448 = 0x43E00000, 57344 = 0x47600000).
+FP8DP_HD constexpr uint32_t fp8_max_bits(Format f) {
+  return f == Format::kE4M3 ? 0x43E00000u : 0x47600000u;
+}
+const char* format_name(Format f);
 
 FP8DP_HD uint32_t float_bits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -87,9 +91,6 @@ FP8DP_HD float fp8_decode(uint8_t v, Format f) {
   }
   return bits_float(sign | ((exp + 127 - bias) << 23) | (man << (23 - mant)));
 }
-
-// Bit pattern of the format's largest finite value (448 = 0x43E00000, 57344 = 0x47600000).
-constexpr uint32_t fp8_max_bits(Format f) { return f == Format::kE4M3 ? 0x43E00000u : 0x47600000u; }
 
 // Saturating quantize of one value: saturate(rne(v)); v must already be multiplied by the scale.
 // |v| > max (including +-Inf) gives +-max; NaN gives NaN. The clamp works on the magnitude's bits:
