@@ -5,7 +5,9 @@ import torch  # noqa: F401  (loads libtorch before the extension that links agai
 from . import _C
 from . import recipe
 from .autocast import fp8_autocast, is_fp8_enabled
+from .modules import LayerNormLinear, Linear
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
+from .scaling import update_fp8_scales
 
 __version__ = "0.1.0"
 
@@ -31,9 +33,12 @@ __all__ = [
     "DelayedScaling",
     "Float8CurrentScaling",
     "Format",
+    "LayerNormLinear",
+    "Linear",
     "build_info",
     "cuda_available",
     "fp8_autocast",
     "is_fp8_enabled",
     "recipe",
+    "update_fp8_scales",
 ]

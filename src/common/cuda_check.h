@@ -1,8 +1,13 @@
 // CUDA / cuBLASLt / NCCL members of the FP8DP_CHECK family. Include only from CUDA builds.
 #pragma once
 
-#include <cublasLt.h>
 #include <cuda_runtime.h>
+// The cast kernels need only the CUDA runtime; cuBLASLt may be missing where CUDA sources are merely
+// compile-checked (nvcc without the cuBLAS package), so its check exists only when its header does.
+#if __has_include(<cublasLt.h>)
+#include <cublasLt.h>
+#define FP8DP_HAVE_CUBLASLT 1
+#endif
 
 #include "common/check.h"
 
@@ -15,6 +20,7 @@
                                                     cudaGetErrorString(_e)));              \
   } while (0)
 
+#if defined(FP8DP_HAVE_CUBLASLT)
 #define FP8DP_CHECK_CUBLAS(expr, ...)                                                        \
   do {                                                                                       \
     cublasStatus_t _s = (expr);                                                              \
@@ -24,5 +30,6 @@
                                                     ": ", cublasLtGetStatusString(_s), " ",  \
                                                     ##__VA_ARGS__));                         \
   } while (0)
+#endif
 
 // FP8DP_CHECK_NCCL lives in comm/cuda/nccl_check.h (it needs nccl.h).

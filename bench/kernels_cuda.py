@@ -1,0 +1,103 @@
+"""FP8 cast kernels on the GPU vs the device copy bandwidth and a naive torch quantize.
+
+Usage: python3 bench/kernels_cuda.py [--json out.json]
+Bandwidth counts the fewest bytes each op must move: the input read once plus every output written
+once (FP8 data, transposed data, dbias). Targets (issue 5): >= 80% of the copy bandwidth measured in
+the same run, >= 8x the naive torch quantize (amax, scale, cast as separate torch ops).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_timing import device_info, print_table, time_interleaved, write_json  # noqa: E402
+
+import fp8dp  # noqa: E402
+
+_C = fp8dp._C
+E4M3 = _C.Format.E4M3
+
+
+def naive_quantize(x, transpose):
+    """What a user writes without fused kernels: amax, scale, scaled cast, (transpose copy)."""
+    amax = x.abs().amax().float()
+    scale = 448.0 / amax
+    q = (x.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q, q.t().contiguous()) if transpose else q
+
+
+def check_against_cpu(x, scale):
+    """The timed shapes use launch configurations (several tiles per block) that the small test
+    shapes do not reach: check bytes, amax and dbias against the CPU kernels here too."""
+    gpu = _C.quantize(x, scale, E4M3, True, True, True)
+    cpu = _C.quantize(x.cpu(), scale.cpu(), E4M3, True, True, True)
+    same = torch.equal(gpu.data.view(torch.uint8).cpu(), cpu.data.view(torch.uint8))
+    same &= torch.equal(gpu.data_t.view(torch.uint8).cpu(), cpu.data_t.view(torch.uint8))
+    same &= torch.equal(gpu.amax.cpu(), cpu.amax)
+    # Two FP32 sums of the same column in different orders: within 2 (rows - 1) 2^-24 sum|x|.
+    bound = 2 * (x.shape[0] - 1) * 2.0**-24 * x.float().abs().sum(0).cpu()
+    same &= bool(((gpu.dbias.cpu() - cpu.dbias).abs() <= bound).all())
+    if not same:
+        print("MISMATCH between the CUDA and CPU casts", file=sys.stderr)
+    return bool(same)
+
+
+def bench_one(rows, cols, dtype):
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    scale = torch.tensor([2.0], device="cuda")
+    copy_dst = torch.empty_like(x)
+    n, es = x.numel(), x.element_size()
+    ops = {
+        "copy": (lambda: copy_dst.copy_(x), 2 * n * es),
+        "amax": (lambda: _C.quantize(x, scale, E4M3, False, False, False), n * es),
+        "quantize": (lambda: _C.quantize(x, scale, E4M3, True, False, False), n * es + n),
+        "cast_transpose": (lambda: _C.quantize(x, scale, E4M3, True, True, False), n * es + 2 * n),
+        "cast_transpose_dbias": (
+            lambda: _C.quantize(x, scale, E4M3, True, True, True),
+            n * es + 2 * n + 4 * cols,
+        ),
+        "naive_quantize": (lambda: naive_quantize(x, False), n * es + n),
+        "naive_cast_transpose": (lambda: naive_quantize(x, True), n * es + 2 * n),
+    }
+    ms = time_interleaved({k: v[0] for k, v in ops.items()})
+    matches = check_against_cpu(x, scale)
+    copy_bw = ops["copy"][1] / ms["copy"] / 1e9
+    res = []
+    for name, (_, nbytes) in ops.items():
+        bw = nbytes / ms[name] / 1e9  # bytes / ms / 1e9 = TB/s
+        entry = {"op": name, "ms": ms[name], "TBps": bw, "frac_copy_bw": bw / copy_bw}
+        if name in ("quantize", "cast_transpose"):
+            entry["speedup_vs_naive"] = ms["naive_" + name] / ms[name]
+        res.append(entry)
+    return {"shape": [rows, cols], "dtype": str(dtype), "input_MiB": n * es / 2**20,
+            "matches_cpu": matches, "ops": res}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    results = [
+        bench_one(16384, 8192, torch.bfloat16),  # 256 MiB input
+        bench_one(8192, 8192, torch.float32),  # 256 MiB input
+        bench_one(4096, 8192, torch.bfloat16),  # 64 MiB input
+    ]
+    for r in results:
+        rows = []
+        for o in r["ops"]:
+            sp = o.get("speedup_vs_naive")
+            rows.append([o["op"], f"{o['ms'] * 1e3:.1f}", f"{o['TBps']:.2f}",
+                         f"{100 * o['frac_copy_bw']:.0f}%", f"{sp:.1f}x" if sp else ""])
+        print_table(f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB), "
+                    f"matches CPU: {r['matches_cpu']}",
+                    ["op", "us", "TB/s", "of copy", "vs naive"], rows)
+    write_json(args.json, {"device": device_info(), "command": " ".join(sys.argv), "results": results})
+    if not all(r["matches_cpu"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

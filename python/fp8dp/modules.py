@@ -1,0 +1,294 @@
+"""fp8dp.Linear and fp8dp.LayerNormLinear: nn.Module owners of the parameters.
+
+Forward, backward, the FP8 casts, the weight cache, the delayed weight-gradient queue and
+backward_dw live in C++ (``_C.LinearCore``, src/modules/). These classes own the nn.Parameters,
+validate the constructor's arguments and pass the parameter attributes that C++ reads and writes
+(``main_grad``, ``zero_out_wgrad``, ``grad_added_to_main_grad``).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from . import _C
+
+_EXTRA_STATE_KEY = "_extra_state"
+
+
+def _check_features(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected an integer > 0, got {value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+class _FP8LinearBase(torch.nn.Module):
+    """What Linear and LayerNormLinear share: weight/bias, the C++ core and the C3 API."""
+
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias,
+        params_dtype,
+        device,
+        fuse_wgrad_accumulation,
+        delay_wgrad_compute,
+        init_method,
+    ):
+        super().__init__()
+        _check_features("in_features", in_features)
+        _check_features("out_features", out_features)
+        for name, value in (
+            ("bias", bias),
+            ("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
+            ("delay_wgrad_compute", delay_wgrad_compute),
+        ):
+            _check_bool(name, value)
+        dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                "params_dtype: expected torch.float32, torch.bfloat16 or torch.float16, "
+                f"got {dtype!r}"
+            )
+        if init_method is not None and not callable(init_method):
+            raise ValueError(
+                f"init_method: expected a callable(weight) or None, got {init_method!r}"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.delay_wgrad_compute = delay_wgrad_compute
+        factory = {"dtype": dtype, "device": device}
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        with torch.no_grad():
+            if init_method is not None:
+                init_method(self.weight)
+            else:  # torch.nn.Linear's default
+                torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            if self.bias is not None:
+                self.bias.zero_()
+        self._init_param_attrs()
+
+    def _make_core(self, **norm) -> None:
+        name = (
+            f"{type(self).__name__}(in_features={self.in_features}, "
+            f"out_features={self.out_features})"
+        )
+        self._core = _C.LinearCore(
+            name=name,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            delay_wgrad_compute=self.delay_wgrad_compute,
+            **norm,
+        )
+        # The callables reach the module through a weak reference: a strong one would make a
+        # module -> C++ core -> module cycle that Python's GC cannot see through. They look up
+        # self.weight on each call, so a weight re-assigned after construction (tying) is used.
+        module = weakref.ref(self)
+
+        def mark_added():
+            module().weight.grad_added_to_main_grad = True
+
+        self._core.set_weight_attrs(
+            main_grad=lambda: getattr(module().weight, "main_grad", None),
+            zero_out_wgrad=lambda: bool(getattr(module().weight, "zero_out_wgrad", False)),
+            mark_grad_added_to_main_grad=mark_added,
+        )
+
+    def _init_param_attrs(self) -> None:
+        for p in (self.weight, self.bias):
+            if p is None:
+                continue
+            # C3: DDP routes these parameters' gradients through backward_dw's hooks instead.
+            p.skip_backward_post_hook = self.delay_wgrad_compute
+        self.weight.grad_added_to_main_grad = False
+        self.weight.zero_out_wgrad = False
+
+    # ---- the C3 API -------------------------------------------------------------------------
+    def backward_dw(self) -> None:
+        """Run the oldest queued weight-gradient GEMM (delay_wgrad_compute=True): writes
+        ``weight.grad`` (or ``weight.main_grad`` when fused; accumulates into an existing one),
+        backfills the bias gradient only where the deferred GEMM made one (C4), then calls every
+        hook registered with register_wgrad_accumulation_and_reduce_hooks."""
+        self._core.backward_dw()
+
+    def need_backward_dw(self) -> bool:
+        """True when delay_wgrad_compute is on and at least one weight gradient is queued."""
+        return self._core.need_backward_dw()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` (no arguments) at the end of every backward_dw()."""
+        if not callable(hook):
+            raise ValueError(f"hook: expected a callable taking no arguments, got {hook!r}")
+        self._core.register_wgrad_hook(hook)
+
+    # ---- FP8 state in the state dict --------------------------------------------------------
+    def get_extra_state(self):
+        """The delayed-scaling state (amax history, scales; CPU tensors), or None before the
+        first FP8 forward."""
+        return self._core.get_extra_state()
+
+    def set_extra_state(self, state) -> None:
+        self._core.set_extra_state(state)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        key = prefix + _EXTRA_STATE_KEY
+        if key not in state_dict:
+            # A state dict without FP8 state (e.g. from torch.nn.Linear) loads; the FP8 state
+            # starts afresh, as in a new module.
+            if key in missing_keys:
+                missing_keys.remove(key)
+            self._core.set_extra_state(None)
+
+    def _forward(self, x, is_first_microbatch, ln_weight=None, ln_bias=None):
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise ValueError(
+                f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"input: expected a torch.Tensor, got {type(x).__name__}")
+        return self._core.forward(
+            x, self.weight, self.bias, ln_weight, ln_bias, is_first_microbatch
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, "
+            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
+            f"delay_wgrad_compute={self.delay_wgrad_compute}"
+        )
+
+
+class Linear(_FP8LinearBase):
+    """y = x · weightᵀ + bias, in FP8 inside ``fp8dp.fp8_autocast`` (E4M3 input and weight, E5M2
+    grad_output with HYBRID), else in params_dtype with FP32 accumulation.
+
+    in_features, out_features: sizes; FP8 needs both (and the token count) multiples of 16.
+    bias: add a bias (initialised to zero).
+    params_dtype: dtype of the parameters and of the input (default: torch's default dtype).
+    device: where the parameters live.
+    fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (C2 b).
+    delay_wgrad_compute: queue the weight gradient for ``backward_dw()`` (C3).
+    init_method: callable(weight) that initialises the weight; default torch.nn.Linear's.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        init_method: Optional[Callable[[torch.Tensor], None]] = None,
+    ):
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            params_dtype,
+            device,
+            fuse_wgrad_accumulation,
+            delay_wgrad_compute,
+            init_method,
+        )
+        self._make_core(
+            layernorm=False,
+            rms=False,
+            eps=1e-5,
+            zero_centered_gamma=False,
+            return_layernorm_output=False,
+        )
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """x: [..., in_features]. is_first_microbatch: None or True refresh the FP8 weight cache,
+        False reuses it; True also makes a fused wgrad overwrite main_grad."""
+        return self._forward(x, is_first_microbatch)[0]
+
+
+class LayerNormLinear(_FP8LinearBase):
+    """Linear(norm(x)) with the norm and the FP8 cast of its output in one pass per row.
+
+    normalization: "LayerNorm" (parameters layer_norm_weight and layer_norm_bias) or "RMSNorm"
+        (layer_norm_weight only).
+    eps: added to the variance. Default 1e-5.
+    zero_centered_gamma: the norm multiplies by 1 + layer_norm_weight (initialised to 0), so weight
+        decay pulls the scale towards 1.
+    return_layernorm_output: forward returns (y, normalized input).
+    Other arguments as in fp8dp.Linear.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        init_method: Optional[Callable[[torch.Tensor], None]] = None,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
+        return_layernorm_output: bool = False,
+    ):
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            params_dtype,
+            device,
+            fuse_wgrad_accumulation,
+            delay_wgrad_compute,
+            init_method,
+        )
+        if normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(
+                f"normalization: expected 'LayerNorm' or 'RMSNorm', got {normalization!r}"
+            )
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+            raise ValueError(f"eps: expected a number > 0, got {eps!r}")
+        _check_bool("zero_centered_gamma", zero_centered_gamma)
+        _check_bool("return_layernorm_output", return_layernorm_output)
+        self.normalization = normalization
+        self.eps = float(eps)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        factory = {"dtype": self.weight.dtype, "device": self.weight.device}
+        gamma = torch.zeros if zero_centered_gamma else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(gamma(in_features, **factory))
+        self.layer_norm_bias = (
+            torch.nn.Parameter(torch.zeros(in_features, **factory))
+            if normalization == "LayerNorm"
+            else None
+        )
+        self._make_core(
+            layernorm=True,
+            rms=normalization == "RMSNorm",
+            eps=self.eps,
+            zero_centered_gamma=zero_centered_gamma,
+            return_layernorm_output=return_layernorm_output,
+        )
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """x: [..., in_features]; returns y, or (y, ln_out) with return_layernorm_output."""
+        out = self._forward(x, is_first_microbatch, self.layer_norm_weight, self.layer_norm_bias)
+        return (out[0], out[1]) if self.return_layernorm_output else out[0]

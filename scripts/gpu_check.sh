@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Everything fp8dp checks on the GPU machine, in one run: build against that machine's own CUDA
+# torch, the GPU gtests (ctest), the pytest suites, the 2-GPU NCCL tests when two GPUs are visible,
+# compute-sanitizer memcheck on the kernel gtest, and the benchmarks. Each step runs even when an
+# earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
+# Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
+# bench_kernels.json, bench_gemm.json, summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# NVLink multicast stays off: on a shared host it can take the GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-build/gpu/out}
+mkdir -p "$OUT"
+PY=${PY:-$(command -v python3)}
+BUILD=build/gpu
+JOBS=${JOBS:-$(nproc)}
+STEPS=${STEPS:-build ctest pytest distributed bench sanitizer}
+
+declare -A RC
+run_step() {  # run_step NAME LOG TIMEOUT_S CMD...
+  local name=$1 log=$2 limit=$3
+  shift 3
+  echo "=== [$name] $* ($(date -u +%H:%M:%S))" | tee -a "$log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$log" 2>&1
+  RC[$name]=$?
+  echo "=== [$name] rc=${RC[$name]} in $((SECONDS - t0)) s" | tee -a "$log"
+}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+{
+  echo "date: $(date -u)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+  nvcc --version | tail -1
+} >"$OUT/build.log" 2>&1
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+
+GEN=(-G Ninja)
+command -v ninja >/dev/null || GEN=(-G "Unix Makefiles")
+if want build; then
+  run_step configure "$OUT/build.log" 300 cmake -S . -B "$BUILD" "${GEN[@]}" \
+    -DPython3_EXECUTABLE="$PY" -DFP8DP_CUDA=ON -DFP8DP_INPLACE=ON -DCMAKE_BUILD_TYPE=Release
+  run_step build "$OUT/build.log" 400 cmake --build "$BUILD" -j "$JOBS"
+fi
+"$PY" -c 'import fp8dp; print("fp8dp build_info", fp8dp.build_info())' >>"$OUT/build.log" 2>&1
+
+if want ctest; then
+  run_step ctest "$OUT/tests.log" 300 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS"
+fi
+if want pytest; then
+  # One process per file: a crash in one file must not hide the results of the others.
+  prc=0
+  for f in tests/python/test_*.py; do
+    run_step "pytest" "$OUT/tests.log" 300 "$PY" -m pytest -q -rs "$f"
+    [ "${RC[pytest]}" = 0 ] || [ "${RC[pytest]}" = 5 ] || prc=${RC[pytest]}
+  done
+  RC[pytest]=$prc
+fi
+if want distributed; then
+  if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
+    run_step distributed "$OUT/tests.log" 400 "$PY" -m pytest -q -rs tests/distributed
+    [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
+  else
+    echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
+  fi
+fi
+if want bench; then
+  run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
+  run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+fi
+if want sanitizer; then
+  # Kernel gtest under memcheck; one cast per parametrised case is plenty for out-of-bounds checks.
+  run_step sanitizer "$OUT/sanitizer.log" 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    --leak-check no "$BUILD/test_quantize_cuda" --gtest_brief=1
+fi
+
+{
+  echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
+  for k in configure build ctest pytest distributed bench_kernels bench_gemm sanitizer; do
+    [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
+  done
+  grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8
+} | tee "$OUT/summary.txt"
+# Benchmark tables last, so they end the output.
+grep -vE "^===" "$OUT/bench.log" 2>/dev/null | tail -40
+for k in "${!RC[@]}"; do [ "${RC[$k]}" = 0 ] || exit 1; done
+exit 0

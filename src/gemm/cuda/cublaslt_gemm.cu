@@ -1,0 +1,321 @@
+// cuBLASLt GEMM with cached plans and per-shape algorithm selection (see cublaslt_gemm.h).
+// Row-major out[m, n] = a[m, k] · b[n, k]ᵀ is, in cuBLASLt's column-major terms, the [n, m] matrix
+// b · aᵀ: so A := b (k x n, op T), B := a (k x m, op N), M = n, N = m, K = k. That is the "TN" layout
+// Hopper's FP8 tensor cores require, and A's scale pointer is therefore b's scale_inv.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "common/cuda_check.h"
+#include "gemm/cuda/cublaslt_gemm.h"
+
+namespace fp8dp {
+namespace {
+
+// 32 MiB: what cuBLASLt's Hopper FP8 kernels ask for at the largest split-K / stream-K settings.
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+constexpr int kMaxAlgos = 8;
+constexpr int kTimedReps = 5;
+
+cudaDataType_t to_cuda(GemmDType t) {
+  switch (t) {
+    case GemmDType::kFloat32: return CUDA_R_32F;
+    case GemmDType::kBFloat16: return CUDA_R_16BF;
+    case GemmDType::kFloat16: return CUDA_R_16F;
+    case GemmDType::kE4M3: return CUDA_R_8F_E4M3;
+    case GemmDType::kE5M2: return CUDA_R_8F_E5M2;
+  }
+  return CUDA_R_32F;
+}
+
+size_t elem_size(GemmDType t) {
+  switch (t) {
+    case GemmDType::kFloat32: return 4;
+    case GemmDType::kBFloat16:
+    case GemmDType::kFloat16: return 2;
+    default: return 1;
+  }
+}
+
+bool is_fp8(GemmDType t) { return t == GemmDType::kE4M3 || t == GemmDType::kE5M2; }
+
+// Largest power of two (<= 256) dividing the address: cuBLASLt picks kernels by operand alignment.
+uint32_t alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && v % a != 0) a /= 2;
+  return a;
+}
+
+std::string shape_of(const LtGemmParams& p) {
+  using std::to_string;
+  return "(GEMM m=" + to_string(p.m) + " n=" + to_string(p.n) + " k=" + to_string(p.k) +
+         " a=" + gemm_dtype_name(p.a_type) + " b=" + gemm_dtype_name(p.b_type) +
+         " out=" + gemm_dtype_name(p.out_type) + (p.bias ? " +bias" : "") +
+         (p.accumulate ? " accumulate" : "") + (p.fast_accum ? " fast_accum" : "") + ")";
+}
+
+struct Key {
+  int device;
+  int64_t m, n, k, lda, ldb, ldo;
+  int a_type, b_type, out_type, bias_type;
+  bool bias, accumulate, fast_accum;
+  uint32_t align_a, align_b, align_out;
+  auto tie() const {
+    return std::tie(device, m, n, k, lda, ldb, ldo, a_type, b_type, out_type, bias_type, bias,
+                    accumulate, fast_accum, align_a, align_b, align_out);
+  }
+  bool operator<(const Key& o) const { return tie() < o.tie(); }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  std::mutex mu;  // the scale / bias pointers are descriptor attributes, set per call
+  ~Plan() {
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+struct State {
+  std::mutex mu;
+  std::map<int, cublasLtHandle_t> handles;
+  std::map<std::pair<int, cudaStream_t>, void*> workspaces;
+  std::map<Key, std::unique_ptr<Plan>> plans;
+  bool autotune = [] {
+    const char* e = std::getenv("FP8DP_GEMM_AUTOTUNE");
+    return !(e != nullptr && std::strcmp(e, "0") == 0);
+  }();
+};
+
+State& state() {
+  static State* s = new State();  // never destroyed: plans may outlive static teardown order
+  return *s;
+}
+
+// Caller holds state().mu.
+cublasLtHandle_t handle_for(int dev) {
+  auto& h = state().handles[dev];
+  if (h == nullptr) FP8DP_CHECK_CUBLAS(cublasLtCreate(&h), "(creating the handle of device ", dev, ")");
+  return h;
+}
+
+// One workspace per (device, stream): GEMMs on one stream are ordered, so they can share it.
+void* workspace_for(int dev, cudaStream_t st) {
+  void*& w = state().workspaces[{dev, st}];
+  if (w == nullptr) FP8DP_CHECK_CUDA(cudaMalloc(&w, kWorkspaceBytes));
+  return w;
+}
+
+// Messages are formatted only when a check fails (the macros evaluate their message arguments
+// lazily), so the per-call path builds no strings.
+void set_pointers(Plan& pl, const LtGemmParams& p) {
+  if (is_fp8(p.a_type)) {
+    FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                      &p.b_scale_inv, sizeof(p.b_scale_inv)),
+                       shape_of(p));
+    FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                      &p.a_scale_inv, sizeof(p.a_scale_inv)),
+                       shape_of(p));
+  }
+  if (p.bias) {
+    FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                      &p.bias, sizeof(p.bias)),
+                       shape_of(p));
+  }
+}
+
+cublasStatus_t matmul(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p, void* out,
+                      const cublasLtMatmulAlgo_t* algo, void* ws, cudaStream_t st) {
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  return cublasLtMatmul(h, pl.op, &alpha, p.b, pl.la, p.a, pl.lb, &beta, out, pl.lc, out, pl.lc,
+                        algo, ws, kWorkspaceBytes, st);
+}
+
+// Times every heuristic candidate (after one warm-up) and returns the index of the fastest. With
+// accumulate the candidates write a scratch copy so that `out` is not summed into repeatedly.
+int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
+                 const cublasLtMatmulHeuristicResult_t* res, int count, void* ws, cudaStream_t st) {
+  void* target = p.out;
+  const size_t out_bytes = static_cast<size_t>(p.m) * p.ldo * elem_size(p.out_type);
+  if (p.accumulate) {
+    FP8DP_CHECK_CUDA(cudaMallocAsync(&target, out_bytes, st));
+    FP8DP_CHECK_CUDA(cudaMemsetAsync(target, 0, out_bytes, st));
+  }
+  cudaEvent_t e0, e1;
+  FP8DP_CHECK_CUDA(cudaEventCreate(&e0));
+  FP8DP_CHECK_CUDA(cudaEventCreate(&e1));
+  int best = 0;
+  float best_ms = std::numeric_limits<float>::infinity();
+  for (int i = 0; i < count; ++i) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    if (matmul(h, pl, p, target, &res[i].algo, ws, st) != CUBLAS_STATUS_SUCCESS) continue;
+    FP8DP_CHECK_CUDA(cudaEventRecord(e0, st));
+    for (int r = 0; r < kTimedReps; ++r) matmul(h, pl, p, target, &res[i].algo, ws, st);
+    FP8DP_CHECK_CUDA(cudaEventRecord(e1, st));
+    FP8DP_CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0.0f;
+    FP8DP_CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (ms < best_ms) best_ms = ms, best = i;
+  }
+  FP8DP_CHECK_CUDA(cudaEventDestroy(e0));
+  FP8DP_CHECK_CUDA(cudaEventDestroy(e1));
+  if (p.accumulate) FP8DP_CHECK_CUDA(cudaFreeAsync(target, st));
+  return best;
+}
+
+std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void* ws,
+                                 cudaStream_t st, bool autotune) {
+  auto pl = std::make_unique<Plan>();
+  FP8DP_CHECK_CUBLAS(cublasLtMatmulDescCreate(&pl->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), shape_of(p));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  FP8DP_CHECK_CUBLAS(
+      cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), shape_of(p));
+  FP8DP_CHECK_CUBLAS(
+      cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), shape_of(p));
+  if (is_fp8(p.a_type)) {
+    const int8_t fast = p.fast_accum ? 1 : 0;
+    FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                                      &fast, sizeof(fast)),
+                       shape_of(p));
+  }
+  if (p.bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    const int32_t bt = to_cuda(p.bias_type);
+    FP8DP_CHECK_CUBLAS(
+        cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)),
+        shape_of(p));
+    FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                      &bt, sizeof(bt)),
+                       shape_of(p));
+  }
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->la, to_cuda(p.b_type), p.k, p.n, p.ldb), shape_of(p));
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lb, to_cuda(p.a_type), p.k, p.m, p.lda), shape_of(p));
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lc, to_cuda(p.out_type), p.n, p.m, p.ldo),
+                     shape_of(p));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  FP8DP_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref), shape_of(p));
+  const uint64_t ws_bytes = kWorkspaceBytes;
+  const uint32_t al_a = alignment(p.b), al_b = alignment(p.a), al_c = alignment(p.out);
+  cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                             &al_a, sizeof(al_a));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                             &al_b, sizeof(al_b));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                             &al_c, sizeof(al_c));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                             &al_c, sizeof(al_c));
+  cublasLtMatmulHeuristicResult_t res[kMaxAlgos] = {};
+  int count = 0;
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    s = cublasLtMatmulAlgoGetHeuristic(h, pl->op, pl->la, pl->lb, pl->lc, pl->lc, pref, kMaxAlgos,
+                                       res, &count);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  FP8DP_CHECK_CUBLAS(s, "while asking for algorithms ", shape_of(p));
+  FP8DP_CHECK(count > 0, "cuBLASLt has no algorithm for ", shape_of(p),
+              " (FP8 needs k and n multiples of 16, 16-byte aligned operands, and not both e5m2)");
+
+  set_pointers(*pl, p);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  FP8DP_CHECK_CUDA(cudaStreamIsCapturing(st, &cap));
+  const int pick = (autotune && count > 1 && cap == cudaStreamCaptureStatusNone)
+                       ? pick_fastest(h, *pl, p, res, count, ws, st)
+                       : 0;
+  pl->algo = res[pick].algo;
+  return pl;
+}
+
+}  // namespace
+
+const char* gemm_dtype_name(GemmDType t) {
+  switch (t) {
+    case GemmDType::kFloat32: return "float32";
+    case GemmDType::kBFloat16: return "bfloat16";
+    case GemmDType::kFloat16: return "float16";
+    case GemmDType::kE4M3: return "float8_e4m3fn";
+    case GemmDType::kE5M2: return "float8_e5m2";
+  }
+  return "?";
+}
+
+void gemm_lt(const LtGemmParams& p, void* stream) {
+  FP8DP_CHECK(p.m > 0 && p.n > 0 && p.k > 0, "gemm_lt: empty shape ", shape_of(p));
+  FP8DP_CHECK(p.a && p.b && p.out, "gemm_lt: null operand pointer ", shape_of(p));
+  FP8DP_CHECK(!is_fp8(p.a_type) || (p.a_scale_inv && p.b_scale_inv),
+              "gemm_lt: FP8 operands need both scale_inv pointers ", shape_of(p));
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  int dev = 0;
+  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
+  const Key key{dev,
+                p.m,
+                p.n,
+                p.k,
+                p.lda,
+                p.ldb,
+                p.ldo,
+                static_cast<int>(p.a_type),
+                static_cast<int>(p.b_type),
+                static_cast<int>(p.out_type),
+                p.bias ? static_cast<int>(p.bias_type) : -1,
+                p.bias != nullptr,
+                p.accumulate,
+                p.fast_accum && is_fp8(p.a_type),
+                alignment(p.a),
+                alignment(p.b),
+                alignment(p.out)};
+  State& S = state();
+  Plan* plan = nullptr;
+  cublasLtHandle_t h = nullptr;
+  void* ws = nullptr;
+  {
+    // Held while a new plan is autotuned: tuning happens once per shape, and other threads asking
+    // for the same shape must wait for its result rather than tune it again.
+    std::lock_guard<std::mutex> lock(S.mu);
+    h = handle_for(dev);
+    ws = workspace_for(dev, st);
+    auto it = S.plans.find(key);
+    if (it == S.plans.end()) it = S.plans.emplace(key, build_plan(h, p, ws, st, S.autotune)).first;
+    plan = it->second.get();
+  }
+  std::lock_guard<std::mutex> lock(plan->mu);
+  set_pointers(*plan, p);
+  FP8DP_CHECK_CUBLAS(matmul(h, *plan, p, p.out, &plan->algo, ws, st), shape_of(p));
+}
+
+void gemm_lt_set_autotune(bool on) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().autotune = on;
+}
+
+int64_t gemm_lt_cache_size() {
+  std::lock_guard<std::mutex> lock(state().mu);
+  return static_cast<int64_t>(state().plans.size());
+}
+
+void gemm_lt_clear_cache() {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().plans.clear();
+}
+
+}  // namespace fp8dp

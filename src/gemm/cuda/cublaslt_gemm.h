@@ -1,0 +1,48 @@
+// Raw-pointer cuBLASLt GEMM below LibTorch: out[m, n] = a[m, k] · b[n, k]ᵀ (row-major, "TN"),
+// FP8 with per-tensor scale pointers or high precision, with the BIAS epilogue and beta = 1
+// accumulation. Torch-free: the LibTorch layer (gemm_cuda.cpp) checks tensors and calls gemm_lt().
+#pragma once
+
+#include <cstdint>
+
+namespace fp8dp {
+
+enum class GemmDType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kE4M3 = 3, kE5M2 = 4 };
+
+const char* gemm_dtype_name(GemmDType t);
+
+struct LtGemmParams {
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;  // [m, k], rows lda elements apart
+  GemmDType a_type = GemmDType::kBFloat16;
+  int64_t lda = 0;
+  const void* b = nullptr;  // [n, k], rows ldb elements apart
+  GemmDType b_type = GemmDType::kBFloat16;
+  int64_t ldb = 0;
+  const float* a_scale_inv = nullptr;  // device float[1] (FP8 only): a's dequantization factor
+  const float* b_scale_inv = nullptr;
+  const void* bias = nullptr;  // [n] of bias_type, or null
+  GemmDType bias_type = GemmDType::kBFloat16;
+  void* out = nullptr;  // [m, n], rows ldo elements apart
+  GemmDType out_type = GemmDType::kBFloat16;
+  int64_t ldo = 0;
+  bool accumulate = false;  // out += a·bᵀ (beta = 1)
+  bool fast_accum = false;  // FP8: tensor-core accumulation without periodic FP32 promotion
+};
+
+// Runs the GEMM on `stream` (a cudaStream_t) on the current device. The first call for a shape
+// (dims, strides, dtypes, epilogue, pointer alignment) builds and caches the cuBLASLt descriptors,
+// asks the heuristic for up to 8 algorithms and, unless autotuning is off or the stream is being
+// captured into a graph, times each once on the call's operands and keeps the fastest. Every
+// cuBLASLt failure throws fp8dp::Error naming the status and the shape.
+void gemm_lt(const LtGemmParams& p, void* stream);
+
+// Autotuning switch (default on; the environment variable FP8DP_GEMM_AUTOTUNE=0 turns it off).
+// Only affects shapes not cached yet.
+void gemm_lt_set_autotune(bool on);
+
+// Cached plans (for tests and benchmarks) and dropping them.
+int64_t gemm_lt_cache_size();
+void gemm_lt_clear_cache();
+
+}  // namespace fp8dp

@@ -1,0 +1,128 @@
+// GEMM front end: argument checks shared by every device, and the CPU path.
+// The CPU path dequantizes FP8 operands exactly (decode(byte) * scale_inv is exact in FP32 unless
+// it underflows), multiplies in FP32 and applies the epilogues in FP32, so its result is the one an
+// FP8 tensor-core GEMM with FP32 accumulation computes, up to the order of the FP32 additions.
+#include "gemm/gemm.h"
+
+#include <ATen/ATen.h>
+
+#include "common/check.h"
+#include "fp8/ops.h"
+
+namespace fp8dp {
+namespace {
+
+constexpr const char* kFn = "fp8dp.gemm";
+
+bool is_fp8(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
+}
+
+bool is_high_precision(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_operand(const at::Tensor& t, const at::Tensor& scale_inv, const char* name,
+                   const char* scale_name) {
+  FP8DP_CHECK_ARG(t.defined(), kFn, ": operand '", name, "' is undefined");
+  FP8DP_CHECK_ARG(t.dim() == 2, kFn, ": operand '", name, "' must be 2-D, got shape ", t.sizes());
+  FP8DP_CHECK_ARG(t.is_contiguous(), kFn, ": operand '", name,
+                  "' must be row-major contiguous (TN layout), got strides ", t.strides());
+  FP8DP_CHECK_ARG(is_fp8(t) || is_high_precision(t.scalar_type()), kFn, ": operand '", name,
+                  "' must be float8_e4m3fn, float8_e5m2, float32, bfloat16 or float16, got ",
+                  t.scalar_type());
+  if (is_fp8(t)) {
+    FP8DP_CHECK_ARG(scale_inv.defined(), kFn, ": operand '", name, "' is FP8 but '", scale_name,
+                    "' is undefined");
+    FP8DP_CHECK_ARG(scale_inv.scalar_type() == at::kFloat && scale_inv.numel() == 1, kFn, ": '",
+                    scale_name, "' must be float32 with one element, got ", scale_inv.scalar_type(),
+                    " with ", scale_inv.numel(), " elements");
+    FP8DP_CHECK_ARG(scale_inv.device() == t.device(), kFn, ": '", scale_name, "' is on ",
+                    scale_inv.device(), " but '", name, "' is on ", t.device());
+  }
+}
+
+void check_args(const GemmArgs& g) {
+  check_operand(g.a, g.a_scale_inv, "a", "a_scale_inv");
+  check_operand(g.b, g.b_scale_inv, "b", "b_scale_inv");
+  FP8DP_CHECK_ARG(g.a.device() == g.b.device(), kFn, ": operands on different devices: a on ",
+                  g.a.device(), ", b on ", g.b.device());
+  const bool fp8 = is_fp8(g.a);
+  FP8DP_CHECK_ARG(fp8 == is_fp8(g.b), kFn,
+                  ": operands must be both FP8 or both high precision, got a ", g.a.scalar_type(),
+                  " and b ", g.b.scalar_type());
+  if (!fp8) {
+    FP8DP_CHECK_ARG(g.a.scalar_type() == g.b.scalar_type(), kFn,
+                    ": high-precision operands must share a dtype, got a ", g.a.scalar_type(),
+                    " and b ", g.b.scalar_type());
+  }
+  const int64_t m = g.a.size(0), k = g.a.size(1), n = g.b.size(0);
+  FP8DP_CHECK_ARG(g.b.size(1) == k, kFn, ": inner dimensions differ: a is [", m, ", ", k,
+                  "] and b is [", n, ", ", g.b.size(1), "] (out = a · bᵀ needs equal k)");
+  if (fp8) {
+    // FP8 tensor cores need 16-byte aligned K and N; the CPU applies the same rule so that a model
+    // that runs here also runs on a GPU.
+    FP8DP_CHECK_ARG(k % 16 == 0, kFn,
+                    ": FP8 GEMM needs the inner dimension k to be a multiple of 16, got k=", k,
+                    " (a [", m, ", ", k, "], b [", n, ", ", k, "])");
+    FP8DP_CHECK_ARG(n % 16 == 0, kFn,
+                    ": FP8 GEMM needs the output dimension n to be a multiple of 16, got n=", n,
+                    " (a [", m, ", ", k, "], b [", n, ", ", k, "])");
+  }
+  if (g.bias.defined()) {
+    FP8DP_CHECK_ARG(g.bias.dim() == 1 && g.bias.size(0) == n, kFn, ": 'bias' must have shape [", n,
+                    "], got ", g.bias.sizes());
+    FP8DP_CHECK_ARG(is_high_precision(g.bias.scalar_type()), kFn,
+                    ": 'bias' must be float32, bfloat16 or float16, got ", g.bias.scalar_type());
+    FP8DP_CHECK_ARG(g.bias.device() == g.a.device(), kFn, ": 'bias' is on ", g.bias.device(),
+                    " but the operands are on ", g.a.device());
+  }
+  FP8DP_CHECK_ARG(!g.accumulate || g.out.defined(), kFn,
+                  ": accumulate=true needs a preallocated 'out' to accumulate into");
+  if (g.out.defined()) {
+    FP8DP_CHECK_ARG(g.out.dim() == 2 && g.out.size(0) == m && g.out.size(1) == n, kFn,
+                    ": 'out' must have shape [", m, ", ", n, "], got ", g.out.sizes());
+    FP8DP_CHECK_ARG(g.out.is_contiguous(), kFn, ": 'out' must be contiguous");
+    FP8DP_CHECK_ARG(is_high_precision(g.out.scalar_type()), kFn,
+                    ": 'out' must be float32, bfloat16 or float16, got ", g.out.scalar_type());
+    FP8DP_CHECK_ARG(g.out.device() == g.a.device(), kFn, ": 'out' is on ", g.out.device(),
+                    " but the operands are on ", g.a.device());
+  } else {
+    FP8DP_CHECK_ARG(is_high_precision(g.out_dtype), kFn,
+                    ": 'out_dtype' must be float32, bfloat16 or float16, got ", g.out_dtype);
+  }
+}
+
+at::Tensor to_fp32(const at::Tensor& t, const at::Tensor& scale_inv) {
+  return is_fp8(t) ? dequantize(t, scale_inv, at::kFloat) : t.to(at::kFloat);
+}
+
+at::Tensor gemm_cpu(const GemmArgs& g) {
+  FP8DP_CHECK_ARG(g.a.is_cpu(), kFn, ": no GEMM for device ", g.a.device(), " in this build");
+  at::Tensor r = at::mm(to_fp32(g.a, g.a_scale_inv), to_fp32(g.b, g.b_scale_inv).t());
+  if (g.bias.defined()) r.add_(g.bias.to(at::kFloat));
+  if (!g.out.defined()) return r.to(g.out_dtype);
+  if (g.accumulate) {
+    // beta = 1: out + a·bᵀ in FP32, rounded once into out's dtype (what the GPU epilogue does).
+    if (g.out.scalar_type() == at::kFloat) {
+      g.out.add_(r);
+    } else {
+      g.out.copy_(r.add_(g.out.to(at::kFloat)));
+    }
+  } else {
+    g.out.copy_(r);
+  }
+  return g.out;
+}
+
+}  // namespace
+
+at::Tensor gemm(const GemmArgs& args) {
+  check_args(args);
+#if defined(FP8DP_WITH_CUDA)
+  if (args.a.is_cuda()) return gemm_cuda(args);
+#endif
+  return gemm_cpu(args);
+}
+
+}  // namespace fp8dp

@@ -1,0 +1,87 @@
+// The C++ core of fp8dp.Linear and fp8dp.LayerNormLinear: FP8 state, weight cache, wgrad routing
+// (C2), the delayed weight-gradient queue (C3) and backward_dw with the guarded bias backfill (C4).
+// The Python modules own the nn.Parameters and call forward() / backward_dw() on this object.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fp8/recipe.h"
+#include "modules/norm.h"
+#include "modules/scaling_state.h"
+#include "modules/wgrad_store.h"
+
+namespace fp8dp {
+
+struct LinearConfig {
+  std::string name;  // used in error messages, e.g. "Linear(in_features=32, out_features=64)"
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool fuse_wgrad_accumulation = false;
+  bool delay_wgrad_compute = false;
+  bool layernorm = false;  // LayerNormLinear: normalize the input first
+  NormConfig norm;
+  bool return_layernorm_output = false;
+};
+
+// Attributes that live on the Python weight Parameter: the bindings fill these with callables so
+// that the C++ core reads and writes them where C2 says (defaults: none of them is set).
+struct WeightAttrs {
+  std::function<at::Tensor()> main_grad;  // undefined tensor when the attribute is missing
+  std::function<bool()> zero_out_wgrad;   // weight.zero_out_wgrad, default False
+  std::function<void()> mark_grad_added_to_main_grad;  // weight.grad_added_to_main_grad = True
+};
+
+class LinearCore : public std::enable_shared_from_this<LinearCore> {
+ public:
+  explicit LinearCore(LinearConfig cfg);
+
+  const LinearConfig& config() const { return cfg_; }
+  void set_weight_attrs(WeightAttrs attrs);
+
+  // x: [..., in_features] in the parameters' dtype and device. ln_weight / ln_bias only for
+  // LayerNormLinear (ln_bias undefined for RMSNorm), bias optional. Returns {y} or, with
+  // return_layernorm_output, {y, ln_out}. Differentiable through a C++ autograd function.
+  // is_first_microbatch: nullopt or true refresh the FP8 weight cache, false reuses it; true also
+  // makes the fused wgrad overwrite main_grad instead of accumulating.
+  std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& bias, const at::Tensor& ln_weight,
+                                  const at::Tensor& ln_bias,
+                                  std::optional<bool> is_first_microbatch);
+
+  // C3/C4: pops the oldest queued wgrad, runs it, writes weight.grad (or main_grad when fused),
+  // backfills the bias gradient only when the deferred GEMM produced one, then runs every hook.
+  void backward_dw();
+  bool need_backward_dw() const;  // delay_wgrad_compute and at least one wgrad queued
+  int64_t queued_wgrads() const { return store_.size(); }
+  void register_wgrad_hook(std::function<void()> hook);
+
+  ScalingState& scaling() { return scaling_; }
+
+  // Used by the autograd function (linear_autograd.cpp).
+  Quantized cast(const at::Tensor& x, Role role, const AutocastState& ac, QuantizeOptions opts);
+  Quantized weight_fp8(const at::Tensor& weight, const AutocastState& ac,
+                       std::optional<bool> is_first_microbatch);
+  at::Tensor main_grad_for(const at::Tensor& weight);
+  at::Tensor dummy_wgrad(const at::Tensor& weight);
+  void mark_grad_added_to_main_grad();
+  void enqueue(WgradTask task) { store_.push(std::move(task)); }
+
+ private:
+  LinearConfig cfg_;
+  WeightAttrs attrs_;
+  ScalingState scaling_;
+  Quantized weight_cache_;  // FP8 weight and its transpose, kept across micro-batches
+  Format weight_cache_format_ = Format::kE4M3;
+  at::Tensor dummy_;  // the cached dummy weight gradient of the fused route (C2 b)
+  bool dummy_zeroed_ = false;
+  WeightGradStore store_;
+  std::vector<std::function<void()>> hooks_;
+};
+
+}  // namespace fp8dp

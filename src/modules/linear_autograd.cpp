@@ -1,0 +1,292 @@
+// The autograd function of Linear / LayerNormLinear: forward (norm + FP8 casts + fprop GEMM) and
+// backward (grad_output cast with the eager bias gradient, dgrad GEMM, norm backward, and the
+// weight gradient computed now or queued for backward_dw). Only this file sees autograd headers.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <array>
+
+#include "common/check.h"
+#include "gemm/gemm.h"
+#include "modules/linear.h"
+
+namespace fp8dp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What backward needs, kept in one object (held in the autograd context as a capsule).
+struct LinearCtx : torch::CustomClassHolder {
+  std::shared_ptr<LinearCore> core;
+  AutocastState ac;
+  std::optional<bool> first;
+  std::vector<int64_t> x_shape;
+  at::ScalarType act_dtype = at::kFloat;
+  // wgrad operand b: FP8 xᵀ [in, tokens] + scale_inv, or the high-precision GEMM input [tokens, in]
+  at::Tensor in_t, in_scale_inv, in_hp;
+  // dgrad operand b: FP8 Wᵀ [in, out] + scale_inv, or the high-precision weight [out, in]
+  at::Tensor w_t, w_scale_inv, w_hp;
+  at::Tensor weight, bias, main_grad;
+  // LayerNormLinear: the norm's input and statistics
+  at::Tensor x2d, mu, rsigma, ln_weight;
+  bool has_ln_bias = false;
+  bool released = false;
+  // Autograd numbers only the inputs that are defined: edge[i] of input i (x, weight, bias,
+  // ln_weight, ln_bias), or -1 when that input was absent.
+  std::array<int, 5> edge{};
+
+  bool needs_grad(AutogradContext* ctx, int input) const {
+    return edge[input] >= 0 && ctx->needs_input_grad(static_cast<size_t>(edge[input]));
+  }
+
+  void release() {
+    for (at::Tensor* t : {&in_t, &in_scale_inv, &in_hp, &w_t, &w_scale_inv, &w_hp, &weight, &bias,
+                          &main_grad, &x2d, &mu, &rsigma, &ln_weight}) {
+      *t = at::Tensor();
+    }
+    core.reset();
+    released = true;
+  }
+};
+
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor weight,
+                               std::optional<at::Tensor> bias_opt,
+                               std::optional<at::Tensor> ln_weight_opt,
+                               std::optional<at::Tensor> ln_bias_opt,
+                               std::shared_ptr<LinearCore> core, std::optional<bool> first,
+                               AutocastState ac, bool need_wgrad) {
+    const LinearConfig& cfg = core->config();
+    const at::Tensor bias = bias_opt.value_or(at::Tensor());
+    const at::Tensor ln_weight = ln_weight_opt.value_or(at::Tensor());
+    const at::Tensor ln_bias = ln_bias_opt.value_or(at::Tensor());
+    auto c = c10::make_intrusive<LinearCtx>();
+    int next = 0;
+    for (int i = 0; i < 5; ++i) {
+      const at::Tensor* t[] = {&x, &weight, &bias, &ln_weight, &ln_bias};
+      c->edge[i] = t[i]->defined() ? next++ : -1;
+    }
+    c->core = core;
+    c->ac = ac;
+    c->first = first;
+    c->x_shape = x.sizes().vec();
+    c->act_dtype = x.scalar_type();
+    const bool fp8 = ac.enabled;
+    const at::Tensor x2d = x.reshape({-1, cfg.in_features});
+
+    at::Tensor gemm_in, ln_out;
+    Quantized qin;
+    const QuantizeOptions in_opts{true, need_wgrad, false};
+    if (cfg.layernorm) {
+      NormForward nf;
+      const Format fmt = ac.recipe.fwd_format;
+      if (fp8 && ac.recipe.kind == RecipeKind::kDelayed) {
+        // The scale is known before the pass, so the norm writes FP8 directly.
+        at::Tensor s = core->scaling().prepare_scale(Role::kInput, ac.recipe, x2d, [&] {
+          return norm_forward(x2d, ln_weight, ln_bias, cfg.norm, false, {}, fmt).amax;
+        });
+        nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt);
+        core->scaling().record_amax(Role::kInput, nf.amax);
+        qin.data = nf.out_fp8;
+        qin.scale_inv = at::reciprocal(s);
+        if (need_wgrad) qin.data_t = nf.out_fp8.t().contiguous();
+      } else {
+        // Current scaling needs the output's amax before the cast: norm, then one cast pass.
+        nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, true, {}, fmt);
+        if (fp8) {
+          qin = core->cast(nf.out, Role::kInput, ac, in_opts);
+        } else {
+          gemm_in = nf.out;
+        }
+      }
+      ln_out = nf.out;
+      c->x2d = x2d;
+      c->mu = nf.mu;
+      c->rsigma = nf.rsigma;
+      c->ln_weight = ln_weight.detach();
+      c->has_ln_bias = ln_bias.defined();
+    } else if (fp8) {
+      qin = core->cast(x2d, Role::kInput, ac, in_opts);
+    } else {
+      gemm_in = x2d;
+    }
+
+    GemmArgs g;
+    g.bias = bias.defined() ? bias.detach() : bias;
+    g.out_dtype = x.scalar_type();
+    g.use_split_accumulator = false;  // fprop: fast accumulation is accurate enough on GPUs
+    if (fp8) {
+      const Quantized qw = core->weight_fp8(weight, ac, first);
+      g.a = qin.data;
+      g.a_scale_inv = qin.scale_inv;
+      g.b = qw.data;
+      g.b_scale_inv = qw.scale_inv;
+      c->in_t = qin.data_t;
+      c->in_scale_inv = qin.scale_inv;
+      c->w_t = qw.data_t;
+      c->w_scale_inv = qw.scale_inv;
+    } else {
+      g.a = gemm_in.contiguous();
+      g.b = weight.detach().contiguous();
+      if (need_wgrad) c->in_hp = gemm_in;
+      c->w_hp = g.b;
+    }
+    std::vector<int64_t> y_shape = c->x_shape;
+    y_shape.back() = cfg.out_features;
+    at::Tensor y = gemm(g).view(y_shape);
+
+    c->weight = weight;
+    c->bias = bias;
+    if (need_wgrad && cfg.fuse_wgrad_accumulation) c->main_grad = core->main_grad_for(weight);
+    ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
+    if (cfg.return_layernorm_output) return {y, ln_out.view(x.sizes())};
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto c = c10::static_intrusive_pointer_cast<LinearCtx>(ctx->saved_data["ctx"].toCapsule());
+    FP8DP_CHECK(!c->released,
+                "fp8dp Linear/LayerNormLinear: backward through the same forward a second time is "
+                "not supported (its saved tensors were freed after the first backward)");
+    LinearCore& core = *c->core;
+    const LinearConfig& cfg = core.config();
+    const bool need_x = c->needs_grad(ctx, 0), need_w = c->needs_grad(ctx, 1),
+               need_b = c->needs_grad(ctx, 2);
+    const bool need_ln = c->needs_grad(ctx, 3) || c->needs_grad(ctx, 4);
+    const bool need_dgrad = need_x || need_ln;
+    const at::Tensor dy = grads[0].reshape({-1, cfg.out_features}).contiguous();
+
+    WgradTask task;
+    task.weight = c->weight;
+    task.bias = c->bias;
+    task.main_grad = c->main_grad;
+    task.accumulate_main_grad = !(c->first.has_value() && *c->first);
+    at::Tensor dgrad, dbias;
+    GemmArgs g;
+    g.out_dtype = c->act_dtype;
+    if (c->ac.enabled) {
+      // One pass over grad_output: E5M2 bytes, their transpose for wgrad, and the bias gradient
+      // from the unquantized values (C4: eager, returned to autograd below).
+      const Quantized q =
+          core.cast(dy, Role::kGradOutput, c->ac, QuantizeOptions{need_dgrad, need_w, need_b});
+      if (need_dgrad) {
+        g.a = q.data;
+        g.a_scale_inv = q.scale_inv;
+        g.b = c->w_t;
+        g.b_scale_inv = c->w_scale_inv;
+        dgrad = gemm(g);
+      }
+      if (need_b) dbias = q.dbias.to(c->bias.scalar_type());
+      task.a = q.data_t;
+      task.a_scale_inv = q.scale_inv;
+      task.b = c->in_t;
+      task.b_scale_inv = c->in_scale_inv;
+    } else {
+      if (need_dgrad) {
+        g.a = dy;
+        g.b = c->w_hp.t().contiguous();
+        dgrad = gemm(g);
+      }
+      if (need_w) {
+        task.a = dy.t().contiguous();
+        task.b = c->in_hp.t().contiguous();
+        // Without FP8 the bias gradient travels with the weight gradient (deferred with it).
+        if (need_b) task.dy = dy;
+      } else if (need_b) {
+        dbias = bias_grad_hp(dy, c->bias.scalar_type());
+      }
+    }
+
+    at::Tensor dweight;
+    if (need_w) {
+      // C2 (b): the flag is set here, before the GEMM (and before a deferred one), so any consumer
+      // that sees the dummy gradient knows that it must not add it.
+      if (cfg.fuse_wgrad_accumulation) core.mark_grad_added_to_main_grad();
+      if (cfg.delay_wgrad_compute) {
+        core.enqueue(std::move(task));  // C3: backward_dw() runs it
+      } else {
+        const WgradResult r = run_wgrad(task);
+        dweight = r.dweight;
+        if (r.dbias.defined()) dbias = r.dbias;
+      }
+      if (cfg.fuse_wgrad_accumulation) dweight = core.dummy_wgrad(c->weight);
+    }
+
+    at::Tensor dx, dln_w, dln_b;
+    if (cfg.layernorm && need_dgrad) {
+      at::Tensor dz = dgrad;
+      if (cfg.return_layernorm_output) dz = dz + grads[1].reshape({-1, cfg.in_features});
+      const NormGrads ng =
+          norm_backward(dz, c->x2d, c->mu, c->rsigma, c->ln_weight, c->has_ln_bias, cfg.norm);
+      dx = ng.dx.view(c->x_shape);
+      dln_w = ng.dgamma;
+      dln_b = ng.dbeta;
+    } else if (need_x) {
+      dx = dgrad.view(c->x_shape);
+    }
+    // Free what forward kept; the queued task holds its own references.
+    c->release();
+    return {dx,           dweight,      dbias,        dln_w,       dln_b,
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_param(const at::Tensor& p, const char* name, std::vector<int64_t> shape,
+                 const at::Tensor& weight, const std::string& mod) {
+  FP8DP_CHECK_ARG(p.sizes() == at::IntArrayRef(shape), mod, ": parameter '", name,
+                  "' must have shape ", at::IntArrayRef(shape), ", got ", p.sizes());
+  FP8DP_CHECK_ARG(p.scalar_type() == weight.scalar_type() && p.device() == weight.device(), mod,
+                  ": parameter '", name, "' must match 'weight' (", weight.scalar_type(), " on ",
+                  weight.device(), "), got ", p.scalar_type(), " on ", p.device());
+}
+
+}  // namespace
+
+std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tensor& weight,
+                                            const at::Tensor& bias, const at::Tensor& ln_weight,
+                                            const at::Tensor& ln_bias,
+                                            std::optional<bool> is_first_microbatch) {
+  const std::string& mod = cfg_.name;
+  const int64_t in = cfg_.in_features, out = cfg_.out_features;
+  FP8DP_CHECK_ARG(weight.defined(), mod, ": parameter 'weight' is undefined");
+  const at::ScalarType dt = weight.scalar_type();
+  FP8DP_CHECK_ARG(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, mod,
+                  ": parameter 'weight' must be float32, bfloat16 or float16, got ", dt);
+  check_param(weight, "weight", {out, in}, weight, mod);
+  if (bias.defined()) check_param(bias, "bias", {out}, weight, mod);
+  if (cfg_.layernorm) {
+    FP8DP_CHECK_ARG(ln_weight.defined(), mod, ": parameter 'layer_norm_weight' is undefined");
+    check_param(ln_weight, "layer_norm_weight", {in}, weight, mod);
+    if (ln_bias.defined()) check_param(ln_bias, "layer_norm_bias", {in}, weight, mod);
+  }
+  FP8DP_CHECK_ARG(x.defined(), mod, ": input is undefined");
+  FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod, ": input must have in_features=", in,
+                  " as its last dimension, got shape ", x.sizes());
+  FP8DP_CHECK_ARG(x.scalar_type() == dt, mod, ": input has dtype ", x.scalar_type(),
+                  " but the parameters have dtype ", dt, " (cast the input to params_dtype)");
+  FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
+                  " but the parameters are on ", weight.device());
+
+  const AutocastState ac = autocast_current();
+  const bool need_wgrad = at::GradMode::is_enabled() && weight.requires_grad();
+  if (ac.enabled) {
+    // FP8 GEMMs need multiples of 16 in every inner dimension (fprop: in, dgrad: out, wgrad:
+    // tokens); the same rule on every device, checked before any work is done.
+    FP8DP_CHECK_ARG(in % 16 == 0, mod, ": FP8 needs in_features to be a multiple of 16, got ", in);
+    FP8DP_CHECK_ARG(out % 16 == 0, mod, ": FP8 needs out_features to be a multiple of 16, got ",
+                    out);
+    const int64_t tokens = x.numel() / in;
+    FP8DP_CHECK_ARG(!need_wgrad || tokens % 16 == 0, mod,
+                    ": FP8 training needs the number of tokens (the product of the input's leading "
+                    "dimensions) to be a multiple of 16, got ",
+                    tokens, " from input shape ", x.sizes());
+  }
+  auto opt = [](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  return LinearFunction::apply(x, weight, opt(bias), opt(ln_weight), opt(ln_bias),
+                               shared_from_this(), is_first_microbatch, ac, need_wgrad);
+}
+
+}  // namespace fp8dp

@@ -1,0 +1,120 @@
+// LinearCore: FP8 casts per role, weight cache, fused-wgrad helpers, backward_dw (C2–C4).
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "common/check.h"
+#include "modules/linear.h"
+
+namespace fp8dp {
+namespace {
+
+// Writes a gradient the way AccumulateGrad would: set when empty, else add in place. Used for the
+// deferred results, each of which is the only copy of its micro-batch's gradient.
+void accumulate_into_grad(const at::Tensor& param, const at::Tensor& g) {
+  c10::NoGradGuard no_grad;
+  at::Tensor& grad = param.mutable_grad();
+  if (!grad.defined()) {
+    grad = g;
+  } else {
+    grad.add_(g);
+  }
+}
+
+}  // namespace
+
+LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)) {
+  FP8DP_CHECK_ARG(cfg_.in_features > 0, cfg_.name, ": in_features must be > 0, got ",
+                  cfg_.in_features);
+  FP8DP_CHECK_ARG(cfg_.out_features > 0, cfg_.name, ": out_features must be > 0, got ",
+                  cfg_.out_features);
+  FP8DP_CHECK_ARG(cfg_.norm.eps > 0.0f, cfg_.name, ": eps must be > 0, got ", cfg_.norm.eps);
+  set_weight_attrs({});
+}
+
+void LinearCore::set_weight_attrs(WeightAttrs attrs) {
+  if (!attrs.main_grad) attrs.main_grad = [] { return at::Tensor(); };
+  if (!attrs.zero_out_wgrad) attrs.zero_out_wgrad = [] { return false; };
+  if (!attrs.mark_grad_added_to_main_grad) attrs.mark_grad_added_to_main_grad = [] {};
+  attrs_ = std::move(attrs);
+}
+
+Quantized LinearCore::cast(const at::Tensor& x, Role role, const AutocastState& ac,
+                           QuantizeOptions opts) {
+  const Format f = role == Role::kGradOutput ? ac.recipe.bwd_format : ac.recipe.fwd_format;
+  if (ac.recipe.kind == RecipeKind::kCurrent) return cast_current(x, f, ac.recipe.margin, opts);
+  return scaling_.cast(x, role, ac.recipe, opts);
+}
+
+Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& ac,
+                                 std::optional<bool> is_first_microbatch) {
+  // Reuse only when asked (is_first_microbatch=False) and the cache was made for this weight
+  // shape and format; True or None refresh it (the weight may have changed since).
+  const bool reuse = is_first_microbatch.has_value() && !*is_first_microbatch &&
+                     weight_cache_.data.defined() && weight_cache_format_ == ac.recipe.fwd_format &&
+                     weight_cache_.data.sizes() == weight.sizes() &&
+                     weight_cache_.data.device() == weight.device();
+  if (!reuse) {
+    weight_cache_ = cast(weight.detach(), Role::kWeight, ac, QuantizeOptions{true, true, false});
+    weight_cache_format_ = ac.recipe.fwd_format;
+  }
+  return weight_cache_;
+}
+
+at::Tensor LinearCore::main_grad_for(const at::Tensor& weight) {
+  at::Tensor mg = attrs_.main_grad();
+  FP8DP_CHECK(mg.defined(), cfg_.name,
+              ": fuse_wgrad_accumulation=True needs 'main_grad' on parameter 'weight' (set by "
+              "fp8dp.DistributedDataParallel, or by hand), but parameter 'weight' has none");
+  FP8DP_CHECK(mg.sizes() == weight.sizes() && mg.device() == weight.device(), cfg_.name,
+              ": parameter 'weight' has main_grad of shape ", mg.sizes(), " on ", mg.device(),
+              ", expected ", weight.sizes(), " on ", weight.device());
+  return mg;
+}
+
+at::Tensor LinearCore::dummy_wgrad(const at::Tensor& weight) {
+  // Autograd needs a gradient for the weight so that its AccumulateGrad hooks fire (C2 b); its
+  // values are never used (grad_added_to_main_grad says so), so one cached tensor serves every
+  // micro-batch. AccumulateGrad copies it rather than stealing it because the cache holds a
+  // reference, so nothing ever writes into the cached tensor.
+  const bool zero = attrs_.zero_out_wgrad();
+  if (!dummy_.defined() || dummy_.sizes() != weight.sizes() ||
+      dummy_.scalar_type() != weight.scalar_type() || dummy_.device() != weight.device() ||
+      (zero && !dummy_zeroed_)) {
+    dummy_ = zero ? at::zeros(weight.sizes(), weight.options())
+                  : at::empty(weight.sizes(), weight.options());
+    dummy_zeroed_ = zero;
+  }
+  return dummy_;
+}
+
+void LinearCore::mark_grad_added_to_main_grad() { attrs_.mark_grad_added_to_main_grad(); }
+
+bool LinearCore::need_backward_dw() const { return cfg_.delay_wgrad_compute && !store_.empty(); }
+
+void LinearCore::register_wgrad_hook(std::function<void()> hook) {
+  FP8DP_CHECK_ARG(static_cast<bool>(hook), cfg_.name,
+                  ": register_wgrad_accumulation_and_reduce_hooks needs a callable");
+  hooks_.push_back(std::move(hook));
+}
+
+void LinearCore::backward_dw() {
+  FP8DP_CHECK(cfg_.delay_wgrad_compute, cfg_.name,
+              ".backward_dw(): the module was built with delay_wgrad_compute=False, so its "
+              "weight gradient is computed in backward and nothing is ever queued");
+  FP8DP_CHECK(!store_.empty(), cfg_.name,
+              ".backward_dw(): no weight-gradient computation is queued (call it once after each "
+              "backward that reached this module)");
+  const WgradTask task = store_.pop();
+  const WgradResult r = run_wgrad(task);
+  if (r.dweight.defined()) accumulate_into_grad(task.weight, r.dweight);
+  // C4, the guarded backfill: only a bias gradient that the deferred GEMM itself produced is
+  // written (the high-precision route). In FP8 mode the bias gradient already went to autograd in
+  // backward, and an external consumer may have moved it into main_grad and cleared bias.grad:
+  // touching bias.grad here would either read a missing tensor or count the gradient twice.
+  // The deferred high-precision bias gradient is that micro-batch's only copy, so like the weight
+  // gradient it accumulates into a bias.grad left by an earlier micro-batch instead of being lost.
+  if (r.dbias.defined() && task.bias.defined()) accumulate_into_grad(task.bias, r.dbias);
+  for (const auto& hook : hooks_) hook();
+}
+
+}  // namespace fp8dp

@@ -1,0 +1,118 @@
+// Tensor-level LayerNorm / RMSNorm: checks, allocation, kernel dispatch; backward in FP32 ATen.
+#include "modules/norm.h"
+
+#include <ATen/ATen.h>
+
+#include "common/check.h"
+#include "fp8/ops.h"
+#include "modules/norm_kernel.h"
+
+namespace fp8dp {
+namespace {
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
+    default:
+      FP8DP_CHECK_ARG(false, "norm: input must be float32, bfloat16 or float16, got ",
+                      t.scalar_type());
+  }
+}
+
+}  // namespace
+
+NormForward norm_forward_aten(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                              const NormConfig& cfg, const at::Tensor& scale, Format format) {
+  const at::Tensor xf = x.to(at::kFloat);
+  NormForward r;
+  r.mu = cfg.rms ? at::zeros({x.size(0)}, xf.options()) : xf.mean(1);
+  const at::Tensor xc = xf - r.mu.unsqueeze(1);
+  r.rsigma = at::rsqrt((xc * xc).mean(1) + cfg.eps);
+  at::Tensor g = gamma.to(at::kFloat);
+  if (cfg.zero_centered_gamma) g = g + 1.0f;
+  at::Tensor z = xc * r.rsigma.unsqueeze(1) * g;
+  if (beta.defined()) z = z + beta.to(at::kFloat);
+  r.out = z.to(x.scalar_type());
+  if (scale.defined()) {
+    Quantized q = quantize(r.out, scale, format, QuantizeOptions{true, false, false});
+    r.out_fp8 = q.data;
+    r.amax = q.amax;
+  } else {
+    r.amax = fp8dp::amax(r.out);
+  }
+  return r;
+}
+
+NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
+                         const at::Tensor& beta_in, const NormConfig& cfg, bool want_out,
+                         const at::Tensor& scale, Format format) {
+  FP8DP_CHECK_ARG(x_in.dim() == 2, "norm: input must be [rows, cols], got ", x_in.sizes());
+  const int64_t rows = x_in.size(0), cols = x_in.size(1);
+  FP8DP_CHECK_ARG(gamma_in.numel() == cols && gamma_in.scalar_type() == x_in.scalar_type(),
+                  "norm: gamma must be [", cols, "] of ", x_in.scalar_type(), ", got ",
+                  gamma_in.sizes(), " of ", gamma_in.scalar_type());
+  FP8DP_CHECK_ARG(!beta_in.defined() ||
+                      (beta_in.numel() == cols && beta_in.scalar_type() == x_in.scalar_type()),
+                  "norm: beta must be [", cols, "] of ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous(), gamma = gamma_in.contiguous();
+  const at::Tensor beta = beta_in.defined() ? beta_in.contiguous() : beta_in;
+  if (!x.is_cpu()) return norm_forward_aten(x, gamma, beta, cfg, scale, format);
+  auto f32 = x.options().dtype(at::kFloat);
+  NormForward r;
+  r.mu = at::empty({rows}, f32);
+  r.rsigma = at::empty({rows}, f32);
+  r.amax = at::empty({1}, f32);
+  if (want_out) r.out = at::empty({rows, cols}, x.options());
+  at::Tensor sc;
+  if (scale.defined()) {
+    r.out_fp8 = at::empty({rows, cols}, x.options().dtype(fp8_dtype(format)));
+    sc = scale.to(f32).contiguous();
+  }
+  NormFwdParams p;
+  p.input = x.data_ptr();
+  p.dtype = dtype_of(x);
+  p.rows = rows;
+  p.cols = cols;
+  p.gamma = gamma.data_ptr();
+  p.beta = beta.defined() ? beta.data_ptr() : nullptr;
+  p.eps = cfg.eps;
+  p.rms = cfg.rms;
+  p.zero_centered_gamma = cfg.zero_centered_gamma;
+  p.out = want_out ? r.out.data_ptr() : nullptr;
+  p.out_fp8 = scale.defined() ? static_cast<uint8_t*>(r.out_fp8.data_ptr()) : nullptr;
+  p.scale = scale.defined() ? sc.data_ptr<float>() : nullptr;
+  p.format = format;
+  p.amax = r.amax.data_ptr<float>();
+  p.mu = r.mu.data_ptr<float>();
+  p.rsigma = r.rsigma.data_ptr<float>();
+  norm_fwd_cpu(p);
+  return r;
+}
+
+NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const at::Tensor& mu,
+                        const at::Tensor& rsigma, const at::Tensor& gamma, bool has_beta,
+                        const NormConfig& cfg) {
+  // xhat = (x - mu) * rsigma, z = xhat * g + beta. With dxhat = dz * g:
+  //   LayerNorm: dx = rsigma * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+  //   RMSNorm:   dx = rsigma * (dxhat - xhat * mean(dxhat * xhat))
+  //   dgamma = sum_rows(dz * xhat), dbeta = sum_rows(dz)
+  const at::Tensor dz = dz_in.to(at::kFloat);
+  const at::Tensor xhat = (x_in.to(at::kFloat) - mu.unsqueeze(1)) * rsigma.unsqueeze(1);
+  at::Tensor g = gamma.to(at::kFloat);
+  if (cfg.zero_centered_gamma) g = g + 1.0f;
+  const at::Tensor dxhat = dz * g;
+  at::Tensor inner = dxhat - xhat * (dxhat * xhat).mean(1, /*keepdim=*/true);
+  if (!cfg.rms) inner = inner - dxhat.mean(1, /*keepdim=*/true);
+  NormGrads gr;
+  gr.dx = (inner * rsigma.unsqueeze(1)).to(x_in.scalar_type());
+  gr.dgamma = (dz * xhat).sum(0).to(gamma.scalar_type());
+  if (has_beta) gr.dbeta = dz.sum(0).to(gamma.scalar_type());
+  return gr;
+}
+
+}  // namespace fp8dp

@@ -1,0 +1,45 @@
+// Tensor-level LayerNorm / RMSNorm: forward fused with the FP8 cast (norm_kernel.h), and backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "fp8/format.h"
+
+namespace fp8dp {
+
+struct NormConfig {
+  bool rms = false;  // RMSNorm instead of LayerNorm
+  float eps = 1e-5f;
+  bool zero_centered_gamma = false;  // the scale applied is 1 + gamma
+};
+
+struct NormForward {
+  at::Tensor out;      // [rows, cols] in x's dtype, when asked for
+  at::Tensor out_fp8;  // [rows, cols] FP8, when a scale was given
+  at::Tensor amax;     // float32 [1]: max |out|
+  at::Tensor mu;       // float32 [rows] (zeros for RMSNorm)
+  at::Tensor rsigma;   // float32 [rows]
+};
+
+// x: [rows, cols]; gamma (and beta, undefined for RMSNorm) [cols], all of x's dtype and device.
+// With a defined `scale` (float32 [1]) the output is also cast to `format` in the same pass.
+NormForward norm_forward(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                         const NormConfig& cfg, bool want_out, const at::Tensor& scale,
+                         Format format);
+
+// The same forward in ATen ops (FP32 statistics, output rounded to x's dtype, then one quantize):
+// used on devices without a fused kernel (CUDA until norm_fwd_cuda exists) and as the reference of
+// the kernel tests. Always returns `out`.
+NormForward norm_forward_aten(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                              const NormConfig& cfg, const at::Tensor& scale, Format format);
+
+struct NormGrads {
+  at::Tensor dx, dgamma, dbeta;  // dbeta undefined without beta
+};
+
+// dz: gradient of the normalized output [rows, cols]. Computed in FP32 from the saved statistics.
+NormGrads norm_backward(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mu,
+                        const at::Tensor& rsigma, const at::Tensor& gamma, bool has_beta,
+                        const NormConfig& cfg);
+
+}  // namespace fp8dp

@@ -1,0 +1,43 @@
+// Raw-pointer LayerNorm / RMSNorm forward fused with the FP8 cast of its output: one pass over each
+// row reads x and writes the normalized row (high precision and/or FP8) and the row statistics.
+// One signature for the CPU and CUDA versions; src/modules/norm.h checks tensors above it.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8/format.h"
+#include "fp8/quantize.h"
+
+namespace fp8dp {
+
+// z = (x - mu) * rsigma * g + beta    (LayerNorm; RMSNorm: mu = 0, no beta)
+//   rsigma = 1 / sqrt(mean((x - mu)^2) + eps)   (RMSNorm: 1 / sqrt(mean(x^2) + eps))
+//   g = gamma, or 1 + gamma with zero_centered_gamma (so weight decay pulls the scale towards 1)
+// Statistics are computed in FP32. z is rounded to `dtype` first; out_fp8 and amax are taken from
+// that rounded value, so the fused cast gives the same bytes as quantize(out) with the same scale.
+struct NormFwdParams {
+  const void* input = nullptr;  // [rows, cols] row-major in `dtype`
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const void* gamma = nullptr;  // [cols] in `dtype`
+  const void* beta = nullptr;   // [cols] in `dtype`; nullptr for RMSNorm (or a bias-free LayerNorm)
+  float eps = 1e-5f;
+  bool rms = false;
+  bool zero_centered_gamma = false;
+  void* out = nullptr;           // optional [rows, cols] in `dtype`
+  uint8_t* out_fp8 = nullptr;    // optional [rows, cols] FP8 bytes: saturate(rne(z * scale))
+  const float* scale = nullptr;  // needed with out_fp8 (host memory on the CPU, device on CUDA)
+  Format format = Format::kE4M3;
+  float* amax = nullptr;    // optional [1]: max |z| (NaN if any z is NaN), written not accumulated
+  float* mu = nullptr;      // optional [rows] (0 for RMSNorm)
+  float* rsigma = nullptr;  // optional [rows]
+};
+
+void norm_fwd_cpu(const NormFwdParams& p);
+
+#if defined(FP8DP_WITH_CUDA)
+void norm_fwd_cuda(const NormFwdParams& p, void* stream);  // stream: cudaStream_t
+#endif
+
+}  // namespace fp8dp

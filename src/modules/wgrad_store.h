@@ -1,0 +1,49 @@
+// WeightGradStore: the FIFO of deferred weight-gradient GEMMs of one module (C3), and the one
+// function that runs such a GEMM, used by both the immediate and the deferred route so that they
+// give bit-identical gradients.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <deque>
+
+namespace fp8dp {
+
+// dW = a · bᵀ with a = dyᵀ [out, tokens] and b = xᵀ [in, tokens] (FP8 with scale_inv, or high
+// precision), written into main_grad (fused) or returned.
+struct WgradTask {
+  at::Tensor a, a_scale_inv, b, b_scale_inv;
+  at::Tensor dy;  // [tokens, out] high precision: the bias gradient without FP8, else undefined
+  at::Tensor weight, bias;           // the parameters (variables) the gradients belong to
+  at::Tensor main_grad;              // fused route: where dW accumulates
+  bool accumulate_main_grad = true;  // false on is_first_microbatch=True: overwrite
+};
+
+struct WgradResult {
+  at::Tensor dweight;  // undefined when fused into main_grad
+  at::Tensor dbias;    // undefined in FP8 mode (computed eagerly in backward, C4)
+};
+
+WgradResult run_wgrad(const WgradTask& t);
+
+// Bias gradient of the high-precision route: column sums of dy in FP32, in dy's parameter dtype.
+at::Tensor bias_grad_hp(const at::Tensor& dy, at::ScalarType dtype);
+
+class WeightGradStore {
+ public:
+  void push(WgradTask t) { q_.push_back(std::move(t)); }
+  // Oldest first. The caller checks empty() (and names its module in the error).
+  WgradTask pop() {
+    WgradTask t = std::move(q_.front());
+    q_.pop_front();
+    return t;
+  }
+  bool empty() const { return q_.empty(); }
+  int64_t size() const { return static_cast<int64_t>(q_.size()); }
+
+ private:
+  std::deque<WgradTask> q_;
+};
+
+}  // namespace fp8dp

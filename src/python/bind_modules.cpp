@@ -1,0 +1,137 @@
+// Binds src/modules: LinearCore (the C++ half of fp8dp.Linear / LayerNormLinear) and the
+// delayed-scaling registry behind fp8dp.update_fp8_scales.
+#include <torch/csrc/utils/pybind.h>
+
+#include "modules/linear.h"
+#include "modules/scaling_state.h"
+
+namespace py = pybind11;
+
+namespace fp8dp::python {
+namespace {
+
+// A Python callable that C++ may call and drop on any thread: the GIL is taken for both.
+class PyCallable {
+ public:
+  explicit PyCallable(py::object fn)
+      : fn_(new py::object(std::move(fn)), [](py::object* o) {
+          py::gil_scoped_acquire gil;
+          delete o;
+        }) {}
+  template <typename R>
+  R call_as(R none_value) const {
+    py::gil_scoped_acquire gil;
+    py::object r = (*fn_)();
+    return r.is_none() ? none_value : r.cast<R>();
+  }
+  void call() const {
+    py::gil_scoped_acquire gil;
+    (*fn_)();
+  }
+
+ private:
+  std::shared_ptr<py::object> fn_;
+};
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
+
+py::object extra_state(LinearCore& core) {
+  const ScalingState::Snapshot s = core.scaling().snapshot();
+  if (!s.amax_history.defined()) return py::none();
+  py::dict d;
+  d["amax_history"] = s.amax_history;
+  d["scale"] = s.scale;
+  d["scale_inv"] = s.scale_inv;
+  d["fp8_max"] = s.fp8_max;
+  d["initialized"] = s.initialized;
+  d["amax_compute_algo"] = s.algo;
+  d["margin"] = s.margin;
+  return d;
+}
+
+void set_extra_state(LinearCore& core, const py::object& state) {
+  ScalingState::Snapshot s;
+  if (!state.is_none()) {
+    const py::dict d = state.cast<py::dict>();
+    s.amax_history = d["amax_history"].cast<at::Tensor>();
+    s.scale = d["scale"].cast<at::Tensor>();
+    s.scale_inv = d["scale_inv"].cast<at::Tensor>();
+    s.fp8_max = d["fp8_max"].cast<at::Tensor>();
+    s.initialized = d["initialized"].cast<at::Tensor>();
+    s.algo = d["amax_compute_algo"].cast<int64_t>();
+    s.margin = d["margin"].cast<double>();
+  }
+  core.scaling().restore(s);
+}
+
+}  // namespace
+
+void bind_modules(py::module_& m) {
+  py::class_<LinearCore, std::shared_ptr<LinearCore>>(m, "LinearCore")
+      .def(
+          py::init([](std::string name, int64_t in_features, int64_t out_features,
+                      bool fuse_wgrad_accumulation, bool delay_wgrad_compute, bool layernorm,
+                      bool rms, float eps, bool zero_centered_gamma, bool return_layernorm_output) {
+            LinearConfig c;
+            c.name = std::move(name);
+            c.in_features = in_features;
+            c.out_features = out_features;
+            c.fuse_wgrad_accumulation = fuse_wgrad_accumulation;
+            c.delay_wgrad_compute = delay_wgrad_compute;
+            c.layernorm = layernorm;
+            c.norm.rms = rms;
+            c.norm.eps = eps;
+            c.norm.zero_centered_gamma = zero_centered_gamma;
+            c.return_layernorm_output = return_layernorm_output;
+            return std::make_shared<LinearCore>(std::move(c));
+          }),
+          py::arg("name"), py::arg("in_features"), py::arg("out_features"),
+          py::arg("fuse_wgrad_accumulation"), py::arg("delay_wgrad_compute"), py::arg("layernorm"),
+          py::arg("rms"), py::arg("eps"), py::arg("zero_centered_gamma"),
+          py::arg("return_layernorm_output"))
+      .def(
+          "set_weight_attrs",
+          [](LinearCore& core, py::object main_grad, py::object zero_out_wgrad,
+             py::object mark_grad_added_to_main_grad) {
+            PyCallable mg(std::move(main_grad)), zo(std::move(zero_out_wgrad)),
+                mark(std::move(mark_grad_added_to_main_grad));
+            WeightAttrs a;
+            a.main_grad = [mg] { return mg.call_as<at::Tensor>(at::Tensor()); };
+            a.zero_out_wgrad = [zo] { return zo.call_as<bool>(false); };
+            a.mark_grad_added_to_main_grad = [mark] { mark.call(); };
+            core.set_weight_attrs(std::move(a));
+          },
+          py::arg("main_grad"), py::arg("zero_out_wgrad"), py::arg("mark_grad_added_to_main_grad"))
+      .def(
+          "forward",
+          [](LinearCore& core, const at::Tensor& x, const at::Tensor& weight,
+             const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& ln_weight,
+             const std::optional<at::Tensor>& ln_bias, std::optional<bool> is_first_microbatch) {
+            return core.forward(x, weight, or_undefined(bias), or_undefined(ln_weight),
+                                or_undefined(ln_bias), is_first_microbatch);
+          },
+          py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("ln_weight"),
+          py::arg("ln_bias"), py::arg("is_first_microbatch"))
+      .def("backward_dw", &LinearCore::backward_dw)
+      .def("need_backward_dw", &LinearCore::need_backward_dw)
+      .def_property_readonly("queued_wgrads", &LinearCore::queued_wgrads)
+      .def(
+          "register_wgrad_hook",
+          [](LinearCore& core, py::object hook) {
+            PyCallable h(std::move(hook));
+            core.register_wgrad_hook([h] { h.call(); });
+          },
+          py::arg("hook"))
+      .def("get_extra_state", &extra_state)
+      .def("set_extra_state", &set_extra_state, py::arg("state"))
+      .def_property_readonly("amax_history",
+                             [](LinearCore& c) { return c.scaling().amax_history(); })
+      .def_property_readonly("scale", [](LinearCore& c) { return c.scaling().scale(); })
+      .def_property_readonly("scale_inv", [](LinearCore& c) { return c.scaling().scale_inv(); });
+
+  m.def("fp8_registry_amaxes", &registry_amaxes);
+  m.def("fp8_registry_update", &registry_update, py::arg("reduced"));
+  m.def("fp8_registry_size", &registry_size);
+}
+
+}  // namespace fp8dp::python

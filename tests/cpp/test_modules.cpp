@@ -1,0 +1,154 @@
+// C++ pieces of src/modules: the fused norm + FP8 cast kernel, the WeightGradStore FIFO, the
+// delayed-scaling first-cast rule and registry update, and the CPU GEMM.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+
+#include "common/check.h"
+#include "fp8/ops.h"
+#include "gemm/gemm.h"
+#include "modules/norm.h"
+#include "modules/scaling_state.h"
+#include "modules/wgrad_store.h"
+
+namespace fp8dp {
+namespace {
+
+// ---- norm kernel: (rms, dtype, rows, cols) --------------------------------------------------
+using NormCase = std::tuple<bool, at::ScalarType, int64_t, int64_t>;
+
+class NormKernel : public ::testing::TestWithParam<NormCase> {};
+
+TEST_P(NormKernel, FusedCastEqualsQuantizeOfItsOutput) {
+  const auto [rms, dtype, rows, cols] = GetParam();
+  at::manual_seed(rows * 131 + cols);
+  const at::Tensor x = (at::randn({rows, cols}) * 3 + 1).to(dtype);
+  const at::Tensor gamma = at::randn({cols}).to(dtype);
+  const at::Tensor beta = rms ? at::Tensor() : at::randn({cols}).to(dtype);
+  NormConfig cfg;
+  cfg.rms = rms;
+  const at::Tensor scale = at::full({1}, 37.5f);
+  for (Format f : {Format::kE4M3, Format::kE5M2}) {
+    const NormForward fused = norm_forward(x, gamma, beta, cfg, true, scale, f);
+    // One pass writes the FP8 bytes of its own rounded output: identical to a separate cast.
+    const Quantized q = quantize(fused.out, scale, f);
+    EXPECT_TRUE(at::equal(fused.out_fp8.view(at::kByte), q.data.view(at::kByte)));
+    EXPECT_EQ(fused.amax.item<float>(), q.amax.item<float>());
+    // Against the ATen formulation: FP32 statistics in another summation order, so equal up to
+    // a few FP32 ulps before the rounding into `dtype` (one ulp of dtype after it).
+    const NormForward ref = norm_forward_aten(x, gamma, beta, cfg, at::Tensor(), f);
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+    EXPECT_TRUE(at::allclose(fused.out.to(at::kFloat), ref.out.to(at::kFloat), tol, tol));
+    EXPECT_TRUE(at::allclose(fused.rsigma, ref.rsigma, 1e-5, 1e-6));
+    EXPECT_TRUE(at::allclose(fused.mu, ref.mu, 1e-5, 1e-6));
+  }
+}
+
+TEST(NormKernelEdge, NanRowGivesNanAmax) {
+  at::Tensor x = at::randn({4, 32});
+  x[2][5] = std::numeric_limits<float>::quiet_NaN();
+  const NormForward r = norm_forward(x, at::ones({32}), at::zeros({32}), NormConfig{}, true,
+                                     at::ones({1}), Format::kE4M3);
+  EXPECT_TRUE(std::isnan(r.amax.item<float>()));
+  EXPECT_TRUE(at::isfinite(r.out[0]).all().item<bool>());  // other rows are untouched
+}
+
+std::string norm_name(const ::testing::TestParamInfo<NormCase>& info) {
+  const auto [rms, dtype, rows, cols] = info.param;
+  return std::string(rms ? "RMS" : "LN") + "_" + c10::toString(dtype) + "_" + std::to_string(rows) +
+         "x" + std::to_string(cols);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, NormKernel,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Values(at::kFloat, at::kBFloat16, at::kHalf),
+                                            ::testing::Values<int64_t>(1, 17, 64),
+                                            ::testing::Values<int64_t>(1, 33, 128)),
+                         norm_name);
+
+// ---- WeightGradStore ----------------------------------------------------------------------
+TEST(WeightGradStore, PopsInFifoOrder) {
+  WeightGradStore store;
+  EXPECT_TRUE(store.empty());
+  for (int i = 0; i < 3; ++i) {
+    WgradTask t;
+    t.a = at::full({1}, static_cast<float>(i));
+    store.push(std::move(t));
+  }
+  EXPECT_EQ(store.size(), 3);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(store.pop().a.item<float>(), static_cast<float>(i));
+  EXPECT_TRUE(store.empty());
+}
+
+TEST(WeightGradStore, RunWgradOverwritesOrAccumulatesMainGrad) {
+  WgradTask t;
+  t.a = at::randn({16, 32});  // dyᵀ [out, tokens]
+  t.b = at::randn({8, 32});   // xᵀ  [in, tokens]
+  t.weight = at::empty({16, 8});
+  t.main_grad = at::full({16, 8}, 5.0f);
+  const at::Tensor dw = at::mm(t.a, t.b.t());
+  t.accumulate_main_grad = false;
+  EXPECT_FALSE(run_wgrad(t).dweight.defined());
+  EXPECT_TRUE(at::allclose(t.main_grad, dw, 1e-6, 1e-6));
+  t.accumulate_main_grad = true;
+  run_wgrad(t);
+  EXPECT_TRUE(at::allclose(t.main_grad, 2 * dw, 1e-6, 1e-6));
+}
+
+// ---- ScalingState ---------------------------------------------------------------------------
+TEST(ScalingState, FirstCastUsesOwnAmaxThenUpdateUsesHistory) {
+  ScalingState st;
+  Recipe r;
+  r.amax_history_len = 2;
+  const at::Tensor x = at::tensor({1.0f, -4.0f, 2.0f});
+  st.cast(x, Role::kInput, r, QuantizeOptions{});
+  EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 4.0f);  // first cast: its own amax
+  st.cast(x * 2, Role::kInput, r, QuantizeOptions{});
+  EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 4.0f);   // fixed within the step
+  EXPECT_FLOAT_EQ(st.amax_history()[0][0].item<float>(), 8.0f);  // max over the step's casts
+  const int64_t n = registry_size();
+  EXPECT_GE(n, 1);
+  registry_update(registry_amaxes());
+  EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 8.0f);
+  EXPECT_FLOAT_EQ(st.amax_history()[1][0].item<float>(), 8.0f);  // rolled
+  EXPECT_FLOAT_EQ(st.amax_history()[0][0].item<float>(), 0.0f);
+  EXPECT_FLOAT_EQ(st.scale()[2].item<float>(), 1.0f);  // grad_output never cast
+}
+
+TEST(ScalingState, RegistryUpdateRejectsWrongSize) {
+  ScalingState st;
+  st.cast(at::ones({4}), Role::kWeight, Recipe{}, QuantizeOptions{});
+  registry_amaxes();
+  EXPECT_THROW(registry_update(at::zeros({1})), ValueError);
+}
+
+// ---- CPU GEMM --------------------------------------------------------------------------------
+TEST(GemmCpu, HighPrecisionMatchesMm) {
+  GemmArgs g;
+  g.a = at::randn({7, 5});
+  g.b = at::randn({3, 5});
+  g.bias = at::randn({3});
+  EXPECT_TRUE(at::allclose(gemm(g), at::addmm(g.bias, g.a, g.b.t()), 1e-6, 1e-6));
+}
+
+TEST(GemmCpu, Fp8NeedsMultiplesOf16) {
+  GemmArgs g;
+  g.a = at::zeros({16, 24}).to(at::kFloat8_e4m3fn);
+  g.b = at::zeros({16, 24}).to(at::kFloat8_e4m3fn);
+  g.a_scale_inv = g.b_scale_inv = at::ones({1});
+  try {
+    gemm(g);
+    FAIL() << "expected an error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("inner dimension k to be a multiple of 16, got k=24"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fp8dp

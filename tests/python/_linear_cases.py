@@ -1,0 +1,147 @@
+"""Shared builders for the fp8dp.Linear / LayerNormLinear tests: module kinds, recipes, and a
+micro-batch runner that follows the C2/C3 call order of a Megatron-style loop."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import fp8dp
+
+IN, OUT, TOKENS = 32, 48, 32  # multiples of 16: FP8 GEMMs need them in every inner dimension
+
+KINDS = ["Linear", "LayerNorm", "RMSNorm"]
+RECIPES = ["none", "delayed", "current"]
+
+
+def make_module(kind: str, **kw) -> torch.nn.Module:
+    if kind == "Linear":
+        return fp8dp.Linear(IN, OUT, **kw)
+    return fp8dp.LayerNormLinear(IN, OUT, normalization=kind, **kw)
+
+
+def make_recipe(name: str):
+    return {
+        "none": None,
+        "delayed": fp8dp.DelayedScaling(amax_history_len=4),
+        "current": fp8dp.Float8CurrentScaling(),
+    }[name]
+
+
+def autocast(recipe):
+    if recipe is None:
+        return contextlib.nullcontext()
+    return fp8dp.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Non-trivial values in every parameter (norm weights and biases included)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def twin(kind: str, seed: int = 0, **kw):
+    """Two modules with identical parameters: (immediate wgrad, delayed wgrad)."""
+    a = make_module(kind, delay_wgrad_compute=False, **kw)
+    b = make_module(kind, delay_wgrad_compute=True, **kw)
+    randomize_(a, seed)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def attach_main_grad(module: torch.nn.Module, fill: float = 0.0) -> None:
+    """What DDP does (C1): an FP32 main_grad per parameter."""
+    for p in module.parameters():
+        p.main_grad = torch.full(p.shape, fill, dtype=torch.float32)
+
+
+def batches(n: int, dtype: torch.dtype, seed: int = 1, shape=(2, TOKENS // 2)):
+    """n micro-batches of (input, grad_output), input shaped [seq, batch, in] like Megatron."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(*shape, IN, generator=g).to(dtype)
+        dy = torch.randn(*shape, OUT, generator=g).to(dtype)
+        out.append((x, dy))
+    return out
+
+
+def run_microbatches(module, data, recipe, first_microbatch_flags=True):
+    """Forward + backward of each micro-batch; with delayed wgrad, backward_dw right after each
+    backward. Returns the outputs and input gradients."""
+    ys, dxs = [], []
+    for i, (x, dy) in enumerate(data):
+        x = x.clone().requires_grad_(True)
+        first = (i == 0) if first_microbatch_flags else None
+        with autocast(recipe):
+            y = module(x, is_first_microbatch=first)
+        y.backward(dy)
+        if module.delay_wgrad_compute:
+            module.backward_dw()
+        ys.append(y.detach())
+        dxs.append(x.grad)
+    return ys, dxs
+
+
+# ---- FP8 error bounds (test groups 2 and 3) ------------------------------------------------
+# One FP8 rounding of v (already multiplied by its scale s) with round-to-nearest-even:
+#   normal range:    |q(v) - v| <= u |v|,  u = 2^-(mantissa bits + 1): E4M3 2^-4, E5M2 2^-3
+#   subnormal range: |q(v) - v| <= half the subnormal spacing: E4M3 2^-10, E5M2 2^-17
+# so, back in unscaled units, |q(v) - v| <= u |v| + d with d = (half spacing) / s, as long as
+# nothing saturates (|v| * s <= fp8_max, which the tests assert). For a product of two quantized
+# operands, q(a) q(b) - a b = (q(a) - a) q(b) + a (q(b) - b) and |q(b)| <= (1 + u_b)|b| + d_b, so
+#   |q(a)·q(b)ᵀ - a·bᵀ| <= (u_a|a| + d_a)·((1 + u_b)|b| + d_b)ᵀ + |a|·(u_b|b| + d_b)ᵀ
+# elementwise, plus the FP32 accumulation error (at most k 2^-24 |a|·|b|ᵀ for k terms).
+FP8 = {"E4M3": (2.0**-4, 2.0**-10, 448.0), "E5M2": (2.0**-3, 2.0**-17, 57344.0)}
+
+
+def product_bound(a, b, fmt_a, scale_a, fmt_b, scale_b):
+    """Elementwise bound on |deq(q(a)) · deq(q(b))ᵀ - a · bᵀ| for a [m, k], b [n, k]."""
+    ua, ha, max_a = FP8[fmt_a]
+    ub, hb, max_b = FP8[fmt_b]
+    A, B = a.double().abs(), b.double().abs()
+    # Scales come from FP32 amaxes, so the largest value may land a few ulps above fp8_max and
+    # saturate there: an error of ~1e-6 relative, far inside u. Anything more is real saturation.
+    assert float(A.max()) * scale_a <= max_a * 1.0001, f"a saturates: {float(A.max()) * scale_a}"
+    assert float(B.max()) * scale_b <= max_b * 1.0001, f"b saturates: {float(B.max()) * scale_b}"
+    da, db = ha / scale_a, hb / scale_b
+    k = a.shape[1]
+    fp32_acc = k * 2.0**-24 * 1.01 * (A @ B.t())
+    return ((ua * A + da) @ ((1 + ub) * B + db).t() + A @ (ub * B + db).t() + fp32_acc).float()
+
+
+def norm_stats(module, x2d):
+    """(normalized output, xhat, rsigma) of module's norm in float64 for a reference."""
+    x = x2d.double()
+    mu = torch.zeros(x.shape[0], 1, dtype=torch.float64)
+    if module.normalization == "LayerNorm":
+        mu = x.mean(1, keepdim=True)
+    rs = 1.0 / torch.sqrt(((x - mu) ** 2).mean(1, keepdim=True) + module.eps)
+    xhat = (x - mu) * rs
+    g = module.layer_norm_weight.detach().double() + (1.0 if module.zero_centered_gamma else 0.0)
+    out = xhat * g
+    if module.layer_norm_bias is not None:
+        out = out + module.layer_norm_bias.detach().double()
+    return out.float(), xhat, rs
+
+
+def input_grad_bound(module, x2d, gemm_in_bound):
+    """Bound on the input-gradient error, given an elementwise bound E on the error of the dgrad
+    GEMM output (the gradient of the norm output). Without a norm that is E itself; the norm's
+    backward is linear in its incoming gradient,
+        dx = rsigma (g dz - mean(g dz) - xhat mean(g dz xhat))   (RMSNorm: no mean(g dz) term),
+    so the triangle inequality bounds its error by the same expression on |g| E."""
+    if not isinstance(module, fp8dp.LayerNormLinear):
+        return gemm_in_bound
+    _, xhat, rs = norm_stats(module, x2d)
+    g = (
+        module.layer_norm_weight.detach().double() + (1.0 if module.zero_centered_gamma else 0.0)
+    ).abs()
+    ge = g * gemm_in_bound.double()
+    inner = ge + xhat.abs() * (ge * xhat.abs()).mean(1, keepdim=True)
+    if module.normalization == "LayerNorm":
+        inner = inner + ge.mean(1, keepdim=True)
+    return (rs * inner).float()

@@ -1,0 +1,83 @@
+"""Test group 5: is_first_microbatch — the FP8 weight cache (False reuses, True/None refresh) and
+the fused wgrad's overwrite (True) versus accumulate (False/None) into main_grad."""
+
+import pytest
+import torch
+
+from _linear_cases import KINDS, attach_main_grad, autocast, batches, make_module, make_recipe
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_weight_cache(kind, recipe_name):
+    recipe = make_recipe(recipe_name)
+    m = make_module(kind)
+    ((x, _),) = batches(1, torch.float32, seed=31)
+    with torch.no_grad(), autocast(recipe):
+        y_first = m(x, is_first_microbatch=True)
+        m.weight.mul_(-2.0)  # as an optimizer step would; the cache does not see it
+        y_reused = m(x, is_first_microbatch=False)
+        y_refreshed = m(x, is_first_microbatch=None)
+        y_true = m(x, is_first_microbatch=True)
+    assert torch.equal(y_reused, y_first), "False must reuse the cached FP8 weight"
+    assert not torch.equal(y_refreshed, y_first), "None must re-quantize the changed weight"
+    assert torch.equal(y_true, y_refreshed), "True re-quantizes too"
+    # The refreshed output is that of a module loaded with the changed weight (the state dict
+    # carries the FP8 scales too, so both cast with the same scales).
+    fresh = make_module(kind)
+    fresh.load_state_dict(m.state_dict())
+    with torch.no_grad(), autocast(make_recipe(recipe_name)):
+        assert torch.equal(fresh(x), y_refreshed)
+
+
+def test_no_cache_outside_fp8():
+    """Without FP8 there is nothing to cache: a changed weight is used at once."""
+    m = make_module("Linear")
+    ((x, _),) = batches(1, torch.float32, seed=32)
+    with torch.no_grad():
+        y1 = m(x, is_first_microbatch=True)
+        m.weight.mul_(-2.0)
+        y2 = m(x, is_first_microbatch=False)
+    assert not torch.equal(y1, y2)
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
+@pytest.mark.parametrize("recipe_name", ["none", "delayed"])
+def test_main_grad_overwrite_vs_accumulate(recipe_name, delay):
+    recipe = make_recipe(recipe_name)
+    m = make_module("Linear", fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
+    attach_main_grad(m, fill=7.0)
+    ((x, dy),) = batches(1, torch.float32, seed=33)
+
+    def step(first):
+        with autocast(recipe):
+            y = m(x, is_first_microbatch=first)
+        y.backward(dy)
+        if delay:
+            m.backward_dw()
+
+    step(True)
+    dw = m.weight.main_grad.clone()
+    assert not (dw == 7.0).any(), "True overwrites the stale main_grad"
+    assert m.weight.grad_added_to_main_grad
+    step(False)
+    torch.testing.assert_close(m.weight.main_grad, 2 * dw, rtol=1e-6, atol=1e-6)
+    step(None)
+    torch.testing.assert_close(m.weight.main_grad, 3 * dw, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero_out", [False, True])
+def test_dummy_wgrad(zero_out):
+    """The fused route hands autograd a cached dummy (zeros with zero_out_wgrad) so that the
+    weight's AccumulateGrad hooks fire; the hook sees grad_added_to_main_grad already set."""
+    m = make_module("Linear", fuse_wgrad_accumulation=True)
+    attach_main_grad(m)
+    m.weight.zero_out_wgrad = zero_out
+    flags = []
+    m.weight.register_post_accumulate_grad_hook(lambda p: flags.append(p.grad_added_to_main_grad))
+    for x, dy in batches(2, torch.float32, seed=34):
+        m(x).backward(dy)
+    assert flags == [True, True]
+    assert m.weight.grad is not None and m.weight.grad.shape == m.weight.shape
+    if zero_out:
+        assert torch.count_nonzero(m.weight.grad) == 0

@@ -1,0 +1,89 @@
+"""Test group 6: the FP8 scaling state travels in state_dict() as extra state; a round trip
+restores identical FP8 outputs, and a state dict without it (torch.nn.Linear's) loads too."""
+
+import io
+
+import pytest
+import torch
+
+import fp8dp
+from _linear_cases import IN, KINDS, OUT, autocast, batches, make_module, randomize_
+
+RECIPE = fp8dp.DelayedScaling(amax_history_len=3)
+
+
+def train_steps(m, n):
+    for step, (x, dy) in enumerate(batches(n, torch.float32, seed=41)):
+        with autocast(RECIPE):
+            y = m(x * (step + 1))  # growing amaxes, so the history and scales change every step
+        y.backward(dy)
+        fp8dp.update_fp8_scales()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_restores_fp8_outputs(kind):
+    m = make_module(kind)
+    randomize_(m, seed=40)
+    train_steps(m, 4)
+    sd = m.state_dict()
+    state = sd["_extra_state"]
+    assert state is not None and state["amax_history"].shape == (3, 3)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = make_module(kind)
+    loaded.load_state_dict(torch.load(buf, weights_only=False))
+    torch.testing.assert_close(loaded._core.amax_history, m._core.amax_history, rtol=0, atol=0)
+    torch.testing.assert_close(loaded._core.scale, m._core.scale, rtol=0, atol=0)
+
+    ((x, _),) = batches(1, torch.float32, seed=42)
+    x = x * 5  # a different amax: a fresh module's first-cast scale would differ from the saved one
+    fresh = make_module(kind)
+    fresh.load_state_dict({k: v for k, v in sd.items() if k != "_extra_state"})
+    with torch.no_grad(), autocast(RECIPE):
+        y_m, y_loaded, y_fresh = m(x), loaded(x), fresh(x)
+    torch.testing.assert_close(y_loaded, y_m, rtol=0, atol=0)
+    assert not torch.equal(y_fresh, y_m), "without the extra state the scales differ"
+
+
+def test_load_without_extra_state():
+    """A torch.nn.Linear state dict loads with strict=True; the FP8 state starts afresh."""
+    m = fp8dp.Linear(IN, OUT)
+    train_steps(m, 1)
+    assert m.get_extra_state() is not None
+    ref = torch.nn.Linear(IN, OUT)
+    m.load_state_dict(ref.state_dict(), strict=True)
+    assert m.get_extra_state() is None
+    assert torch.equal(m.weight, ref.weight) and torch.equal(m.bias, ref.bias)
+    ((x, _),) = batches(1, torch.float32, seed=43)
+    torch.testing.assert_close(m(x), ref(x), rtol=1e-6, atol=1e-6)
+
+
+def test_state_before_first_fp8_forward_is_none():
+    m = fp8dp.Linear(IN, OUT)
+    assert m.state_dict()["_extra_state"] is None
+    other = fp8dp.Linear(IN, OUT)
+    other.load_state_dict(m.state_dict())
+    assert other.get_extra_state() is None
+
+
+def test_update_fp8_scales_rolls_history():
+    """update_fp8_scales: scale = fp8_max / max(history) per role, history rolled by one row."""
+    m = fp8dp.Linear(IN, OUT)
+    data = batches(2, torch.float32, seed=44)
+    amax_in = []
+    for x, dy in data:
+        with autocast(RECIPE):
+            m(x).backward(dy)
+        amax_in.append(float(x.abs().max()))
+        hist_before = m._core.amax_history.clone()
+        fp8dp.update_fp8_scales()
+        torch.testing.assert_close(m._core.amax_history[1:], hist_before[:2], rtol=0, atol=0)
+        assert torch.count_nonzero(m._core.amax_history[0]) == 0
+    # After two steps the input scale comes from the larger of the two amaxes.
+    expected = torch.tensor(448.0) / torch.tensor(max(amax_in))
+    torch.testing.assert_close(m._core.scale[0], expected, rtol=0, atol=0)
+    grad_amax = max(float(dy.abs().max()) for _, dy in data)
+    torch.testing.assert_close(
+        m._core.scale[2], torch.tensor(57344.0) / torch.tensor(grad_amax), rtol=0, atol=0
+    )
