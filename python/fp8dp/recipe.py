@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from . import _C
@@ -36,8 +37,13 @@ def _check_format(value) -> None:
 
 
 def _check_margin(value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-        raise ValueError(f"margin: expected a number >= 0, got {value!r}")
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"margin: expected a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class DelayedScaling:
         h = self.amax_history_len
         if not isinstance(h, int) or isinstance(h, bool) or h < 1:
             raise ValueError(f"amax_history_len: expected an integer >= 1, got {h!r}")
-        if self.amax_compute_algo not in _ALGOS:
+        if not isinstance(self.amax_compute_algo, str) or self.amax_compute_algo not in _ALGOS:
             raise ValueError(
                 f"amax_compute_algo: expected one of {sorted(_ALGOS)}, got {self.amax_compute_algo!r}"
             )

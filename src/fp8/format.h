@@ -1,4 +1,4 @@
-// FP8 formats (C7): E4M3 (max 448, no infinities) and E5M2 (max 57344), and float <-> FP8 bit casts.
+// FP8 formats (C7): E4M3 (max 448, no infinities) and E5M2 (max 57344); float <-> FP8 bit casts.
 #pragma once
 
 #include <cstdint>
@@ -6,19 +6,21 @@
 
 namespace fp8dp {
 
-enum class Format : int { kE4M3 = 0, kE5M2 = 1 };
-
-constexpr float fp8_max(Format f) { return f == Format::kE4M3 ? 448.0f : 57344.0f; }
-const char* format_name(Format f);
-
-// Round-to-nearest-even of a float that is already within [-max, max] or NaN; NaN maps to NaN.
-// Written without data-dependent branches so that the compiler vectorises loops that call it.
-// The same bit recipe as the FP8 hardware conversion with satfinite once the input is clamped.
+// Everything below but format_name is shared by the CPU and the CUDA kernels (host + device).
 #if defined(__CUDACC__)
 #define FP8DP_HD __host__ __device__ __forceinline__
 #else
 #define FP8DP_HD inline
 #endif
+
+enum class Format : int { kE4M3 = 0, kE5M2 = 1 };
+
+FP8DP_HD constexpr float fp8_max(Format f) { return f == Format::kE4M3 ? 448.0f : 57344.0f; }
+// Bit pattern of the format's largest finite value (448 = 0x43E00000, 57344 = 0x47600000).
+FP8DP_HD constexpr uint32_t fp8_max_bits(Format f) {
+  return f == Format::kE4M3 ? 0x43E00000u : 0x47600000u;
+}
+const char* format_name(Format f);
 
 FP8DP_HD uint32_t float_bits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -40,27 +42,37 @@ FP8DP_HD float bits_float(uint32_t u) {
 #endif
 }
 
-// kMant = mantissa bits, kBias = exponent bias of the FP8 format.
+// All ones when cond holds, else 0 (for branch-free selects).
+FP8DP_HD uint32_t mask_if(bool cond) { return 0u - static_cast<uint32_t>(cond); }
+
+// FP8 code (sign bit clear) of a float magnitude given as its bit pattern `mag` (sign cleared),
+// which must be at most the format's max (not NaN); kMant = mantissa bits, kBias = exponent bias.
+//
+// Rounding by addition: C = 2^(e + 23 - kMant), where e is the exponent of mag but at least that of
+// the smallest FP8 normal (FP8 subnormals share its spacing), has a float ulp equal to the FP8
+// spacing at mag. mag + C lies in [C, 2C), so the float add rounds mag to that spacing, to nearest
+// even, and its bits minus C's bits count FP8 steps: the 1+kMant significand bits of the FP8 value
+// (or a subnormal's mantissa). Adding the FP8 exponent above the smallest normal gives the code; a
+// significand that rounds up to the next power of two carries into the exponent by itself.
+// Only integer ops, one float add and no branches, so loops over it vectorise.
+template <int kMant, int kBias>
+FP8DP_HD uint32_t fp8_code_of_magnitude(uint32_t mag) {
+  constexpr uint32_t kMinExp = static_cast<uint32_t>(127 - kBias + 1) << 23;
+  const uint32_t e = mag & 0x7F800000u;
+  const uint32_t E = e > kMinExp ? e : kMinExp;
+  const uint32_t C = E + (static_cast<uint32_t>(23 - kMant) << 23);
+  const uint32_t steps = float_bits(bits_float(mag) + bits_float(C)) - C;
+  return steps + ((E - kMinExp) >> (23 - kMant));
+}
+
+// Round-to-nearest-even of a float that is already within [-max, max] or NaN.
 template <int kMant, int kBias>
 FP8DP_HD uint8_t fp8_from_clamped_float(float x) {
   const uint32_t bits = float_bits(x);
   const uint32_t sign = bits & 0x80000000u;
   const uint32_t mag = bits ^ sign;
-  // Smallest normal FP8 value is 2^(1 - bias): below it the result is subnormal.
-  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 - kBias + 1) << 23;
-  // Subnormals: adding 2^(shift) moves the FP8 subnormal grid onto float's last mantissa bits, and
-  // float addition rounds to nearest even for us.
-  constexpr uint32_t kDenormMagic = static_cast<uint32_t>((127 - kBias) + (23 - kMant) + 1) << 23;
-  const float magic = bits_float(kDenormMagic);
-  const uint32_t sub = float_bits(bits_float(mag) + magic) - kDenormMagic;
-  // Normals: rebias the exponent and round the dropped mantissa bits to nearest even.
-  const uint32_t odd = (mag >> (23 - kMant)) & 1u;
-  const uint32_t norm =
-      (mag + (static_cast<uint32_t>(kBias - 127) << 23) + ((1u << (23 - kMant - 1)) - 1u) + odd) >>
-      (23 - kMant);
-  uint32_t r = mag < kMinNormal ? sub : norm;
-  r = mag > 0x7F800000u ? 0x7Fu : r;  // NaN stays NaN
-  return static_cast<uint8_t>(r | (sign >> 24));
+  const uint32_t code = mag > 0x7F800000u ? 0x7Fu : fp8_code_of_magnitude<kMant, kBias>(mag);
+  return static_cast<uint8_t>(code | (sign >> 24));
 }
 
 // Exact decode of an FP8 byte (E4M3: 0x7F/0xFF are NaN, no infinities; E5M2: IEEE-like specials).
@@ -80,16 +92,28 @@ FP8DP_HD float fp8_decode(uint8_t v, Format f) {
   return bits_float(sign | ((exp + 127 - bias) << 23) | (man << (23 - mant)));
 }
 
-// Saturating quantize of one value: saturate(rne(x)); x must already be multiplied by the scale.
+// Saturating quantize of one value: saturate(rne(v)); v must already be multiplied by the scale.
+// |v| > max (including +-Inf) gives +-max; NaN gives NaN. The clamp works on the magnitude's bits:
+// for non-negative floats integer order is float order and NaN patterns lie above Inf's, so one
+// unsigned min saturates finite overflow and Inf; the NaN test looks at the unclamped magnitude.
 template <Format F>
 FP8DP_HD uint8_t quantize_one(float v) {
-  constexpr float kMax = fp8_max(F);
-  v = v > kMax ? kMax : (v < -kMax ? -kMax : v);  // comparisons with NaN are false: NaN passes through
+  constexpr uint32_t kMaxBits = fp8_max_bits(F);
+  const uint32_t bits = float_bits(v);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t mag = bits ^ sign;
+  const uint32_t clamped = mag < kMaxBits ? mag : kMaxBits;
+  uint32_t code;
   if constexpr (F == Format::kE4M3) {
-    return fp8_from_clamped_float<3, 7>(v);
+    code = fp8_code_of_magnitude<3, 7>(clamped);
   } else {
-    return fp8_from_clamped_float<2, 15>(v);
+    code = fp8_code_of_magnitude<2, 15>(clamped);
   }
+  // NaN: OR-ing 0x7F into a code <= 0x7E gives 0x7F, NaN in both formats. A mask rather than `?:`:
+  // with `?:` compilers move the float add into the non-NaN branch and then refuse to vectorise the
+  // loop (a float add may trap, so it is not executed speculatively under -ftrapping-math).
+  code |= mask_if(mag > 0x7F800000u) & 0x7Fu;
+  return static_cast<uint8_t>(code | (sign >> 24));
 }
 
 }  // namespace fp8dp

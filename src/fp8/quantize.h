@@ -16,8 +16,9 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //   amax      [1]           max |x| over the input, NaN if any NaN, +Inf if any Inf (and no NaN);
 //                           written (not max-accumulated); 0 for an empty input
 //   scale_inv [1]           1 / scale
-//   dbias     [cols]        column sums of x in FP32 (the bias gradient of a grad_output), each column
-//                           summed in row order, so the result does not depend on the thread count
+//   dbias     [cols]        column sums of x in FP32 (the bias gradient of a grad_output), summed
+//                           in a fixed order (within each 64-row chunk in row order, then the
+//                           chunks in order), so the result does not depend on the thread count
 // scale points to one float (host memory for the CPU version, device memory for CUDA).
 struct QuantizeParams {
   const void* input = nullptr;

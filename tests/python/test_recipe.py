@@ -1,0 +1,155 @@
+"""Recipes (validated dataclasses) and fp8_autocast (a nestable context whose state C++ reads)."""
+
+import dataclasses
+import math
+
+import pytest
+
+import fp8dp
+from fp8dp import _C, recipe
+from fp8dp.autocast import current_fp8_group
+
+
+@pytest.fixture(autouse=True)
+def no_open_autocast():
+    """Every test starts and ends outside any fp8_autocast (the stack is process-wide)."""
+    assert _C.autocast_depth() == 0
+    yield
+    assert _C.autocast_depth() == 0
+
+
+# ---- recipes ----
+
+
+def test_delayed_scaling_defaults_and_cpp_form():
+    r = recipe.DelayedScaling()
+    assert (r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.margin) == (
+        recipe.Format.HYBRID,
+        1024,
+        "max",
+        0,
+    )
+    c = r.to_cpp()
+    assert c.kind == _C.RecipeKind.DELAYED
+    assert (c.fwd_format, c.bwd_format) == (_C.Format.E4M3, _C.Format.E5M2)
+    assert c.amax_history_len == 1024 and c.amax_compute_algo == _C.AmaxAlgo.MAX
+
+
+def test_formats_map_forward_and_backward():
+    assert (recipe.Format.E4M3.fwd, recipe.Format.E4M3.bwd) == (_C.Format.E4M3, _C.Format.E4M3)
+    assert (recipe.Format.HYBRID.fwd, recipe.Format.HYBRID.bwd) == (_C.Format.E4M3, _C.Format.E5M2)
+
+
+def test_current_scaling_cpp_form():
+    c = recipe.Float8CurrentScaling(fp8_format=recipe.Format.E4M3, margin=1.5).to_cpp()
+    assert c.kind == _C.RecipeKind.CURRENT
+    assert (c.fwd_format, c.bwd_format, c.margin) == (_C.Format.E4M3, _C.Format.E4M3, 1.5)
+
+
+def test_most_recent_algo_maps():
+    r = recipe.DelayedScaling(amax_compute_algo="most_recent", amax_history_len=1)
+    assert r.to_cpp().amax_compute_algo == _C.AmaxAlgo.MOST_RECENT
+
+
+def test_recipes_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.DelayedScaling().margin = 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"amax_history_len": 0}, "amax_history_len"),
+        ({"amax_history_len": -3}, "amax_history_len"),
+        ({"amax_history_len": 2.5}, "amax_history_len"),
+        ({"amax_history_len": True}, "amax_history_len"),
+        ({"amax_history_len": "16"}, "amax_history_len"),
+        ({"amax_compute_algo": "mean"}, "amax_compute_algo"),
+        ({"amax_compute_algo": None}, "amax_compute_algo"),
+        ({"amax_compute_algo": ["max"]}, "amax_compute_algo"),
+        ({"margin": -1}, "margin"),
+        ({"margin": math.nan}, "margin"),
+        ({"margin": math.inf}, "margin"),
+        ({"margin": "1"}, "margin"),
+        ({"fp8_format": "HYBRID"}, "fp8_format"),
+        ({"fp8_format": None}, "fp8_format"),
+    ],
+    ids=lambda v: repr(v) if not isinstance(v, str) else v,
+)
+def test_delayed_scaling_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        recipe.DelayedScaling(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"margin": -0.5}, "margin"), ({"fp8_format": "E5M2"}, "fp8_format")],
+    ids=["negative-margin", "unknown-format"],
+)
+def test_current_scaling_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        recipe.Float8CurrentScaling(**kwargs)
+
+
+# ---- fp8_autocast ----
+
+
+def _current():
+    s = _C.autocast_current()
+    return s.enabled, s.recipe.amax_history_len
+
+
+def test_outside_any_context_fp8_is_off():
+    assert not fp8dp.is_fp8_enabled()
+    assert current_fp8_group() is None
+
+
+def test_default_recipe_is_delayed_scaling():
+    with fp8dp.fp8_autocast():
+        s = _C.autocast_current()
+        assert s.enabled and s.recipe.kind == _C.RecipeKind.DELAYED
+        assert s.recipe.amax_history_len == recipe.DelayedScaling().amax_history_len
+
+
+@pytest.mark.parametrize("outer, inner", [(True, False), (False, True), (True, True)])
+def test_nesting_inner_wins_and_exit_restores_outer(outer, inner):
+    r_out, r_in = recipe.DelayedScaling(amax_history_len=8), recipe.DelayedScaling(
+        amax_history_len=3
+    )
+    with fp8dp.fp8_autocast(enabled=outer, fp8_recipe=r_out, fp8_group="outer-group"):
+        assert _current() == (outer, 8)
+        with fp8dp.fp8_autocast(enabled=inner, fp8_recipe=r_in, fp8_group="inner-group"):
+            assert _current() == (inner, 3)
+            assert fp8dp.is_fp8_enabled() is inner
+            assert current_fp8_group() == "inner-group"
+            assert _C.autocast_depth() == 2
+        assert _current() == (outer, 8)
+        assert current_fp8_group() == "outer-group"
+    assert not fp8dp.is_fp8_enabled()
+
+
+def test_exception_inside_restores_the_outer_state():
+    with fp8dp.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling(amax_history_len=5)):
+        with pytest.raises(RuntimeError, match="boom"):
+            with fp8dp.fp8_autocast(enabled=False):
+                assert not fp8dp.is_fp8_enabled()
+                raise RuntimeError("boom")
+        assert _current() == (True, 5)
+        assert _C.autocast_depth() == 1
+    assert _C.autocast_depth() == 0
+
+
+def test_current_scaling_recipe_in_autocast():
+    with fp8dp.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        assert _C.autocast_current().recipe.kind == _C.RecipeKind.CURRENT
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"enabled": "yes"}, "enabled"), ({"fp8_recipe": object()}, "fp8_recipe")],
+    ids=["enabled-not-bool", "recipe-wrong-type"],
+)
+def test_autocast_bad_arguments(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        with fp8dp.fp8_autocast(**kwargs):
+            pass
