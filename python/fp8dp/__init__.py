@@ -5,7 +5,10 @@ import torch  # noqa: F401  (loads libtorch before the extension that links agai
 from . import _C
 from . import recipe
 from .autocast import fp8_autocast, is_fp8_enabled
+from .ddp import DistributedDataParallel
+from .ddp_config import DistributedDataParallelConfig
 from .modules import LayerNormLinear, Linear
+from .optimizer import DistributedOptimizer
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 from .scaling import update_fp8_scales
 
@@ -31,6 +34,9 @@ def cuda_available(return_reason: bool = False):
 
 __all__ = [
     "DelayedScaling",
+    "DistributedDataParallel",
+    "DistributedDataParallelConfig",
+    "DistributedOptimizer",
     "Float8CurrentScaling",
     "Format",
     "LayerNormLinear",

@@ -4,6 +4,7 @@
 namespace fp8dp::python {
 void bind_build_info(pybind11::module_& m);
 void bind_fp8(pybind11::module_& m);
+void bind_grad_buffer(pybind11::module_& m);
 void bind_modules(pybind11::module_& m);
 void bind_gemm(pybind11::module_& m);
 void bind_gemm_cuda(pybind11::module_& m);
@@ -13,6 +14,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fp8dp C++ core";
   fp8dp::python::bind_build_info(m);
   fp8dp::python::bind_fp8(m);
+  fp8dp::python::bind_grad_buffer(m);
   fp8dp::python::bind_modules(m);
   fp8dp::python::bind_gemm(m);
   fp8dp::python::bind_gemm_cuda(m);

@@ -1,0 +1,155 @@
+"""fp8dp.DistributedDataParallel: owns the wrapped module and routes its gradient hooks into the C++
+GradSync (src/grad_buffer), which holds the buffers, readiness, collectives, ledger and NaN check."""
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .ddp_config import DistributedDataParallelConfig
+
+
+def _owners(module: torch.nn.Module) -> dict:
+    """id(parameter) -> the module that registers it directly."""
+    out = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                out.setdefault(id(p), m)
+    return out
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps `module` for data-parallel training with one contiguous main_grad buffer per
+    (param dtype, grad dtype) (contract C1), exactly-once gradient accumulation (C2) and bucketed
+    collectives launched by readiness counts (C5, C6). See DistributedDataParallelConfig."""
+
+    def __init__(self, module: torch.nn.Module, config=None, process_group=None):
+        super().__init__()
+        config = DistributedDataParallelConfig() if config is None else config
+        if not isinstance(config, DistributedDataParallelConfig):
+            raise TypeError(
+                f"config: expected a DistributedDataParallelConfig, got {type(config).__name__}"
+            )
+        if process_group is None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(
+                    "process_group: None needs torch.distributed.init_process_group() first "
+                    "(or pass a process group)"
+                )
+            process_group = dist.group.WORLD
+        self.module = module
+        self.config = config
+        self.process_group = process_group
+        dp = process_group.size()
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        owners = _owners(module)
+        delayed = {}
+        for name, p in named:
+            if not getattr(p, "skip_backward_post_hook", False):
+                continue
+            owner = owners[id(p)]
+            if not config.delay_wgrad_compute:
+                raise ValueError(
+                    f"parameter '{name}' has skip_backward_post_hook=True (its module computes the "
+                    "weight gradient in backward_dw()), but config.delay_wgrad_compute is False: "
+                    "its gradient would never reach main_grad; set delay_wgrad_compute=True"
+                )
+            if not callable(getattr(owner, "register_wgrad_accumulation_and_reduce_hooks", None)):
+                raise ValueError(
+                    f"parameter '{name}' has skip_backward_post_hook=True but its module "
+                    f"{type(owner).__name__} has no register_wgrad_accumulation_and_reduce_hooks()"
+                )
+            delayed[id(p)] = owner
+
+        opts = _C.GradSyncOptions()
+        opts.grad_reduce_in_fp32 = config.grad_reduce_in_fp32
+        opts.overlap_grad_reduce = config.overlap_grad_reduce
+        opts.use_distributed_optimizer = config.use_distributed_optimizer
+        opts.bucket_size = config.resolved_bucket_size(dp)
+        opts.average_in_collective = config.average_in_collective
+        opts.check_for_nan_in_grad = config.check_for_nan_in_grad
+        opts.pad_buckets_for_high_nccl_busbw = config.pad_buckets_for_high_nccl_busbw
+        opts.grad_ledger = config.grad_ledger
+        is_cuda = bool(named) and named[0][1].is_cuda
+        comm = _C.make_communicator(config.comm_backend, process_group, is_cuda)
+        self._params = [p for _, p in named]
+        self._names = [n for n, _ in named]
+        self._sync = _C.GradSync(self._params, self._names, comm, opts)
+        self._known = {id(p) for p in module.parameters()}
+        self._hook_handles = []
+        for i, p in enumerate(self._params):
+            p.main_grad = self._sync.main_grad(i)
+            p.grad_added_to_main_grad = False
+            if id(p) in delayed:
+                delayed[id(p)].register_wgrad_accumulation_and_reduce_hooks(
+                    functools.partial(self._on_grad, i)
+                )
+            else:
+                self._hook_handles.append(
+                    p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_hook, i))
+                )
+
+    # -- hooks: C2 (a)/(b); the accumulate / count / launch logic is GradSync.param_ready --------
+    def _on_grad(self, i: int) -> None:
+        p = self._params[i]
+        self._sync.param_ready(i, p.grad, bool(getattr(p, "grad_added_to_main_grad", False)))
+        p.grad = None
+
+    def _on_grad_hook(self, i: int, _param) -> None:
+        self._on_grad(i)
+
+    def _check_parameters(self) -> None:
+        for name, p in self.module.named_parameters():
+            if id(p) not in self._known:
+                raise ValueError(
+                    f"parameter '{name}' was added after DistributedDataParallel was constructed: "
+                    "its gradient has no place in the buffers; build the model first, then wrap it"
+                )
+
+    def forward(self, *args, **kwargs):
+        self._check_parameters()
+        self._sync.begin_microbatch()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches inside only accumulate into main_grad: no readiness, no collectives."""
+        previous = self._sync.sync_enabled
+        self._sync.sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync.sync_enabled = previous
+
+    def start_grad_sync(self) -> None:
+        """Launch every bucket group not launched yet (asynchronously)."""
+        self._sync.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Launch what is left, wait for all collectives; idempotent until the next gradient."""
+        self._sync.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every main_grad and reset grad_added_to_main_grad (the start of an iteration)."""
+        self._check_parameters()
+        self._sync.zero_grad_buffer()
+        for p in self._params:
+            p.grad_added_to_main_grad = False
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """main_grad *= scaling_factor for every parameter."""
+        self._sync.scale_gradients(float(scaling_factor))
+
+    def broadcast_params(self, src: int = 0) -> None:
+        """Copy the parameters of group rank `src` to every rank (one collective per buffer)."""
+        self._sync.broadcast_params(int(src))
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,80 @@
+// Communicator: the collectives the gradient buffer needs (all-reduce, reduce-scatter, all-gather,
+// broadcast of flat buffers), grouped per bucket group and asynchronous, behind one interface that the
+// ProcessGroup (any c10d group, e.g. gloo) and the native NCCL communicators implement.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fp8dp {
+
+enum class ReduceOp { kSum, kAvg };
+
+const char* reduce_op_name(ReduceOp op);
+
+// Handle of one grouped collective in flight.
+class CommWork {
+ public:
+  virtual ~CommWork() = default;
+  // Blocks until the collective has finished (CPU) or orders the caller's current stream after it
+  // (CUDA: an event wait, no host sync). Throws fp8dp::Error naming the collective when it failed or
+  // did not finish within the communicator's timeout. A second call returns at once.
+  virtual void wait() = 0;
+  // True once wait() would return without blocking.
+  virtual bool is_completed() = 0;
+};
+
+// Every collective takes a list of flat (1-D, contiguous, same device) buffers and runs them as one
+// group (one ncclGroupStart/End on NCCL): one call per bucket group. Dtypes: float32, bfloat16,
+// float16 (and int64 for the small bookkeeping tensors). The public methods check their arguments
+// and call check_for_errors() first, then hand off to the do_* hooks that implementations override.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // A short name for messages, e.g. "process_group(gloo)" or "nccl".
+  virtual std::string name() const = 0;
+
+  // buffers[i] <- reduce over ranks of buffers[i], in place.
+  std::shared_ptr<CommWork> all_reduce(const std::vector<at::Tensor>& buffers, ReduceOp op);
+  // outputs[i] <- chunk `rank()` of the reduction of inputs[i]; inputs[i].numel() must be
+  // size() * outputs[i].numel(). outputs[i] may be that very chunk of inputs[i] (in place).
+  std::shared_ptr<CommWork> reduce_scatter(const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& outputs, ReduceOp op);
+  // outputs[i] <- concatenation over ranks of inputs[i]; outputs[i].numel() must be
+  // size() * inputs[i].numel(). inputs[i] may be chunk `rank()` of outputs[i] (in place).
+  std::shared_ptr<CommWork> all_gather(const std::vector<at::Tensor>& inputs,
+                                       const std::vector<at::Tensor>& outputs);
+  // buffers[i] <- root's buffers[i].
+  std::shared_ptr<CommWork> broadcast(const std::vector<at::Tensor>& buffers, int root);
+
+  // Throws fp8dp::Error when an earlier collective failed asynchronously (a NCCL async error, an
+  // aborted communicator). Virtual so that tests can inject a failure.
+  virtual void check_for_errors() {}
+
+  // How long wait() waits before it declares the collective failed (default 10 minutes).
+  void set_timeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+ protected:
+  virtual std::shared_ptr<CommWork> do_all_reduce(const std::vector<at::Tensor>& buffers,
+                                                  ReduceOp op) = 0;
+  virtual std::shared_ptr<CommWork> do_reduce_scatter(const std::vector<at::Tensor>& inputs,
+                                                      const std::vector<at::Tensor>& outputs,
+                                                      ReduceOp op) = 0;
+  virtual std::shared_ptr<CommWork> do_all_gather(const std::vector<at::Tensor>& inputs,
+                                                  const std::vector<at::Tensor>& outputs) = 0;
+  virtual std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers,
+                                                 int root) = 0;
+
+ private:
+  std::chrono::milliseconds timeout_{std::chrono::minutes(10)};
+};
+
+}  // namespace fp8dp

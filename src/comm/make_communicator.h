@@ -1,0 +1,23 @@
+// Picks the Communicator for DistributedDataParallelConfig.comm_backend.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+
+namespace fp8dp {
+
+// backend: "auto" (native NCCL for CUDA tensors when this build has it, else the process group),
+// "nccl" (native NCCL; an error when the build has none) or "process_group".
+// cuda: whether the tensors to communicate live on a CUDA device.
+std::shared_ptr<Communicator> make_communicator(const std::string& backend,
+                                                c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                bool cuda);
+
+// Whether this build has the native NCCL communicator.
+bool native_nccl_available();
+
+}  // namespace fp8dp

@@ -1,0 +1,112 @@
+// GradSync: everything DistributedDataParallel does with gradients, in one C++ object: the buffers
+// (contract C1), the exactly-once accumulation done by the hooks (C2), readiness and the bucket-group
+// launches (C5), the collectives (C6), the ledger, the NaN check, and the parameter all-gather of the
+// distributed optimizer. The Python wrapper owns the module and forwards hook calls here.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "grad_buffer/bucket_group.h"
+#include "grad_buffer/buffer.h"
+#include "grad_buffer/ledger.h"
+#include "grad_buffer/readiness.h"
+
+namespace fp8dp {
+
+struct GradSyncOptions {
+  bool grad_reduce_in_fp32 = true;
+  bool overlap_grad_reduce = false;
+  bool use_distributed_optimizer = false;
+  int64_t bucket_size = 40000000;
+  bool average_in_collective = false;
+  bool check_for_nan_in_grad = false;
+  bool pad_buckets_for_high_nccl_busbw = false;
+  bool grad_ledger = false;
+};
+
+// One shard of a parameter owned by this rank under the distributed optimizer.
+struct OwnedShard {
+  int64_t param = 0;         // global parameter index
+  int64_t param_offset = 0;  // first owned element of the flattened parameter
+  int64_t numel = 0;
+  int64_t buffer = 0;
+  int64_t buffer_offset = 0;
+};
+
+class GradSync {
+ public:
+  // params: the trainable parameters in registration order (one device); names for messages.
+  // Builds the buffers, moves every parameter's data into its param buffer and checks with every
+  // rank that they all built the same layout (a ValueError naming the first differing rank).
+  GradSync(std::vector<at::Tensor> params, std::vector<std::string> names,
+           std::shared_ptr<Communicator> comm, GradSyncOptions opts);
+
+  at::Tensor main_grad(int64_t p) const;
+
+  // The DDP hook for parameter p (C2): unless grad_added_to_main_grad, adds grad (if any) to
+  // main_grad; the caller then sets p.grad = None. Outside no_sync counts p ready and, with
+  // overlap_grad_reduce, launches p's bucket group the moment it is complete.
+  void param_ready(int64_t p, const std::optional<at::Tensor>& grad, bool grad_added_to_main_grad);
+
+  // A micro-batch's forward began (for the ledger).
+  void begin_microbatch();
+  // no_sync(): false suppresses readiness counting and launches.
+  void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
+  bool sync_enabled() const { return sync_enabled_; }
+
+  // Launches every bucket group not launched yet.
+  void start_grad_sync();
+  // Checks readiness (and the ledger and NaN check when enabled; then every rank agrees on the
+  // outcome first, so all raise together), launches what is left, waits. Idempotent until the next
+  // gradient arrives.
+  void finish_grad_sync();
+  // Waits for anything in flight, zeroes every buffer and forgets this iteration's counts.
+  void zero_grad_buffer();
+  void scale_gradients(double factor);
+  void broadcast_params(int root);
+
+  // Distributed optimizer: this rank's shards, their views, and the parameter all-gather.
+  std::vector<OwnedShard> owned_shards() const;
+  at::Tensor grad_shard(const OwnedShard& s) const;
+  at::Tensor param_shard(const OwnedShard& s) const;
+  // Copies each master shard (any float dtype) into its param_shard, then all-gathers every bucket.
+  void copy_shards_and_sync_params(const std::vector<at::Tensor>& masters);
+
+  int rank() const { return comm_->rank(); }
+  int world_size() const { return comm_->size(); }
+  const std::vector<Buffer>& buffers() const { return buffers_; }
+  int64_t num_bucket_groups() const { return static_cast<int64_t>(groups_.size()); }
+  int64_t golden_count(int64_t p) const { return readiness_->golden(p); }
+  int64_t group_of_param(int64_t p) const { return group_of_param_.at(p); }
+  bool group_launched(int64_t g) const { return groups_.at(g).launched(); }
+  Communicator& communicator() { return *comm_; }
+
+ private:
+  void check_same_layout_on_all_ranks();
+  std::string local_errors();
+  void abandon_iteration();
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::shared_ptr<Communicator> comm_;
+  GradSyncOptions opts_;
+  SyncSettings settings_;
+  std::vector<Buffer> buffers_;
+  std::vector<std::pair<int64_t, int64_t>> where_;  // param -> (buffer, local index)
+  std::vector<BucketGroup> groups_;
+  std::vector<int64_t> group_of_param_;
+  std::unique_ptr<Readiness> readiness_;
+  std::unique_ptr<Ledger> ledger_;
+  bool sync_enabled_ = true;
+  bool finished_ = false;
+  std::mutex mu_;  // hooks may run on autograd's device threads
+};
+
+}  // namespace fp8dp

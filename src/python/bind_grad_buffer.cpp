@@ -1,0 +1,108 @@
+// Binds src/comm (Communicator, the factory) and src/grad_buffer (layout, GradSync).
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include "comm/make_communicator.h"
+#include "grad_buffer/grad_sync.h"
+#include "grad_buffer/layout.h"
+
+namespace py = pybind11;
+
+namespace fp8dp::python {
+
+void bind_grad_buffer(py::module_& m) {
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("name", &Communicator::name)
+      .def(
+          "set_timeout",
+          [](Communicator& c, double seconds) {
+            c.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
+          },
+          py::arg("seconds"));
+  m.def("make_communicator", &make_communicator, py::arg("backend"), py::arg("process_group"),
+        py::arg("cuda"));
+  m.def("native_nccl_available", &native_nccl_available);
+
+  py::class_<LayoutOptions>(m, "LayoutOptions")
+      .def(py::init<>())
+      .def_readwrite("bucket_size", &LayoutOptions::bucket_size)
+      .def_readwrite("dp", &LayoutOptions::dp)
+      .def_readwrite("distributed_optimizer", &LayoutOptions::distributed_optimizer)
+      .def_readwrite("pad_for_high_nccl_busbw", &LayoutOptions::pad_for_high_nccl_busbw);
+  m.def(
+      "compute_layout",
+      [](const std::vector<int64_t>& numels, const LayoutOptions& o) {
+        const Layout l = compute_layout(numels, o);
+        py::list params, buckets;
+        for (const auto& p : l.params) params.append(py::make_tuple(p.start, p.end, p.bucket));
+        for (const auto& b : l.buckets) buckets.append(py::make_tuple(b.start, b.end, b.params));
+        return py::make_tuple(params, buckets, l.numel);
+      },
+      py::arg("numels"), py::arg("options"));
+
+  py::class_<GradSyncOptions>(m, "GradSyncOptions")
+      .def(py::init<>())
+      .def_readwrite("grad_reduce_in_fp32", &GradSyncOptions::grad_reduce_in_fp32)
+      .def_readwrite("overlap_grad_reduce", &GradSyncOptions::overlap_grad_reduce)
+      .def_readwrite("use_distributed_optimizer", &GradSyncOptions::use_distributed_optimizer)
+      .def_readwrite("bucket_size", &GradSyncOptions::bucket_size)
+      .def_readwrite("average_in_collective", &GradSyncOptions::average_in_collective)
+      .def_readwrite("check_for_nan_in_grad", &GradSyncOptions::check_for_nan_in_grad)
+      .def_readwrite("pad_buckets_for_high_nccl_busbw",
+                     &GradSyncOptions::pad_buckets_for_high_nccl_busbw)
+      .def_readwrite("grad_ledger", &GradSyncOptions::grad_ledger);
+  py::class_<OwnedShard>(m, "OwnedShard")
+      .def_readonly("param", &OwnedShard::param)
+      .def_readonly("param_offset", &OwnedShard::param_offset)
+      .def_readonly("numel", &OwnedShard::numel)
+      .def_readonly("buffer", &OwnedShard::buffer)
+      .def_readonly("buffer_offset", &OwnedShard::buffer_offset);
+
+  py::class_<GradSync>(m, "GradSync")
+      .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
+                    std::shared_ptr<Communicator>, GradSyncOptions>(),
+           py::arg("params"), py::arg("names"), py::arg("communicator"), py::arg("options"),
+           // Every entry that may enqueue a collective drops the GIL: gloo's worker threads take the
+           // GIL (to release Python state captured with a finished work) while holding their queue
+           // lock, which the enqueue needs too.
+           py::call_guard<py::gil_scoped_release>())
+      .def("main_grad", &GradSync::main_grad, py::arg("index"))
+      .def("param_ready", &GradSync::param_ready, py::arg("index"), py::arg("grad"),
+           py::arg("grad_added_to_main_grad"), py::call_guard<py::gil_scoped_release>())
+      .def("begin_microbatch", &GradSync::begin_microbatch)
+      .def_property("sync_enabled", &GradSync::sync_enabled, &GradSync::set_sync_enabled)
+      .def("start_grad_sync", &GradSync::start_grad_sync, py::call_guard<py::gil_scoped_release>())
+      .def("finish_grad_sync", &GradSync::finish_grad_sync,
+           py::call_guard<py::gil_scoped_release>())
+      .def("zero_grad_buffer", &GradSync::zero_grad_buffer,
+           py::call_guard<py::gil_scoped_release>())
+      .def("scale_gradients", &GradSync::scale_gradients, py::arg("factor"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("broadcast_params", &GradSync::broadcast_params, py::arg("root"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("owned_shards", &GradSync::owned_shards)
+      .def("grad_shard", &GradSync::grad_shard, py::arg("shard"))
+      .def("param_shard", &GradSync::param_shard, py::arg("shard"))
+      .def("copy_shards_and_sync_params", &GradSync::copy_shards_and_sync_params,
+           py::arg("masters"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &GradSync::rank)
+      .def_property_readonly("world_size", &GradSync::world_size)
+      .def_property_readonly("num_bucket_groups", &GradSync::num_bucket_groups)
+      .def("golden_count", &GradSync::golden_count, py::arg("index"))
+      .def("group_of_param", &GradSync::group_of_param, py::arg("index"))
+      .def("group_launched", &GradSync::group_launched, py::arg("group"))
+      .def("communicator", &GradSync::communicator, py::return_value_policy::reference_internal)
+      .def("buckets", [](const GradSync& s) {
+        // [(buffer, grad dtype, offset, numel, [param indices])] for tests and debugging
+        py::list out;
+        for (size_t b = 0; b < s.buffers().size(); ++b)
+          for (const auto& k : s.buffers()[b].buckets)
+            out.append(py::make_tuple(b, py::str(c10::toString(s.buffers()[b].grad_dtype)),
+                                      k.offset, k.numel, k.params));
+        return out;
+      });
+}
+
+}  // namespace fp8dp::python

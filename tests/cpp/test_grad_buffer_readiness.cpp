@@ -1,0 +1,109 @@
+// Readiness counts (C5) and the gradient ledger (C2): golden counts, completion, excess and missing
+// reports, all without tensors or a process group.
+#include <gtest/gtest.h>
+
+#include "common/check.h"
+#include "grad_buffer/ledger.h"
+#include "grad_buffer/readiness.h"
+
+using fp8dp::Ledger;
+using fp8dp::Readiness;
+using fp8dp::Route;
+
+namespace {
+
+// Params 0,1 in group 0; param 2 in group 1. Param 1 is used twice per forward (golden 2).
+Readiness learned() {
+  Readiness r({0, 0, 1}, {"a", "b", "c"}, 2);
+  for (int p : {0, 1, 1, 2}) EXPECT_FALSE(r.mark(p));  // first iteration: learn, never launch
+  r.end_iteration();
+  EXPECT_TRUE(r.golden_known());
+  return r;
+}
+
+TEST(Readiness, GroupCompletesExactlyWhenEveryCountIsGolden) {
+  Readiness r = learned();
+  EXPECT_EQ(r.golden(1), 2);
+  EXPECT_FALSE(r.mark(1));
+  EXPECT_FALSE(r.mark(0));
+  EXPECT_TRUE(r.mark(1));  // second use of b completes group 0
+  EXPECT_TRUE(r.incomplete(0).empty());
+  EXPECT_TRUE(r.mark(2));
+  r.end_iteration();
+  EXPECT_FALSE(r.mark(0));  // counts start over each iteration
+}
+
+TEST(Readiness, ExcessReportNamesTheParameter) {
+  Readiness r = learned();
+  EXPECT_TRUE(r.mark(2));
+  try {
+    r.mark(2);
+    FAIL() << "excess readiness accepted";
+  } catch (const fp8dp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'c' was reported ready 2 times in this iteration but 1"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Readiness, IncompleteListsMissingParameters) {
+  Readiness r = learned();
+  r.mark(1);
+  const auto inc = r.incomplete(0);
+  ASSERT_EQ(inc.size(), 2u);
+  EXPECT_EQ(inc[0], "'a' (ready 0 of 1)");
+  EXPECT_EQ(inc[1], "'b' (ready 1 of 2)");
+}
+
+TEST(Readiness, NothingLearnedFromAnIterationWithoutReports) {
+  Readiness r({0}, {"a"}, 1);
+  r.end_iteration();
+  EXPECT_FALSE(r.golden_known());
+}
+
+TEST(Ledger, LearnsThenAcceptsExactCounts) {
+  Ledger l({"w", "b"});
+  for (int mb = 0; mb < 3; ++mb) {
+    l.begin_microbatch();
+    l.record(0, Route::kAccumulated);
+    l.record(1, Route::kExternal);
+  }
+  EXPECT_EQ(l.end_iteration(), "");
+  l.begin_microbatch();
+  l.record(0, Route::kFused);
+  l.record(1, Route::kAccumulated);
+  EXPECT_EQ(l.end_iteration(), "");
+}
+
+TEST(Ledger, DuplicateAndMissingAreNamed) {
+  Ledger l({"w", "b"});
+  l.begin_microbatch();
+  l.record(0, Route::kAccumulated);
+  l.record(1, Route::kAccumulated);
+  ASSERT_EQ(l.end_iteration(), "");
+  for (int mb = 0; mb < 2; ++mb) {
+    l.begin_microbatch();
+    l.record(0, Route::kAccumulated);
+    if (mb == 0) l.record(0, Route::kAccumulated);  // duplicate of w in micro-batch 1
+    if (mb == 1) l.record(1, Route::kAccumulated);  // b missing in micro-batch 1
+  }
+  const std::string msg = l.end_iteration();
+  EXPECT_NE(msg.find("'w': 3 contributions in 2 micro-batch(es), expected 2 (duplicated 1)"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("'b': 1 contributions in 2 micro-batch(es), expected 2 (missing 1)"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(Ledger, DuplicateInTheFirstIterationIsNotLearned) {
+  Ledger l({"w"});
+  for (int mb = 0; mb < 2; ++mb) {
+    l.begin_microbatch();
+    l.record(0, Route::kAccumulated);
+    if (mb == 1) l.record(0, Route::kAccumulated);
+  }
+  EXPECT_NE(l.end_iteration().find("duplicated 1"), std::string::npos);
+}
+
+}  // namespace

@@ -1,0 +1,549 @@
+"""torchrun worker for the DDP tests (gloo, CPU). Runs every case in one process group, prints one
+PASS/FAIL line per case and exits non-zero when any failed. Values are checked against references
+derived analytically: with loss = mean over the global batch, the averaged main_grad must equal the
+gradient of a single-process FP32 model on the whole global batch."""
+
+import contextlib
+import copy
+import io
+import itertools
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fp8dp  # noqa: E402
+from _models import DelayedLinear, delayed_mlp, mlp, plain_twin  # noqa: E402
+
+B = 4  # samples per micro-batch per rank
+# FP32 tolerance: each gradient element is a sum of at most ws * n_mb * B <= 48 per-sample terms of
+# magnitude <= ~1 (tanh MLP, unit-normal data), reduced in a different order than the reference (and
+# scaled by 1/dp); each reordered addition errs by <= 2^-24 relative, so 64 * 2^-23 bounds the sum.
+FP32 = dict(rtol=1e-5, atol=64 * 2.0**-23)
+CASES = []
+
+
+def case(when=None, **grid):
+    def register(fn):
+        for combo in itertools.product(*grid.values()):
+            kw = dict(zip(grid.keys(), combo))
+            if when is not None and not when(**kw):
+                continue
+            args = ",".join(f"{k}={v}" for k, v in kw.items())
+            CASES.append((f"{fn.__name__}[{args}]", fn, kw))
+        return fn
+
+    return register
+
+
+def data(step, ws, n_mb, din=12, dout=5):
+    g = torch.Generator().manual_seed(1000 + step)
+    n = ws * n_mb * B
+    return torch.randn(n, din, generator=g), torch.randn(n, dout, generator=g)
+
+
+def micro(t, rank, k, n_mb):
+    i = (rank * n_mb + k) * B
+    return t[i : i + B]
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def iteration(ddp, x, y, rank, n_mb, delayed=(), before_finish=None, inject=None):
+    """One training iteration: n_mb micro-batches, all but the last under no_sync()."""
+    ddp.zero_grad_buffer()
+    for k in range(n_mb):
+        ctx = ddp.no_sync() if k < n_mb - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = mse(ddp(micro(x, rank, k, n_mb)), micro(y, rank, k, n_mb)) / n_mb
+            loss.backward()
+            if inject is not None:
+                inject(k)
+            else:
+                for m in reversed(delayed):
+                    m.backward_dw()
+    if before_finish is not None:
+        before_finish()
+    ddp.finish_grad_sync()
+
+
+def reference_grads(ref, x, y):
+    ref.zero_grad()
+    mse(ref(x), y).backward()
+    return [p.grad.clone() for p in ref.parameters()]
+
+
+def check_main_grads(ddp, ref_grads, **tol):
+    sync = ddp._sync
+    if ddp.config.use_distributed_optimizer:  # C6: each rank's owned chunk equals the reference
+        shards = sync.owned_shards()
+        for s in shards:
+            exp = ref_grads[s.param].flatten()[s.param_offset : s.param_offset + s.numel]
+            torch.testing.assert_close(sync.grad_shard(s), exp, **tol)
+        return len(shards)
+    for p, r in zip(ddp._params, ref_grads):
+        torch.testing.assert_close(p.main_grad, r, **tol)
+    return len(ref_grads)
+
+
+def cfg(**kw):
+    return fp8dp.DistributedDataParallelConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+@case(overlap=[False, True], dist_opt=[False, True], avg=[False, True], n_mb=[1, 4])
+def grads_match_reference(rank, ws, overlap, dist_opt, avg, n_mb):
+    model = mlp()
+    ref = copy.deepcopy(model)
+    ddp = fp8dp.DistributedDataParallel(
+        model,
+        cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt,
+            average_in_collective=avg, bucket_size=150),
+    )
+    sync = ddp._sync
+    groups = sync.num_bucket_groups
+    assert (groups > 1) if overlap else (groups == 1), groups
+    for step in range(2):  # step 0 learns the golden counts, step 1 launches from the hooks
+        x, y = data(step, ws, n_mb)
+
+        def launched_during_backward():
+            state = [sync.group_launched(g) for g in range(groups)]
+            assert all(state) if (overlap and step == 1) else not any(state), state
+
+        iteration(ddp, x, y, rank, n_mb, before_finish=launched_during_backward)
+        assert check_main_grads(ddp, reference_grads(ref, x, y), **FP32) > 0 or dist_opt
+        before = [p.main_grad.clone() for p in ddp._params]
+        ddp.finish_grad_sync()  # idempotent: no second reduction
+        for p, b in zip(ddp._params, before):
+            assert torch.equal(p.main_grad, b)
+
+
+@case(grad_reduce_in_fp32=[True, False])
+def bf16_params(rank, ws, grad_reduce_in_fp32):
+    n_mb = 2
+    model = mlp(dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ddp = fp8dp.DistributedDataParallel(model, cfg(grad_reduce_in_fp32=grad_reduce_in_fp32))
+    want = torch.float32 if grad_reduce_in_fp32 else torch.bfloat16
+    assert all(p.main_grad.dtype == want for p in ddp._params)
+    x, y = data(0, ws, n_mb)
+    x, y = x.bfloat16(), y.bfloat16()
+    iteration(ddp, x, y, rank, n_mb)
+    # Reference: the same BF16 per-micro-batch gradients, summed in FP32 and averaged.
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in ref.parameters()]
+    for r in range(ws):
+        for k in range(n_mb):
+            ref.zero_grad()
+            (mse(ref(micro(x, r, k, n_mb)), micro(y, r, k, n_mb)) / n_mb).backward()
+            for t, p in zip(total, ref.parameters()):
+                t += p.grad.float()
+    for p, t in zip(ddp._params, total):
+        t /= ws
+        if grad_reduce_in_fp32:
+            torch.testing.assert_close(p.main_grad, t, **FP32)
+        else:
+            # BF16 buffer: each of the <= ws*n_mb + 2 roundings (accumulate, pre-scale, reduce)
+            # errs by <= 2^-8 of the running magnitude.
+            bound = (ws * n_mb + 2) * 2.0**-8 * t.abs().max().item()
+            assert (p.main_grad.float() - t).abs().max().item() <= bound
+
+
+@case(overlap=[False, True], avg=[False, True])
+def adamw_matches_torch_ddp(rank, ws, overlap, avg):
+    model = mlp()
+    twin = copy.deepcopy(model)
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=True,
+                   average_in_collective=avg, bucket_size=150))
+    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2, weight_decay=0.1)
+    tddp = nn.parallel.DistributedDataParallel(twin)
+    topt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(10):
+        x, y = data(step, ws, 1)
+        opt.zero_grad()
+        mse(ddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+        opt.step()
+        topt.zero_grad()
+        mse(tddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+        topt.step()
+        # AdamW is elementwise: sharding changes nothing but the gradient's reduction order
+        # (FP32 rounding, see FP32), which the normalised update passes on undamped.
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q, **FP32)
+
+
+@case(overlap=[True])
+def resume_is_bit_exact(rank, ws, overlap):
+    def build(seed):
+        model = mlp(seed)
+        ddp = fp8dp.DistributedDataParallel(
+            model, cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=True, bucket_size=150))
+        return model, ddp, fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            x, y = data(step, ws, 1)
+            opt.zero_grad()
+            mse(ddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+            opt.step()
+
+    model, ddp, opt = build(0)
+    train(ddp, opt, range(3))
+    blob = io.BytesIO()
+    torch.save({"model": ddp.state_dict(), "opt": opt.state_dict()}, blob)
+    train(ddp, opt, range(3, 6))
+    blob.seek(0)
+    saved = torch.load(blob)
+    model2, ddp2, opt2 = build(7)  # different init: everything must come from the checkpoint
+    ddp2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    train(ddp2, opt2, range(3, 6))
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q), (p - q).abs().max()
+
+
+@case(overlap=[False, True], consumer=[False, True], n_mb=[1, 3])
+def delayed_wgrad_routing(rank, ws, overlap, consumer, n_mb):
+    model = delayed_mlp()
+    ref = plain_twin(model)
+    if consumer:
+        # An unconditional external consumer, hooked before DDP: moves every .grad autograd makes
+        # into main_grad and clears it (the C4 scenario). DDP must then add nothing a second time.
+        def consume(p):
+            if p.grad is not None:
+                p.main_grad.add_(p.grad)
+                p.grad = None
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(consume)
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=overlap, delay_wgrad_compute=True, bucket_size=100,
+                   grad_ledger=True))
+    sync = ddp._sync
+    delayed = [model[0]]
+    g_delayed, g_plain = sync.group_of_param(1), sync.group_of_param(3)  # 0.weight, 2.weight
+    assert (g_delayed != g_plain) == overlap
+    for step in range(2):
+        x, y = data(step, ws, n_mb)
+
+        def inject(k):
+            if overlap and step == 1 and k == n_mb - 1:
+                # C5 for delayed parameters: their bucket launches only after backward_dw().
+                assert sync.group_launched(g_plain) and not sync.group_launched(g_delayed)
+                model[0].backward_dw()
+                assert sync.group_launched(g_delayed)
+            else:
+                model[0].backward_dw()
+
+        iteration(ddp, x, y, rank, n_mb, delayed=delayed, inject=inject)
+        check_main_grads(ddp, reference_grads(ref, x, y), **FP32)
+
+
+def fp8dp_model(fuse, delay):
+    """fp8dp.Linear(16, 32) -> Tanh -> fp8dp.LayerNormLinear(32, 16): every route of C2 at once
+    (the norm's parameters always take the autograd hook)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        fp8dp.Linear(16, 32, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay),
+        nn.Tanh(),
+        fp8dp.LayerNormLinear(32, 16, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay),
+    )
+
+
+@case(fp8=[False, True], delay=[False, True], fuse=[False, True], consumer=[False, True],
+      when=lambda fp8, delay, fuse, consumer: not (fuse and consumer))
+def fp8dp_modules_count_every_gradient_once(rank, ws, fp8, delay, fuse, consumer):
+    """With fp8dp modules: fused accumulation (C2 b), delayed wgrad (C3) and an unconditional external
+    consumer (C4) each deliver every gradient exactly once (the ledger is on too). The reference runs
+    the same modules without DDP, fusion or delay: each rank's micro-batches on a fresh model (so
+    FP8 scales start from the same first-cast amaxes as on that rank), gradients summed in FP32 and
+    averaged; the FP8 quantization is identical, so only the FP32 reduction order differs."""
+    n_mb, tokens = 2, 16  # FP8 GEMMs need multiples of 16 in every inner dimension (tokens: wgrad)
+    g = torch.Generator().manual_seed(77)
+    x = torch.randn(ws * n_mb, tokens, 16, generator=g)
+    y = torch.randn(ws * n_mb, tokens, 16, generator=g)
+    recipe = fp8dp.DelayedScaling()
+
+    def run(model, i):
+        with fp8dp.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            out = model(x[i])
+        return mse(out, y[i]) / n_mb
+
+    total = None
+    for r in range(ws):
+        ref = fp8dp_model(fuse=False, delay=False)
+        for k in range(n_mb):
+            run(ref, r * n_mb + k).backward()
+        grads = [p.grad.float() for p in ref.parameters()]
+        total = grads if total is None else [t + q for t, q in zip(total, grads)]
+    total = [t / ws for t in total]
+
+    model = fp8dp_model(fuse, delay)
+    if consumer:
+        def consume(p):  # moves whatever autograd produced into main_grad, unconditionally
+            if p.grad is not None:
+                p.main_grad.add_(p.grad)
+                p.grad = None
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(consume)
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=True, bucket_size=400, delay_wgrad_compute=delay,
+                   grad_ledger=True))
+    delayed = [model[0], model[2]] if delay else []
+    ddp.zero_grad_buffer()
+    for k in range(n_mb):
+        with ddp.no_sync() if k < n_mb - 1 else contextlib.nullcontext():
+            run(ddp, rank * n_mb + k).backward()
+            if delay and k == n_mb - 1:
+                # C5: the delayed parameters' buckets wait for backward_dw().
+                g0 = ddp._sync.group_of_param(0)  # 0.weight
+                assert not ddp._sync.group_launched(g0)
+            for m in reversed(delayed):
+                m.backward_dw()
+    ddp.finish_grad_sync()
+    for p, t, name in zip(ddp._params, total, ddp._names):
+        torch.testing.assert_close(p.main_grad, t, **FP32, msg=lambda m: f"{name}: {m}")
+
+
+@case(delay=[False, True])
+def fp8dp_training_stays_in_sync(rank, ws, delay):
+    """DistributedOptimizer(AdamW) over fp8dp modules in FP8: after each step every rank holds the
+    same parameters (the all-gather) and the same FP8 scales (step() runs update_fp8_scales, whose
+    MAX reduction makes the scaling state identical on every rank)."""
+    tokens = 16
+    model = fp8dp_model(fuse=False, delay=delay)
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=400,
+                   delay_wgrad_compute=delay))
+    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
+    g = torch.Generator().manual_seed(5 + rank)  # different data on every rank
+    for _ in range(3):
+        opt.zero_grad()
+        with fp8dp.fp8_autocast(enabled=True, fp8_recipe=fp8dp.DelayedScaling()):
+            out = ddp(torch.randn(tokens, 16, generator=g))
+        mse(out, torch.randn(tokens, 16, generator=g)).backward()
+        if delay:
+            model[2].backward_dw()
+            model[0].backward_dw()
+        opt.step()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        scales = torch.cat([m._core.get_extra_state()["scale"].flatten() for m in (model[0], model[2])])
+        for t in (flat, scales):
+            every = [torch.empty_like(t) for _ in range(ws)]
+            dist.all_gather(every, t)
+            assert all(torch.equal(every[0], e) for e in every), "ranks diverged"
+
+
+@case(kind=["double", "skip"])
+def ledger_catches(rank, ws, kind):
+    n_mb = 2
+    model = delayed_mlp()
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=True, delay_wgrad_compute=True, grad_ledger=True))
+    lin = model[0]
+
+    def inject(k):
+        if k == 0 and kind == "skip":
+            lin._queue.pop(0)  # backward_dw() skipped: its gradient never arrives
+            return
+        lin.backward_dw()
+        if k == 0 and kind == "double":  # a buggy module writes and reports its gradient twice
+            lin.weight.grad = torch.ones_like(lin.weight)
+            lin._hooks[0]()
+
+    x, y = data(0, ws, n_mb)
+    iteration(ddp, x, y, rank, n_mb, delayed=[lin])  # clean: learns one contribution per use
+    # The injection is in micro-batch 0, under no_sync(): readiness counting cannot see it there.
+    try:
+        iteration(ddp, x, y, rank, n_mb, inject=inject)
+    except RuntimeError as e:
+        word = "duplicated 1" if kind == "double" else "missing 1"
+        assert "gradient ledger" in str(e) and "'0.weight'" in str(e) and word in str(e), str(e)
+        assert "'2.weight'" not in str(e), str(e)
+    else:
+        raise AssertionError("the ledger missed an injected " + kind)
+    iteration(ddp, x, y, rank, n_mb, delayed=[lin])  # and a clean iteration passes again
+
+
+@case(kind=["excess", "incomplete"])
+def readiness_errors(rank, ws, kind):
+    model = delayed_mlp()
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=True, delay_wgrad_compute=True, bucket_size=100))
+    lin = model[0]
+    x, y = data(0, ws, 1)
+    iteration(ddp, x, y, rank, 1, delayed=[lin])  # learn golden counts
+
+    def inject(k):
+        if kind == "incomplete":
+            lin._queue.pop(0)
+        else:
+            lin.backward_dw()
+            lin._hooks[0]()  # a second readiness report for 0.weight
+
+    try:
+        iteration(ddp, x, y, rank, 1, inject=inject)
+    except RuntimeError as e:
+        msg = str(e)
+        if kind == "excess":
+            assert "'0.weight' was reported ready 2 times in this iteration but 1" in msg, msg
+        else:
+            assert "still incomplete" in msg and "'0.weight' (ready 0 of 1)" in msg, msg
+    else:
+        raise AssertionError("readiness missed " + kind)
+    ddp.zero_grad_buffer()  # drains what was in flight
+    iteration(ddp, x, y, rank, 1, delayed=[lin])
+
+
+@case(overlap=[False, True])
+def nan_check_names_parameters(rank, ws, overlap):
+    model = mlp()
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=overlap, check_for_nan_in_grad=True, bucket_size=150))
+    bad = ws - 1
+    x, y = data(0, ws, 1)
+    iteration(ddp, x, y, rank, 1)
+    xb = x.clone()
+    if overlap and rank == bad:
+        xb[bad * B, 0] = float("nan")  # NaN enters through the data: every gradient is poisoned
+
+    def poison():
+        if not overlap and rank == bad:
+            ddp._params[0].main_grad.view(-1)[3] = float("nan")  # only 0.weight
+
+    try:
+        iteration(ddp, xb, y, rank, 1, before_finish=poison)
+    except RuntimeError as e:
+        msg = str(e)
+        if rank == bad:
+            assert f"rank {bad} has NaN or Inf in the local gradients of " in msg, msg
+            assert "'0.weight'" in msg and ("'4.bias'" in msg) == overlap, msg
+        else:
+            assert f"rank(s) {bad} found errors" in msg, msg
+    else:
+        raise AssertionError("NaN not reported")
+    iteration(ddp, x, y, rank, 1)  # clean again
+
+
+@case(root=[0, -1])
+def broadcast_and_scale(rank, ws, root):
+    root = root % ws
+    model = mlp(seed=rank)  # different on every rank
+    ddp = fp8dp.DistributedDataParallel(model)
+    ddp.broadcast_params(root)
+    for p, q in zip(model.parameters(), mlp(seed=root).parameters()):
+        assert torch.equal(p, q)
+    x, y = data(0, ws, 1)
+    iteration(ddp, x, y, rank, 1)
+    before = [p.main_grad.clone() for p in ddp._params]
+    ddp.scale_gradients(0.5)
+    for p, b in zip(ddp._params, before):
+        assert torch.equal(p.main_grad, b * 0.5)
+
+
+@case(late_rank=[-1])
+def late_rank_times_out(rank, ws, late_rank):
+    """A rank that does not join a collective makes the others fail with a clear error after the
+    communicator's timeout instead of hanging; once it joins late, the group is usable again."""
+    import time
+
+    late = late_rank % ws
+    ddp = fp8dp.DistributedDataParallel(mlp())
+    x, y = data(0, ws, 1)
+    iteration(ddp, x, y, rank, 1)
+    ddp._sync.communicator().set_timeout(2.0)
+    ddp.zero_grad_buffer()
+    mse(ddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+    if rank == late:
+        time.sleep(4.0)
+        ddp.finish_grad_sync()  # pairs with the others' abandoned collective
+    else:
+        try:
+            ddp.finish_grad_sync()
+        except RuntimeError as e:
+            msg = str(e)
+            assert "did not finish within 2000 ms" in msg and "main_grad is NOT reduced" in msg, msg
+        else:
+            raise AssertionError("a missing rank went unnoticed")
+    dist.barrier()
+
+
+def expect_error(exc, text, fn):
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"expected {text!r} in: {e}"
+        return
+    raise AssertionError(f"no {exc.__name__} containing {text!r}")
+
+
+@case(kind=["added_param", "different_models", "world_size", "skip_flag_no_delay",
+            "owner_without_hooks", "optimizer_without_dist_opt", "nccl_backend"])
+def bad_input(rank, ws, kind):
+    if kind == "added_param":
+        ddp = fp8dp.DistributedDataParallel(mlp())
+        ddp.module.extra = nn.Parameter(torch.zeros(3))
+        expect_error(ValueError, "parameter 'extra' was added after", lambda: ddp(torch.zeros(2, 12)))
+    elif kind == "different_models":
+        model = mlp() if rank == 0 else nn.Sequential(nn.Linear(12, 25))
+        expect_error(ValueError, "every rank must wrap the same model",
+                     lambda: fp8dp.DistributedDataParallel(model))
+    elif kind == "world_size":
+        sub = dist.new_group(list(range(ws - 1)))  # every rank takes part in creating it
+        c = cfg(use_distributed_optimizer=True)
+        saved = None
+        if rank < ws - 1:
+            small = fp8dp.DistributedDataParallel(mlp(), c, process_group=sub)
+            saved = fp8dp.DistributedOptimizer(torch.optim.AdamW, small).state_dict()
+        big = fp8dp.DistributedDataParallel(mlp(), c)
+        opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, big)
+        if saved is not None:
+            expect_error(ValueError, f"saved at world size {ws - 1}, loading at world size {ws}",
+                         lambda: opt.load_state_dict(saved))
+    elif kind == "skip_flag_no_delay":
+        expect_error(ValueError, "'0.weight' has skip_backward_post_hook=True",
+                     lambda: fp8dp.DistributedDataParallel(delayed_mlp()))
+    elif kind == "owner_without_hooks":
+        model = mlp()
+        model[0].weight.skip_backward_post_hook = True
+        expect_error(ValueError, "module Linear has no register_wgrad_accumulation_and_reduce_hooks",
+                     lambda: fp8dp.DistributedDataParallel(model, cfg(delay_wgrad_compute=True)))
+    elif kind == "nccl_backend":
+        if fp8dp._C.native_nccl_available():
+            return  # the CUDA build has it; its own tests cover it
+        expect_error(ValueError, "comm_backend: 'nccl' needs fp8dp built with CUDA and NCCL",
+                     lambda: fp8dp.DistributedDataParallel(mlp(), cfg(comm_backend="nccl")))
+    elif kind == "optimizer_without_dist_opt":
+        ddp = fp8dp.DistributedDataParallel(mlp())
+        expect_error(ValueError, "use_distributed_optimizer=True",
+                     lambda: fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp))
+
+
+def main():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    only = os.environ.get("FP8DP_DDP_CASES", "")
+    failed = []
+    for name, fn, kw in CASES:
+        if only and only not in name:
+            continue
+        try:
+            fn(rank, ws, **kw)
+            print(f"[rank {rank}/{ws}] PASS {name}", flush=True)
+        except Exception:
+            failed.append(name)
+            print(f"[rank {rank}/{ws}] FAIL {name}\n{traceback.format_exc()}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

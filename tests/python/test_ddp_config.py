@@ -1,0 +1,48 @@
+"""DistributedDataParallelConfig validation and the single-process pieces of fp8dp's DDP: bad fields
+raise ValueError naming the field; the C++ layout rules as seen from Python."""
+
+import pytest
+import torch
+
+import fp8dp
+from fp8dp import _C
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("bucket_size", 0, "bucket_size: expected > 0 elements, got 0"),
+        ("bucket_size", -5, "bucket_size: expected > 0 elements, got -5"),
+        ("bucket_size", 1.5, "bucket_size: expected an int"),
+        ("comm_backend", "mpi", "comm_backend: expected one of"),
+        ("overlap_grad_reduce", 1, "overlap_grad_reduce: expected a bool, got 1"),
+        ("grad_ledger", "yes", "grad_ledger: expected a bool"),
+    ],
+)
+def test_config_rejects_bad_fields(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        fp8dp.DistributedDataParallelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("dp,expected", [(1, 40_000_000), (8, 40_000_000), (64, 64_000_000)])
+def test_default_bucket_size_grows_with_dp(dp, expected):
+    assert fp8dp.DistributedDataParallelConfig().resolved_bucket_size(dp) == expected
+    assert fp8dp.DistributedDataParallelConfig(bucket_size=7).resolved_bucket_size(dp) == 7
+
+
+def test_layout_from_python_matches_hand_derivation():
+    # Reverse order 70@0, 5@128, 300@192 -> 492 >= 200 closes bucket 0, padded to lcm(3,128)=384
+    # multiples: 768; then 10@768, padded to 1152.
+    o = _C.LayoutOptions()
+    o.dp, o.distributed_optimizer, o.bucket_size = 3, True, 200
+    params, buckets, numel = _C.compute_layout([10, 300, 5, 70], o)
+    assert params == [(768, 778, 1), (192, 492, 0), (128, 133, 0), (0, 70, 0)]
+    assert buckets == [(0, 768, [3, 2, 1]), (768, 1152, [0])]
+    assert numel == 1152
+
+
+def test_ddp_without_process_group_is_a_clear_error():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fp8dp.DistributedDataParallel(torch.nn.Linear(2, 2))
