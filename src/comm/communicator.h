@@ -21,8 +21,10 @@ class CommWork {
  public:
   virtual ~CommWork() = default;
   // Blocks until the collective has finished (CPU) or orders the caller's current stream after it
-  // (CUDA: an event wait, no host sync). Throws fp8dp::Error naming the collective when it failed or
-  // did not finish within the communicator's timeout. A second call returns at once.
+  // (CUDA: a device-side event wait; the host polls the collective's end event until then, so that
+  // a peer that never joins raises instead of hanging, but never waits for compute queued after
+  // it). Throws fp8dp::Error naming the collective when it failed or did not finish within the
+  // communicator's timeout. A second call returns at once.
   virtual void wait() = 0;
   // True once wait() would return without blocking.
   virtual bool is_completed() = 0;

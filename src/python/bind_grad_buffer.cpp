@@ -3,6 +3,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "comm/make_communicator.h"
+#include "common/check.h"
 #include "grad_buffer/grad_sync.h"
 #include "grad_buffer/layout.h"
 
@@ -11,7 +12,33 @@ namespace py = pybind11;
 namespace fp8dp::python {
 
 void bind_grad_buffer(py::module_& m) {
+  py::class_<CommWork, std::shared_ptr<CommWork>>(m, "CommWork")
+      .def("wait", &CommWork::wait, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &CommWork::is_completed);
+  auto op_of = [](const std::string& op) {
+    FP8DP_CHECK_ARG(op == "sum" || op == "avg", "op: expected 'sum' or 'avg', got '", op, "'");
+    return op == "sum" ? ReduceOp::kSum : ReduceOp::kAvg;
+  };
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def(
+          "all_reduce",
+          [op_of](Communicator& c, const std::vector<at::Tensor>& buffers, const std::string& op) {
+            return c.all_reduce(buffers, op_of(op));
+          },
+          py::arg("buffers"), py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_scatter",
+          [op_of](Communicator& c, const std::vector<at::Tensor>& inputs,
+                  const std::vector<at::Tensor>& outputs, const std::string& op) {
+            return c.reduce_scatter(inputs, outputs, op_of(op));
+          },
+          py::arg("inputs"), py::arg("outputs"), py::arg("op") = "sum",
+          py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &Communicator::all_gather, py::arg("inputs"), py::arg("outputs"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("broadcast", &Communicator::broadcast, py::arg("buffers"), py::arg("root"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("check_for_errors", &Communicator::check_for_errors)
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("name", &Communicator::name)
@@ -21,8 +48,10 @@ void bind_grad_buffer(py::module_& m) {
             c.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
           },
           py::arg("seconds"));
+  // Without the GIL: the NCCL communicator's unique-id broadcast runs on the group (gloo's workers
+  // take the GIL).
   m.def("make_communicator", &make_communicator, py::arg("backend"), py::arg("process_group"),
-        py::arg("cuda"));
+        py::arg("cuda"), py::call_guard<py::gil_scoped_release>());
   m.def("native_nccl_available", &native_nccl_available);
 
   py::class_<LayoutOptions>(m, "LayoutOptions")
