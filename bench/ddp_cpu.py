@@ -1,8 +1,9 @@
-"""CPU/gloo DDP step (forward, backward, gradient all-reduce) on 2 ranks: fp8dp.DistributedDataParallel
-against torch.nn.parallel.DistributedDataParallel on the same model, data and bucket size.
+"""CPU/gloo DDP step (forward, backward, gradient all-reduce) on 2 ranks:
+fp8dp.DistributedDataParallel against torch.nn.parallel.DistributedDataParallel on the same
+model, data and bucket size.
 
-Variants run interleaved (A B C A B C ...) on identical inputs so that load from other processes hits
-them alike; each reported time is the median over rank 0's steps (every step ends with the
+Variants run interleaved (A B C A B C ...) on identical inputs so that load from other processes
+hits them alike; each reported time is the median over rank 0's steps (every step ends with the
 gradients reduced, so both ranks' times agree). Launches itself under torchrun when run directly:
 
     PYTHONPATH=python .venv/bin/python bench/ddp_cpu.py [--layers 8 --hidden 1024 --tokens 256]
@@ -60,11 +61,15 @@ def worker(args) -> None:
     bucket = int(args.bucket_mb * 2**20 / 4)
     variants = {}
     tmodel = copy.deepcopy(base)
-    variants["torch DDP"] = (nn.parallel.DistributedDataParallel(tmodel, bucket_cap_mb=args.bucket_mb),
-                             lambda m: m.zero_grad(set_to_none=True), lambda m: None)
+    variants["torch DDP"] = (
+        nn.parallel.DistributedDataParallel(tmodel, bucket_cap_mb=args.bucket_mb),
+        lambda m: m.zero_grad(set_to_none=True),
+        lambda m: None,
+    )
     for name, dist_opt in (("fp8dp DDP (all-reduce)", False), ("fp8dp DDP (reduce-scatter)", True)):
         cfg = fp8dp.DistributedDataParallelConfig(
-            overlap_grad_reduce=True, use_distributed_optimizer=dist_opt, bucket_size=bucket)
+            overlap_grad_reduce=True, use_distributed_optimizer=dist_opt, bucket_size=bucket
+        )
         m = fp8dp.DistributedDataParallel(copy.deepcopy(base), cfg)
         variants[name] = (m, lambda m: m.zero_grad_buffer(), lambda m: m.finish_grad_sync())
     g = torch.Generator().manual_seed(1 + rank)
@@ -87,16 +92,33 @@ def worker(args) -> None:
         rows = []
         for name, ts in times.items():
             med = statistics.median(ts)
-            rows.append({"variant": name, "median_ms": med * 1e3, "min_ms": min(ts) * 1e3,
-                         "torch_over_this": ref / med})
-            print(f"{name:30s} median {med * 1e3:8.1f} ms  min {min(ts) * 1e3:8.1f} ms  "
-                  f"speed vs torch DDP {ref / med:5.2f}x")
+            rows.append(
+                {
+                    "variant": name,
+                    "median_ms": med * 1e3,
+                    "min_ms": min(ts) * 1e3,
+                    "torch_over_this": ref / med,
+                }
+            )
+            print(
+                f"{name:30s} median {med * 1e3:8.1f} ms  min {min(ts) * 1e3:8.1f} ms  "
+                f"speed vs torch DDP {ref / med:5.2f}x"
+            )
         out = {
-            "benchmark": "ddp_cpu", "date": datetime.date.today().isoformat(), "cpu": cpu_name(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "world_size": ws,
-            "layers": args.layers, "hidden": args.hidden, "tokens_per_rank": args.tokens,
-            "parameters": params, "bucket_elements": bucket, "iters": args.iters,
-            "load_average": os.getloadavg(), "results": rows,
+            "benchmark": "ddp_cpu",
+            "date": datetime.date.today().isoformat(),
+            "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "world_size": ws,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "tokens_per_rank": args.tokens,
+            "parameters": params,
+            "bucket_elements": bucket,
+            "iters": args.iters,
+            "load_average": os.getloadavg(),
+            "results": rows,
         }
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
@@ -109,8 +131,14 @@ def main() -> None:
     if "LOCAL_RANK" in os.environ:
         worker(args)
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", os.path.abspath(__file__)] + sys.argv[1:]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        os.path.abspath(__file__),
+    ] + sys.argv[1:]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(subprocess.call(cmd, env=env))

@@ -24,6 +24,7 @@ from cuda_timing import device_info, print_table, time_interleaved, write_json  
 import fp8dp  # noqa: E402
 
 SIZES_MIB = [64, 256, 1024]
+SUM = fp8dp._C.ReduceOp.SUM
 
 
 def main():
@@ -47,7 +48,7 @@ def main():
         # Both end in a device sync, so both start from an idle GPU and pay their first launch
         # alike (fp8dp's wait() polls on the host; torch's returns at once).
         def ours():
-            works = [comm.reduce_scatter([inp], [out_ours]) for _ in range(args.batch)]
+            works = [comm.reduce_scatter([inp], [out_ours], SUM) for _ in range(args.batch)]
             for w in works:
                 w.wait()
             torch.cuda.synchronize()

@@ -1,5 +1,6 @@
 """fp8dp.DistributedDataParallel: owns the wrapped module and routes its gradient hooks into the C++
-GradSync (src/grad_buffer), which holds the buffers, readiness, collectives, ledger and NaN check."""
+GradSync (src/grad_buffer), which holds the buffers, readiness, collectives, ledger and NaN check.
+"""
 
 import contextlib
 import functools

@@ -1,4 +1,5 @@
-"""DistributedDataParallelConfig: how fp8dp.DistributedDataParallel buckets and reduces gradients."""
+"""DistributedDataParallelConfig: how fp8dp.DistributedDataParallel buckets and reduces
+gradients."""
 
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -10,34 +11,34 @@ _BACKENDS = ("auto", "nccl", "process_group")
 class DistributedDataParallelConfig:
     grad_reduce_in_fp32: bool = True
     """Default True. Keep main_grad (and reduce it) in FP32 whatever the parameter dtype: BF16 sums
-    over micro-batches and ranks lose low-order bits that the optimizer needs. False keeps main_grad in
-    the parameter dtype (half the buffer memory and bandwidth)."""
+    over micro-batches and ranks lose low-order bits that the optimizer needs. False keeps main_grad
+    in the parameter dtype (half the buffer memory and bandwidth)."""
 
     overlap_grad_reduce: bool = False
-    """Default False. Launch each bucket's collective from the backward hooks the moment the bucket is
-    complete, overlapping communication with the rest of backward. Off: one bucket per buffer, reduced
-    by finish_grad_sync() (simplest, and what a single-GPU-per-node debug run wants)."""
+    """Default False. Launch each bucket's collective from the backward hooks the moment the bucket
+    is complete, overlapping communication with the rest of backward. Off: one bucket per buffer,
+    reduced by finish_grad_sync() (simplest, and what a single-GPU-per-node debug run wants)."""
 
     use_distributed_optimizer: bool = False
     """Default False. ZeRO-1: reduce-scatter instead of all-reduce (rank r keeps chunk r of every
-    bucket), align parameters to 64 elements and pad bucket ends to lcm(dp, 128) so chunks are equal.
-    Needed by fp8dp.DistributedOptimizer."""
+    bucket), align parameters to 64 elements and pad bucket ends to lcm(dp, 128) so chunks are
+    equal. Needed by fp8dp.DistributedOptimizer."""
 
     bucket_size: Optional[int] = None
     """Default None = max(40_000_000, 1_000_000 * dp) elements: large enough that each collective
-    reaches most of the link bandwidth, small enough that the first buckets overlap with backward; it
-    grows with dp because each rank's chunk of a reduce-scatter shrinks as 1/dp. Only used with
+    reaches most of the link bandwidth, small enough that the first buckets overlap with backward;
+    it grows with dp because each rank's chunk of a reduce-scatter shrinks as 1/dp. Only used with
     overlap_grad_reduce. Must be > 0."""
 
     average_in_collective: bool = False
-    """Default False. Average with the collective's AVG op instead of pre-scaling the bucket by 1/dp.
-    The pre-scale is exact for power-of-two dp and keeps sums small in BF16; AVG saves a pass over the
-    buffer where the backend supports it (a SUM then a divide where it does not)."""
+    """Default False. Average with the collective's AVG op instead of pre-scaling the bucket by
+    1/dp. The pre-scale is exact for power-of-two dp and keeps sums small in BF16; AVG saves a pass
+    over the buffer where the backend supports it (a SUM then a divide where it does not)."""
 
     check_for_nan_in_grad: bool = False
-    """Default False. Before each bucket is reduced, scan the local gradients; finish_grad_sync() then
-    raises on every rank, naming the parameters with NaN or Inf and the rank that produced them. Costs a
-    pass over the buffer and one tiny all-reduce per iteration."""
+    """Default False. Before each bucket is reduced, scan the local gradients; finish_grad_sync()
+    then raises on every rank, naming the parameters with NaN or Inf and the rank that produced
+    them. Costs a pass over the buffer and one tiny all-reduce per iteration."""
 
     pad_buckets_for_high_nccl_busbw: bool = False
     """Default False. With the distributed optimizer also pad bucket ends to a multiple of 2^16
@@ -45,20 +46,20 @@ class DistributedDataParallelConfig:
     cost of up to 2^16 padding elements per bucket."""
 
     delay_wgrad_compute: bool = False
-    """Default False. The model's modules compute weight gradients later, in backward_dw() (contract C3).
-    Parameters marked skip_backward_post_hook then get DDP's hook through their module's
+    """Default False. The model's modules compute weight gradients later, in backward_dw() (contract
+    C3). Parameters marked skip_backward_post_hook then get DDP's hook through their module's
     register_wgrad_accumulation_and_reduce_hooks() instead of autograd; a marked parameter with this
     off is an error (its gradient would otherwise be missed)."""
 
     grad_ledger: bool = False
     """Default False. Record every gradient contribution per parameter per micro-batch and raise at
-    finish_grad_sync() on any missing or duplicated one (contract C2 made checkable in your own model).
-    A debugging aid: costs bookkeeping per hook and one tiny all-reduce per iteration."""
+    finish_grad_sync() on any missing or duplicated one (contract C2 made checkable in your own
+    model). A debugging aid: costs bookkeeping per hook and one tiny all-reduce per iteration."""
 
     comm_backend: str = "auto"
-    """Default "auto": fp8dp's native NCCL communicator for CUDA parameters when the build has it, the
-    process group's own collectives otherwise. "nccl" insists on the native one (an error when it is
-    not built); "process_group" always uses the c10d group (gloo on the CPU)."""
+    """Default "auto": fp8dp's native NCCL communicator for CUDA parameters when the build has it,
+    the process group's own collectives otherwise. "nccl" insists on the native one (an error when
+    it is not built); "process_group" always uses the c10d group (gloo on the CPU)."""
 
     def __post_init__(self):
         for f in fields(self):
@@ -74,7 +75,9 @@ class DistributedDataParallelConfig:
             if self.bucket_size <= 0:
                 raise ValueError(f"bucket_size: expected > 0 elements, got {self.bucket_size}")
         if self.comm_backend not in _BACKENDS:
-            raise ValueError(f"comm_backend: expected one of {_BACKENDS}, got {self.comm_backend!r}")
+            raise ValueError(
+                f"comm_backend: expected one of {_BACKENDS}, got {self.comm_backend!r}"
+            )
 
     def resolved_bucket_size(self, dp: int) -> int:
         """bucket_size, or its default for data-parallel size dp."""

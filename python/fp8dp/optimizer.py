@@ -1,6 +1,7 @@
-"""fp8dp.DistributedOptimizer: ZeRO-1 over fp8dp.DistributedDataParallel. Each rank keeps an FP32 master
-copy of the parameter shards it owns (chunk `rank` of every bucket), steps them with any torch.optim
-optimizer on the reduce-scattered gradient chunk, and all-gathers the updated parameters."""
+"""fp8dp.DistributedOptimizer: ZeRO-1 over fp8dp.DistributedDataParallel. Each rank keeps an FP32
+master copy of the parameter shards it owns (chunk `rank` of every bucket), steps them with any
+torch.optim optimizer on the reduce-scattered gradient chunk, and all-gathers the updated
+parameters."""
 
 import torch
 
@@ -18,8 +19,12 @@ class DistributedOptimizer:
                 "ddp_model: expected a model built with "
                 "DistributedDataParallelConfig(use_distributed_optimizer=True), got False"
             )
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise ValueError(f"optimizer_cls: expected a torch.optim.Optimizer class, got {optimizer_cls!r}")
+        if not (
+            isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
+        ):
+            raise ValueError(
+                f"optimizer_cls: expected a torch.optim.Optimizer class, got {optimizer_cls!r}"
+            )
         self._ddp = ddp_model
         self._sync = ddp_model._sync
         self._shards = self._sync.owned_shards()
@@ -58,7 +63,8 @@ class DistributedOptimizer:
             fp8dp.update_fp8_scales(self._ddp.process_group)
 
     def state_dict(self) -> dict:
-        """This rank's part: its master shards, the inner optimizer's state, and where they belong."""
+        """This rank's part: its master shards, the inner optimizer's state, and where they
+        belong."""
         return {
             "world_size": self._sync.world_size,
             "rank": self._sync.rank,
@@ -69,8 +75,8 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores a state_dict() saved by the same rank at the same world size, exactly, and copies
-        the restored masters into the parameters."""
+        """Restores a state_dict() saved by the same rank at the same world size, exactly, and
+        copies the restored masters into the parameters."""
         ws, rank = self._sync.world_size, self._sync.rank
         if state_dict.get("world_size") != ws:
             raise ValueError(
@@ -79,7 +85,8 @@ class DistributedOptimizer:
             )
         if state_dict.get("rank") != rank:
             raise ValueError(
-                f"state_dict['rank']: saved by rank {state_dict.get('rank')}, loading on rank {rank}"
+                f"state_dict['rank']: saved by rank {state_dict.get('rank')}, "
+                f"loading on rank {rank}"
             )
         mine = [(s.param, s.param_offset, s.numel) for s in self._shards]
         if [tuple(x) for x in state_dict["shards"]] != mine:

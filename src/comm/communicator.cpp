@@ -19,8 +19,8 @@ void check_buffer(const at::Tensor& t, const char* what, size_t i, const at::Ten
   FP8DP_CHECK_ARG(t.dim() == 1 && t.is_contiguous(), what, "[", i,
                   "]: expected a flat contiguous buffer, got sizes ", t.sizes(), " strides ",
                   t.strides());
-  FP8DP_CHECK_ARG(t.device() == first.device(), what, "[", i, "]: expected device ",
-                  first.device(), " like the first buffer, got ", t.device());
+  FP8DP_CHECK_ARG(t.device() == first.device(), what, "[", i, "]: expected device ", first.device(),
+                  " like the first buffer, got ", t.device());
 }
 
 void check_list(const std::vector<at::Tensor>& v, const char* what) {
@@ -39,9 +39,9 @@ void check_pairs(const std::vector<at::Tensor>& big, const char* big_name,
     FP8DP_CHECK_ARG(big[i].scalar_type() == small[i].scalar_type(), small_name, "[", i,
                     "]: expected dtype ", big[i].scalar_type(), " like ", big_name, "[", i,
                     "], got ", small[i].scalar_type());
-    FP8DP_CHECK_ARG(big[i].numel() == factor * small[i].numel(), big_name, "[", i,
-                    "]: expected ", factor, " (world size) x ", small_name, "[", i, "].numel() = ",
-                    factor * small[i].numel(), " elements, got ", big[i].numel());
+    FP8DP_CHECK_ARG(big[i].numel() == factor * small[i].numel(), big_name, "[", i, "]: expected ",
+                    factor, " (world size) x ", small_name, "[", i,
+                    "].numel() = ", factor * small[i].numel(), " elements, got ", big[i].numel());
   }
 }
 

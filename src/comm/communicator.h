@@ -1,6 +1,6 @@
 // Communicator: the collectives the gradient buffer needs (all-reduce, reduce-scatter, all-gather,
-// broadcast of flat buffers), grouped per bucket group and asynchronous, behind one interface that the
-// ProcessGroup (any c10d group, e.g. gloo) and the native NCCL communicators implement.
+// broadcast of flat buffers), grouped per bucket group and asynchronous, behind one interface that
+// the ProcessGroup (any c10d group, e.g. gloo) and the native NCCL communicators implement.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -34,6 +34,19 @@ class CommWork {
 // group (one ncclGroupStart/End on NCCL): one call per bucket group. Dtypes: float32, bfloat16,
 // float16 (and int64 for the small bookkeeping tensors). The public methods check their arguments
 // and call check_for_errors() first, then hand off to the do_* hooks that implementations override.
+//
+// Contract for implementations (the CUDA one in src/comm/cuda/ included):
+// - do_* return at once; the collective runs asynchronously. On CUDA: record an event on the
+//   caller's current stream, make the communicator's own stream wait on it (so writes made before
+//   the call, e.g. the 1/dp pre-scale, are seen), launch there, record a completion event.
+// - CommWork::wait() orders the caller's current stream after the completion event and keeps every
+//   buffer (and any scratch) alive until then, or tells the caching allocator (recordStream); on
+//   the CPU it blocks. To turn a missing peer into an error rather than a hang, the NCCL
+//   implementation polls that event on the host until timeout() (it never waits for work queued
+//   after the collective).
+// - Failures surface as fp8dp::Error from wait() or check_for_errors(), never as a hang: a
+//   collective that does not finish within timeout() aborts the communicator and raises, naming
+//   the collective.
 class Communicator {
  public:
   virtual ~Communicator() = default;

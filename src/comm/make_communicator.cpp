@@ -29,8 +29,9 @@ std::shared_ptr<Communicator> make_communicator(const std::string& backend,
     FP8DP_CHECK_ARG(native_nccl_available(),
                     "comm_backend: 'nccl' needs fp8dp built with CUDA and NCCL; this build has no "
                     "native NCCL communicator (use 'process_group' or 'auto')");
-    FP8DP_CHECK_ARG(cuda, "comm_backend: 'nccl' needs the parameters on a CUDA device, they are on "
-                          "the CPU");
+    FP8DP_CHECK_ARG(cuda,
+                    "comm_backend: 'nccl' needs the parameters on a CUDA device, they are on "
+                    "the CPU");
 #if defined(FP8DP_HAVE_NCCL_COMMUNICATOR)
     return make_nccl_communicator(std::move(group));
 #endif

@@ -1,10 +1,9 @@
 // Picks the Communicator for DistributedDataParallelConfig.comm_backend.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "comm/communicator.h"
 

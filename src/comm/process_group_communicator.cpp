@@ -17,7 +17,9 @@ class ProcessGroupWork : public CommWork {
  public:
   ProcessGroupWork(std::string what, std::chrono::milliseconds timeout,
                    std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> after)
-      : what_(std::move(what)), timeout_(timeout), works_(std::move(works)),
+      : what_(std::move(what)),
+        timeout_(timeout),
+        works_(std::move(works)),
         after_(std::move(after)) {}
 
   void wait() override {
@@ -58,8 +60,11 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-ProcessGroupCommunicator::ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : group_(std::move(group)) {
+ProcessGroupCommunicator::ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                   bool native_avg, bool native_reduce_scatter)
+    : group_(std::move(group)),
+      avg_supported_(native_avg),
+      reduce_scatter_supported_(native_reduce_scatter) {
   FP8DP_CHECK_ARG(group_, "process_group: expected a live c10d ProcessGroup, got None");
 }
 
@@ -96,8 +101,8 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_all_reduce(
       for (const auto& b : buffers) b.div_(n);
     };
   }
-  return std::make_shared<ProcessGroupWork>(name() + " all_reduce " + reduce_op_name(op),
-                                            timeout(), std::move(works), std::move(after));
+  return std::make_shared<ProcessGroupWork>(name() + " all_reduce " + reduce_op_name(op), timeout(),
+                                            std::move(works), std::move(after));
 }
 
 std::shared_ptr<CommWork> ProcessGroupCommunicator::do_reduce_scatter(
@@ -122,8 +127,10 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_reduce_scatter(
         divide = divide || (op == ReduceOp::kAvg && !avg);
         continue;
       } catch (const c10::Error&) {
-        if (avg) avg_supported_ = false;
-        else reduce_scatter_supported_ = false;
+        if (avg)
+          avg_supported_ = false;
+        else
+          reduce_scatter_supported_ = false;
       }
       if (reduce_scatter_supported_) {  // AVG was refused: SUM, divide on wait()
         opts.reduceOp = c10d::ReduceOp::SUM;
@@ -169,7 +176,8 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_all_gather(
   c10d::AllgatherOptions opts;
   for (size_t i = 0; i < inputs.size(); ++i) {
     at::Tensor out = outputs[i];
-    // In place (input = own chunk of output): send a copy so the backend never reads what it writes.
+    // In place (input = own chunk of output): send a copy so the backend never reads what it
+    // writes.
     at::Tensor in = overlaps(inputs[i], out) ? inputs[i].clone() : inputs[i];
     copies.push_back(in);
     works.push_back(group_->all_gather_single(out, in, opts));

@@ -1,6 +1,6 @@
 // ProcessGroupCommunicator: the Communicator over any c10d ProcessGroup (gloo on the CPU; torch's
-// NCCL group works too). Backend gaps are filled correctly: AVG becomes SUM then a divide, a missing
-// reduce-scatter becomes an all-reduce then a copy of the rank's chunk.
+// NCCL group works too). Backend gaps are filled correctly: AVG becomes SUM then a divide, a
+// missing reduce-scatter becomes an all-reduce then a copy of the rank's chunk.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -11,8 +11,11 @@ namespace fp8dp {
 
 class ProcessGroupCommunicator : public Communicator {
  public:
-  // group: a live process group; the communicator keeps it alive.
-  explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  // group: a live process group; the communicator keeps it alive. native_avg /
+  // native_reduce_scatter false make it use the fallbacks even where the backend has the native op
+  // (so tests cover them).
+  explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                    bool native_avg = true, bool native_reduce_scatter = true);
 
   int rank() const override;
   int size() const override;
@@ -26,8 +29,7 @@ class ProcessGroupCommunicator : public Communicator {
                                               ReduceOp op) override;
   std::shared_ptr<CommWork> do_all_gather(const std::vector<at::Tensor>& inputs,
                                           const std::vector<at::Tensor>& outputs) override;
-  std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers,
-                                         int root) override;
+  std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers, int root) override;
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -1,5 +1,6 @@
 // BucketGroup: the buckets whose collectives are issued together (one grouped call on the
-// communicator). start_grad_sync() checks the local gradients, pre-scales and launches; finish waits.
+// communicator). start_grad_sync() checks the local gradients, pre-scales and launches; finish
+// waits.
 #pragma once
 
 #include <memory>
@@ -22,9 +23,9 @@ class BucketGroup {
   // buckets must outlive the group; names: parameter names by global index.
   BucketGroup(std::vector<const Bucket*> buckets, const std::vector<std::string>* names);
 
-  // Records which parameters hold non-finite local gradients (when asked: every rank must still join
-  // the collective, so nothing is thrown here), pre-scales by 1/dp unless the collective averages,
-  // and launches one grouped all-reduce or in-place reduce-scatter.
+  // Records which parameters hold non-finite local gradients (when asked: every rank must still
+  // join the collective, so nothing is thrown here), pre-scales by 1/dp unless the collective
+  // averages, and launches one grouped all-reduce or in-place reduce-scatter.
   void start_grad_sync(Communicator& comm, const SyncSettings& s);
   // Waits for the launched collective; a no-op when nothing is in flight.
   void finish_grad_sync();

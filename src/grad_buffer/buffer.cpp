@@ -8,7 +8,8 @@ namespace fp8dp {
 
 Buffer::Buffer(const std::vector<at::Tensor>& params, std::vector<int64_t> global_index_,
                at::ScalarType grad_dtype_, const LayoutOptions& opts)
-    : param_dtype(params.at(0).scalar_type()), grad_dtype(grad_dtype_),
+    : param_dtype(params.at(0).scalar_type()),
+      grad_dtype(grad_dtype_),
       global_index(std::move(global_index_)) {
   std::vector<int64_t> numels;
   for (const auto& p : params) {

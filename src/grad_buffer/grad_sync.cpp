@@ -23,8 +23,9 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
                    std::shared_ptr<Communicator> comm, GradSyncOptions opts)
     : params_(std::move(params)), names_(std::move(names)), comm_(std::move(comm)), opts_(opts) {
   FP8DP_CHECK_ARG(comm_, "communicator: expected one, got None");
-  FP8DP_CHECK_ARG(!params_.empty(), "module: expected at least one parameter that requires grad, "
-                                    "got none");
+  FP8DP_CHECK_ARG(!params_.empty(),
+                  "module: expected at least one parameter that requires grad, "
+                  "got none");
   FP8DP_CHECK_ARG(names_.size() == params_.size(), "names: expected ", params_.size(),
                   " names, got ", names_.size());
   FP8DP_CHECK_ARG(opts_.bucket_size > 0, "bucket_size: expected > 0 elements, got ",
@@ -43,8 +44,8 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
 
   LayoutOptions lo;
   // Without overlap there is nothing to overlap with: one bucket per buffer, one collective.
-  lo.bucket_size = opts_.overlap_grad_reduce ? opts_.bucket_size
-                                             : std::numeric_limits<int64_t>::max() / 2;
+  lo.bucket_size =
+      opts_.overlap_grad_reduce ? opts_.bucket_size : std::numeric_limits<int64_t>::max() / 2;
   lo.dp = comm_->size();
   lo.distributed_optimizer = opts_.use_distributed_optimizer;
   lo.pad_for_high_nccl_busbw = opts_.pad_buckets_for_high_nccl_busbw;
@@ -78,8 +79,8 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
       for (int64_t p : bucket.params) group_of_param_[p] = static_cast<int64_t>(grouped.size()) - 1;
     }
   for (auto& g : grouped) groups_.emplace_back(std::move(g), &names_);
-  readiness_ = std::make_unique<Readiness>(group_of_param_, names_,
-                                           static_cast<int64_t>(groups_.size()));
+  readiness_ =
+      std::make_unique<Readiness>(group_of_param_, names_, static_cast<int64_t>(groups_.size()));
   ledger_ = std::make_unique<Ledger>(names_);
   check_same_layout_on_all_ranks();
 }
@@ -205,8 +206,8 @@ void GradSync::finish_grad_sync() {
     // Agree before raising: a rank that raised alone would leave the others blocked in the next
     // collective. One tiny all-reduce; each rank sets its own slot.
     const int dp = comm_->size();
-    at::Tensor flags = at::zeros({dp}, at::TensorOptions().dtype(at::kLong).device(
-                                           params_[0].device()));
+    at::Tensor flags =
+        at::zeros({dp}, at::TensorOptions().dtype(at::kLong).device(params_[0].device()));
     if (!err.empty()) flags[comm_->rank()].fill_(1);
     comm_->all_reduce({flags}, ReduceOp::kSum)->wait();
     at::Tensor cpu = flags.cpu();

@@ -1,7 +1,8 @@
 // GradSync: everything DistributedDataParallel does with gradients, in one C++ object: the buffers
-// (contract C1), the exactly-once accumulation done by the hooks (C2), readiness and the bucket-group
-// launches (C5), the collectives (C6), the ledger, the NaN check, and the parameter all-gather of the
-// distributed optimizer. The Python wrapper owns the module and forwards hook calls here.
+// (contract C1), the exactly-once accumulation done by the hooks (C2), readiness and the
+// bucket-group launches (C5), the collectives (C6), the ledger, the NaN check, and the parameter
+// all-gather of the distributed optimizer. The Python wrapper owns the module and forwards hook
+// calls here.
 #pragma once
 
 #include <ATen/core/Tensor.h>

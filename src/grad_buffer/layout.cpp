@@ -1,6 +1,6 @@
-// Buffer layout rules (Megatron-style): reverse registration order, no split parameters, and with the
-// distributed optimizer 64-element parameter alignment and bucket ends padded so that every bucket
-// splits evenly across ranks into chunks that keep NCCL's bus bandwidth high.
+// Buffer layout rules (Megatron-style): reverse registration order, no split parameters, and with
+// the distributed optimizer 64-element parameter alignment and bucket ends padded so that every
+// bucket splits evenly across ranks into chunks that keep NCCL's bus bandwidth high.
 #include "grad_buffer/layout.h"
 
 #include <algorithm>

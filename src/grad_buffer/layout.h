@@ -1,6 +1,6 @@
 // Layout of one contiguous gradient (and parameter) buffer: where each parameter lives, where each
-// bucket starts and ends, and which part of every bucket a rank owns under the distributed optimizer.
-// Pure arithmetic on sizes, so the rules are tested without tensors or a process group.
+// bucket starts and ends, and which part of every bucket a rank owns under the distributed
+// optimizer. Pure arithmetic on sizes, so the rules are tested without tensors or a process group.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +23,7 @@ struct ParamRange {
 
 struct BucketRange {
   int64_t start = 0;
-  int64_t end = 0;              // padded end; (end - start) % dp == 0 with the distributed optimizer
+  int64_t end = 0;  // padded end; (end - start) % dp == 0 with the distributed optimizer
   std::vector<int64_t> params;  // indices into the input, in layout order
 };
 

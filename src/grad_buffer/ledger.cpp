@@ -65,8 +65,10 @@ std::string Ledger::end_iteration() {
   if (msg.empty()) {
     learned_ = true;
   } else {
-    msg = "gradient ledger: each micro-batch's gradient must enter main_grad exactly once per use "
-          "(contract C2), but:" + msg;
+    msg =
+        "gradient ledger: each micro-batch's gradient must enter main_grad exactly once per use "
+        "(contract C2), but:" +
+        msg;
   }
   reset();
   return msg;

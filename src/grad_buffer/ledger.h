@@ -1,7 +1,8 @@
-// Gradient ledger (contract C2 made checkable): records every contribution of every parameter in every
-// micro-batch and, at the end of the iteration, reports any parameter with a missing or duplicated
-// one. A contribution is one run of the DDP hook for the parameter, whatever route the gradient took
-// (added from .grad, already fused into main_grad, or moved there by an external consumer).
+// Gradient ledger (contract C2 made checkable): records every contribution of every parameter in
+// every micro-batch and, at the end of the iteration, reports any parameter with a missing or
+// duplicated one. A contribution is one run of the DDP hook for the parameter, whatever route the
+// gradient took (added from .grad, already fused into main_grad, or moved there by an external
+// consumer).
 #pragma once
 
 #include <cstdint>
@@ -21,9 +22,9 @@ class Ledger {
   void record(int64_t p, Route route);
 
   // Checks the iteration and starts the next one. The first checked iteration learns how many
-  // contributions each parameter makes per micro-batch (its uses in one forward); it must be the same
-  // in every micro-batch and at least one. Returns "" when every parameter has microbatches x uses
-  // contributions, else a message naming each parameter that has too few or too many.
+  // contributions each parameter makes per micro-batch (its uses in one forward); it must be the
+  // same in every micro-batch and at least one. Returns "" when every parameter has microbatches x
+  // uses contributions, else a message naming each parameter that has too few or too many.
   std::string end_iteration();
   void reset();
 

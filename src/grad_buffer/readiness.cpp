@@ -6,9 +6,12 @@ namespace fp8dp {
 
 Readiness::Readiness(std::vector<int64_t> group_of_param, std::vector<std::string> names,
                      int64_t num_groups)
-    : group_of_param_(std::move(group_of_param)), names_(std::move(names)),
-      params_of_group_(num_groups), count_(group_of_param_.size(), 0),
-      golden_(group_of_param_.size(), 0), pending_(num_groups, 0) {
+    : group_of_param_(std::move(group_of_param)),
+      names_(std::move(names)),
+      params_of_group_(num_groups),
+      count_(group_of_param_.size(), 0),
+      golden_(group_of_param_.size(), 0),
+      pending_(num_groups, 0) {
   FP8DP_CHECK_ARG(names_.size() == group_of_param_.size(), "names: expected ",
                   group_of_param_.size(), " names, got ", names_.size());
   for (size_t p = 0; p < group_of_param_.size(); ++p) {
@@ -20,8 +23,8 @@ Readiness::Readiness(std::vector<int64_t> group_of_param, std::vector<std::strin
 }
 
 bool Readiness::mark(int64_t p) {
-  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(count_.size()), "param index: expected in [0, ",
-                  count_.size(), "), got ", p);
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(count_.size()),
+                  "param index: expected in [0, ", count_.size(), "), got ", p);
   if (!golden_known_) {
     ++count_[p];
     return false;

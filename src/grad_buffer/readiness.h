@@ -1,7 +1,7 @@
 // Readiness by counts (contract C5): which bucket groups are complete for the last micro-batch.
-// The first iteration learns the golden count of every parameter (how often its gradient is reported
-// ready in one micro-batch: more than once when it is used several times in one forward); later
-// iterations complete a group the moment each of its parameters reached its golden count.
+// The first iteration learns the golden count of every parameter (how often its gradient is
+// reported ready in one micro-batch: more than once when it is used several times in one forward);
+// later iterations complete a group the moment each of its parameters reached its golden count.
 #pragma once
 
 #include <cstdint>
@@ -17,8 +17,8 @@ class Readiness {
             int64_t num_groups);
 
   // Counts one readiness report of p. Returns true when this report completed p's group (only once
-  // the golden counts are known). Throws fp8dp::Error naming p when p was already reported as often as
-  // in the first iteration: a gradient that would be counted twice.
+  // the golden counts are known). Throws fp8dp::Error naming p when p was already reported as often
+  // as in the first iteration: a gradient that would be counted twice.
   bool mark(int64_t p);
 
   bool golden_known() const { return golden_known_; }

@@ -1,9 +1,10 @@
 // Binds src/comm (Communicator, the factory) and src/grad_buffer (layout, GradSync).
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "comm/make_communicator.h"
-#include "common/check.h"
+#include "comm/process_group_communicator.h"
 #include "grad_buffer/grad_sync.h"
 #include "grad_buffer/layout.h"
 
@@ -12,34 +13,8 @@ namespace py = pybind11;
 namespace fp8dp::python {
 
 void bind_grad_buffer(py::module_& m) {
-  py::class_<CommWork, std::shared_ptr<CommWork>>(m, "CommWork")
-      .def("wait", &CommWork::wait, py::call_guard<py::gil_scoped_release>())
-      .def("is_completed", &CommWork::is_completed);
-  auto op_of = [](const std::string& op) {
-    FP8DP_CHECK_ARG(op == "sum" || op == "avg", "op: expected 'sum' or 'avg', got '", op, "'");
-    return op == "sum" ? ReduceOp::kSum : ReduceOp::kAvg;
-  };
-  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
-      .def(
-          "all_reduce",
-          [op_of](Communicator& c, const std::vector<at::Tensor>& buffers, const std::string& op) {
-            return c.all_reduce(buffers, op_of(op));
-          },
-          py::arg("buffers"), py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>())
-      .def(
-          "reduce_scatter",
-          [op_of](Communicator& c, const std::vector<at::Tensor>& inputs,
-                  const std::vector<at::Tensor>& outputs, const std::string& op) {
-            return c.reduce_scatter(inputs, outputs, op_of(op));
-          },
-          py::arg("inputs"), py::arg("outputs"), py::arg("op") = "sum",
-          py::call_guard<py::gil_scoped_release>())
-      .def("all_gather", &Communicator::all_gather, py::arg("inputs"), py::arg("outputs"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("broadcast", &Communicator::broadcast, py::arg("buffers"), py::arg("root"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("check_for_errors", &Communicator::check_for_errors)
-      .def_property_readonly("rank", &Communicator::rank)
+  py::class_<Communicator, std::shared_ptr<Communicator>> communicator(m, "Communicator");
+  communicator.def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("name", &Communicator::name)
       .def(
@@ -48,6 +23,24 @@ void bind_grad_buffer(py::module_& m) {
             c.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
           },
           py::arg("seconds"));
+  py::enum_<ReduceOp>(m, "ReduceOp").value("SUM", ReduceOp::kSum).value("AVG", ReduceOp::kAvg);
+  py::class_<CommWork, std::shared_ptr<CommWork>>(m, "CommWork")
+      .def("wait", &CommWork::wait, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &CommWork::is_completed);
+  // The collectives, bound so that every Communicator (and the NCCL one) is testable from Python.
+  communicator
+      .def("all_reduce", &Communicator::all_reduce, py::arg("buffers"), py::arg("op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter", &Communicator::reduce_scatter, py::arg("inputs"), py::arg("outputs"),
+           py::arg("op"), py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &Communicator::all_gather, py::arg("inputs"), py::arg("outputs"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("broadcast", &Communicator::broadcast, py::arg("buffers"), py::arg("root"),
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<ProcessGroupCommunicator, Communicator, std::shared_ptr<ProcessGroupCommunicator>>(
+      m, "ProcessGroupCommunicator")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, bool, bool>(), py::arg("process_group"),
+           py::arg("native_avg") = true, py::arg("native_reduce_scatter") = true);
   // Without the GIL: the NCCL communicator's unique-id broadcast runs on the group (gloo's workers
   // take the GIL).
   m.def("make_communicator", &make_communicator, py::arg("backend"), py::arg("process_group"),
@@ -93,9 +86,9 @@ void bind_grad_buffer(py::module_& m) {
       .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
                     std::shared_ptr<Communicator>, GradSyncOptions>(),
            py::arg("params"), py::arg("names"), py::arg("communicator"), py::arg("options"),
-           // Every entry that may enqueue a collective drops the GIL: gloo's worker threads take the
-           // GIL (to release Python state captured with a finished work) while holding their queue
-           // lock, which the enqueue needs too.
+           // Every entry that may enqueue a collective drops the GIL: gloo's worker threads take
+           // the GIL (to release Python state captured with a finished work) while holding their
+           // queue lock, which the enqueue needs too.
            py::call_guard<py::gil_scoped_release>())
       .def("main_grad", &GradSync::main_grad, py::arg("index"))
       .def("param_ready", &GradSync::param_ready, py::arg("index"), py::arg("grad"),

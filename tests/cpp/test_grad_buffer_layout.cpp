@@ -1,5 +1,6 @@
-// Layout rules of the gradient buffer: reverse order, no split parameters, alignment, bucket padding
-// and the owned shards of the distributed optimizer, checked over many sizes and world sizes.
+// Layout rules of the gradient buffer: reverse order, no split parameters, alignment, bucket
+// padding and the owned shards of the distributed optimizer, checked over many sizes and world
+// sizes.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -17,8 +18,7 @@ namespace {
 const std::vector<std::vector<int64_t>> kModels = {
     {1}, {7, 1, 129}, {64, 64, 64}, {300, 5, 10, 70}, {4096, 4096, 17, 1, 127, 128, 129}};
 
-class LayoutTest
-    : public ::testing::TestWithParam<std::tuple<int, int64_t, bool, int64_t>> {};
+class LayoutTest : public ::testing::TestWithParam<std::tuple<int, int64_t, bool, int64_t>> {};
 
 TEST_P(LayoutTest, InvariantsHold) {
   const auto [model, dp, dist_opt, bucket_size] = GetParam();
@@ -30,7 +30,8 @@ TEST_P(LayoutTest, InvariantsHold) {
   const auto l = compute_layout(numels, o);
   ASSERT_EQ(l.params.size(), numels.size());
   // Reverse registration order: the last parameter comes first, starts strictly increase.
-  for (size_t i = 0; i + 1 < numels.size(); ++i) EXPECT_GT(l.params[i].start, l.params[i + 1].start);
+  for (size_t i = 0; i + 1 < numels.size(); ++i)
+    EXPECT_GT(l.params[i].start, l.params[i + 1].start);
   EXPECT_EQ(l.params.back().start, 0);
   int64_t covered = 0;
   for (size_t b = 0; b < l.buckets.size(); ++b) {

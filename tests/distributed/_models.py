@@ -9,8 +9,9 @@ from torch import nn
 
 def mlp(seed: int = 0, dtype=torch.float32) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 20), nn.Tanh(),
-                         nn.Linear(20, 5)).to(dtype)
+    return nn.Sequential(
+        nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 20), nn.Tanh(), nn.Linear(20, 5)
+    ).to(dtype)
 
 
 class _DelayedLinearFn(torch.autograd.Function):

@@ -18,7 +18,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import fp8dp  # noqa: E402
-from _models import DelayedLinear, delayed_mlp, mlp, plain_twin  # noqa: E402
+from _models import delayed_mlp, mlp, plain_twin  # noqa: E402
 
 B = 4  # samples per micro-batch per rank
 # FP32 tolerance: each gradient element is a sum of at most ws * n_mb * B <= 48 per-sample terms of
@@ -98,14 +98,65 @@ def cfg(**kw):
 
 
 # ---------------------------------------------------------------------------------------------
+@case(native=[True, False], dtype=[torch.float32, torch.bfloat16, torch.float16])
+def communicator_collectives(rank, ws, native, dtype):
+    """Every collective of the ProcessGroupCommunicator, grouped (two buffers per call), in place,
+    against values derived by hand; native=False forces the fallbacks (AVG as SUM + divide,
+    reduce-scatter as all-reduce + chunk copy). Rank r contributes (r + 1) * base with
+    base = arange % 8: all sums are small integers or halves, exact in every dtype."""
+    C = fp8dp._C
+    comm = C.ProcessGroupCommunicator(
+        dist.group.WORLD, native_avg=native, native_reduce_scatter=native
+    )
+    n = [ws * 5, ws * 128]  # two buckets of different sizes, each divisible by ws
+    base = [(torch.arange(k) % 8).to(dtype) for k in n]
+    total = ws * (ws + 1) / 2  # sum over ranks of (r + 1)
+    for op, factor in ((C.ReduceOp.SUM, total), (C.ReduceOp.AVG, total / ws)):
+        bufs = [b * (rank + 1) for b in base]
+        comm.all_reduce(bufs, op).wait()
+        for b, e in zip(bufs, base):
+            assert torch.equal(b, e * factor), (op, b, e * factor)
+        bufs = [b * (rank + 1) for b in base]
+        chunks = [b.view(ws, -1)[rank] for b in bufs]  # in place: outputs alias the inputs
+        comm.reduce_scatter(bufs, chunks, op).wait()
+        for c, e in zip(chunks, base):
+            assert torch.equal(c, (e * factor).view(ws, -1)[rank])
+    bufs = [torch.zeros(k, dtype=dtype) for k in n]
+    for b in bufs:
+        b.view(ws, -1)[rank] = rank + 1
+    comm.all_gather([b.view(ws, -1)[rank] for b in bufs], bufs).wait()
+    for b in bufs:
+        want = torch.arange(1, ws + 1, dtype=dtype).repeat_interleave(b.numel() // ws)
+        assert torch.equal(b, want)
+    bufs = [torch.full((k,), float(rank), dtype=dtype) for k in n]
+    comm.broadcast(bufs, ws - 1).wait()
+    assert all(torch.equal(b, torch.full_like(b, ws - 1)) for b in bufs)
+    other = torch.float16 if dtype == torch.float32 else torch.float32
+    wrong = [bufs[0][: n[0] // ws].to(other)]
+    expect_error(
+        ValueError,
+        "reduce_scatter outputs[0]: expected dtype",
+        lambda: comm.reduce_scatter([bufs[0]], wrong, C.ReduceOp.SUM),
+    )
+    expect_error(
+        ValueError,
+        "all_reduce buffers[0]: expected a flat contiguous buffer",
+        lambda: comm.all_reduce([torch.zeros(2, 2, dtype=dtype)], C.ReduceOp.SUM),
+    )
+
+
 @case(overlap=[False, True], dist_opt=[False, True], avg=[False, True], n_mb=[1, 4])
 def grads_match_reference(rank, ws, overlap, dist_opt, avg, n_mb):
     model = mlp()
     ref = copy.deepcopy(model)
     ddp = fp8dp.DistributedDataParallel(
         model,
-        cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt,
-            average_in_collective=avg, bucket_size=150),
+        cfg(
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=dist_opt,
+            average_in_collective=avg,
+            bucket_size=150,
+        ),
     )
     sync = ddp._sync
     groups = sync.num_bucket_groups
@@ -113,7 +164,7 @@ def grads_match_reference(rank, ws, overlap, dist_opt, avg, n_mb):
     for step in range(2):  # step 0 learns the golden counts, step 1 launches from the hooks
         x, y = data(step, ws, n_mb)
 
-        def launched_during_backward():
+        def launched_during_backward(step=step):
             state = [sync.group_launched(g) for g in range(groups)]
             assert all(state) if (overlap and step == 1) else not any(state), state
 
@@ -160,8 +211,14 @@ def adamw_matches_torch_ddp(rank, ws, overlap, avg):
     model = mlp()
     twin = copy.deepcopy(model)
     ddp = fp8dp.DistributedDataParallel(
-        model, cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=True,
-                   average_in_collective=avg, bucket_size=150))
+        model,
+        cfg(
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=True,
+            average_in_collective=avg,
+            bucket_size=150,
+        ),
+    )
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2, weight_decay=0.1)
     tddp = nn.parallel.DistributedDataParallel(twin)
     topt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
@@ -184,7 +241,8 @@ def resume_is_bit_exact(rank, ws, overlap):
     def build(seed):
         model = mlp(seed)
         ddp = fp8dp.DistributedDataParallel(
-            model, cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=True, bucket_size=150))
+            model, cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=True, bucket_size=150)
+        )
         return model, ddp, fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
 
     def train(ddp, opt, steps):
@@ -224,8 +282,11 @@ def delayed_wgrad_routing(rank, ws, overlap, consumer, n_mb):
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(consume)
     ddp = fp8dp.DistributedDataParallel(
-        model, cfg(overlap_grad_reduce=overlap, delay_wgrad_compute=True, bucket_size=100,
-                   grad_ledger=True))
+        model,
+        cfg(
+            overlap_grad_reduce=overlap, delay_wgrad_compute=True, bucket_size=100, grad_ledger=True
+        ),
+    )
     sync = ddp._sync
     delayed = [model[0]]
     g_delayed, g_plain = sync.group_of_param(1), sync.group_of_param(3)  # 0.weight, 2.weight
@@ -233,7 +294,7 @@ def delayed_wgrad_routing(rank, ws, overlap, consumer, n_mb):
     for step in range(2):
         x, y = data(step, ws, n_mb)
 
-        def inject(k):
+        def inject(k, step=step):
             if overlap and step == 1 and k == n_mb - 1:
                 # C5 for delayed parameters: their bucket launches only after backward_dw().
                 assert sync.group_launched(g_plain) and not sync.group_launched(g_delayed)
@@ -257,14 +318,21 @@ def fp8dp_model(fuse, delay):
     )
 
 
-@case(fp8=[False, True], delay=[False, True], fuse=[False, True], consumer=[False, True],
-      when=lambda fp8, delay, fuse, consumer: not (fuse and consumer))
+@case(
+    fp8=[False, True],
+    delay=[False, True],
+    fuse=[False, True],
+    consumer=[False, True],
+    when=lambda fp8, delay, fuse, consumer: not (fuse and consumer),
+)
 def fp8dp_modules_count_every_gradient_once(rank, ws, fp8, delay, fuse, consumer):
-    """With fp8dp modules: fused accumulation (C2 b), delayed wgrad (C3) and an unconditional external
-    consumer (C4) each deliver every gradient exactly once (the ledger is on too). The reference runs
-    the same modules without DDP, fusion or delay: each rank's micro-batches on a fresh model (so
-    FP8 scales start from the same first-cast amaxes as on that rank), gradients summed in FP32 and
-    averaged; the FP8 quantization is identical, so only the FP32 reduction order differs."""
+    """With fp8dp modules: fused accumulation (C2 b), delayed wgrad (C3) and an unconditional
+    external consumer (C4) each deliver every gradient exactly once (the ledger is on too).
+
+    Reference: the same modules without DDP, fusion or delay, each rank's micro-batches on a fresh
+    model (so FP8 scales start from the same first-cast amaxes as on that rank), gradients summed
+    in FP32 and averaged. The FP8 quantization is identical, so only the FP32 reduction order
+    differs."""
     n_mb, tokens = 2, 16  # FP8 GEMMs need multiples of 16 in every inner dimension (tokens: wgrad)
     g = torch.Generator().manual_seed(77)
     x = torch.randn(ws * n_mb, tokens, 16, generator=g)
@@ -287,6 +355,7 @@ def fp8dp_modules_count_every_gradient_once(rank, ws, fp8, delay, fuse, consumer
 
     model = fp8dp_model(fuse, delay)
     if consumer:
+
         def consume(p):  # moves whatever autograd produced into main_grad, unconditionally
             if p.grad is not None:
                 p.main_grad.add_(p.grad)
@@ -295,8 +364,9 @@ def fp8dp_modules_count_every_gradient_once(rank, ws, fp8, delay, fuse, consumer
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(consume)
     ddp = fp8dp.DistributedDataParallel(
-        model, cfg(overlap_grad_reduce=True, bucket_size=400, delay_wgrad_compute=delay,
-                   grad_ledger=True))
+        model,
+        cfg(overlap_grad_reduce=True, bucket_size=400, delay_wgrad_compute=delay, grad_ledger=True),
+    )
     delayed = [model[0], model[2]] if delay else []
     ddp.zero_grad_buffer()
     for k in range(n_mb):
@@ -310,7 +380,7 @@ def fp8dp_modules_count_every_gradient_once(rank, ws, fp8, delay, fuse, consumer
                 m.backward_dw()
     ddp.finish_grad_sync()
     for p, t, name in zip(ddp._params, total, ddp._names):
-        torch.testing.assert_close(p.main_grad, t, **FP32, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.main_grad, t, **FP32, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @case(delay=[False, True])
@@ -321,8 +391,14 @@ def fp8dp_training_stays_in_sync(rank, ws, delay):
     tokens = 16
     model = fp8dp_model(fuse=False, delay=delay)
     ddp = fp8dp.DistributedDataParallel(
-        model, cfg(overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=400,
-                   delay_wgrad_compute=delay))
+        model,
+        cfg(
+            overlap_grad_reduce=True,
+            use_distributed_optimizer=True,
+            bucket_size=400,
+            delay_wgrad_compute=delay,
+        ),
+    )
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
     g = torch.Generator().manual_seed(5 + rank)  # different data on every rank
     for _ in range(3):
@@ -335,7 +411,9 @@ def fp8dp_training_stays_in_sync(rank, ws, delay):
             model[0].backward_dw()
         opt.step()
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        scales = torch.cat([m._core.get_extra_state()["scale"].flatten() for m in (model[0], model[2])])
+        scales = torch.cat(
+            [m._core.get_extra_state()["scale"].flatten() for m in (model[0], model[2])]
+        )
         for t in (flat, scales):
             every = [torch.empty_like(t) for _ in range(ws)]
             dist.all_gather(every, t)
@@ -347,7 +425,8 @@ def ledger_catches(rank, ws, kind):
     n_mb = 2
     model = delayed_mlp()
     ddp = fp8dp.DistributedDataParallel(
-        model, cfg(overlap_grad_reduce=True, delay_wgrad_compute=True, grad_ledger=True))
+        model, cfg(overlap_grad_reduce=True, delay_wgrad_compute=True, grad_ledger=True)
+    )
     lin = model[0]
 
     def inject(k):
@@ -377,7 +456,8 @@ def ledger_catches(rank, ws, kind):
 def readiness_errors(rank, ws, kind):
     model = delayed_mlp()
     ddp = fp8dp.DistributedDataParallel(
-        model, cfg(overlap_grad_reduce=True, delay_wgrad_compute=True, bucket_size=100))
+        model, cfg(overlap_grad_reduce=True, delay_wgrad_compute=True, bucket_size=100)
+    )
     lin = model[0]
     x, y = data(0, ws, 1)
     iteration(ddp, x, y, rank, 1, delayed=[lin])  # learn golden counts
@@ -407,7 +487,8 @@ def readiness_errors(rank, ws, kind):
 def nan_check_names_parameters(rank, ws, overlap):
     model = mlp()
     ddp = fp8dp.DistributedDataParallel(
-        model, cfg(overlap_grad_reduce=overlap, check_for_nan_in_grad=True, bucket_size=150))
+        model, cfg(overlap_grad_reduce=overlap, check_for_nan_in_grad=True, bucket_size=150)
+    )
     bad = ws - 1
     x, y = data(0, ws, 1)
     iteration(ddp, x, y, rank, 1)
@@ -462,8 +543,9 @@ def late_rank_times_out(rank, ws, late_rank):
     ddp._sync.communicator().set_timeout(2.0)
     ddp.zero_grad_buffer()
     mse(ddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+    dist.barrier()  # aligned here, the late rank's 6 s dwarf any scheduling skew on a busy machine
     if rank == late:
-        time.sleep(4.0)
+        time.sleep(6.0)
         ddp.finish_grad_sync()  # pairs with the others' abandoned collective
     else:
         try:
@@ -485,17 +567,31 @@ def expect_error(exc, text, fn):
     raise AssertionError(f"no {exc.__name__} containing {text!r}")
 
 
-@case(kind=["added_param", "different_models", "world_size", "skip_flag_no_delay",
-            "owner_without_hooks", "optimizer_without_dist_opt", "nccl_backend"])
+@case(
+    kind=[
+        "added_param",
+        "different_models",
+        "world_size",
+        "skip_flag_no_delay",
+        "owner_without_hooks",
+        "optimizer_without_dist_opt",
+        "nccl_backend",
+    ]
+)
 def bad_input(rank, ws, kind):
     if kind == "added_param":
         ddp = fp8dp.DistributedDataParallel(mlp())
         ddp.module.extra = nn.Parameter(torch.zeros(3))
-        expect_error(ValueError, "parameter 'extra' was added after", lambda: ddp(torch.zeros(2, 12)))
+        expect_error(
+            ValueError, "parameter 'extra' was added after", lambda: ddp(torch.zeros(2, 12))
+        )
     elif kind == "different_models":
         model = mlp() if rank == 0 else nn.Sequential(nn.Linear(12, 25))
-        expect_error(ValueError, "every rank must wrap the same model",
-                     lambda: fp8dp.DistributedDataParallel(model))
+        expect_error(
+            ValueError,
+            "every rank must wrap the same model",
+            lambda: fp8dp.DistributedDataParallel(model),
+        )
     elif kind == "world_size":
         sub = dist.new_group(list(range(ws - 1)))  # every rank takes part in creating it
         c = cfg(use_distributed_optimizer=True)
@@ -506,25 +602,40 @@ def bad_input(rank, ws, kind):
         big = fp8dp.DistributedDataParallel(mlp(), c)
         opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, big)
         if saved is not None:
-            expect_error(ValueError, f"saved at world size {ws - 1}, loading at world size {ws}",
-                         lambda: opt.load_state_dict(saved))
+            expect_error(
+                ValueError,
+                f"saved at world size {ws - 1}, loading at world size {ws}",
+                lambda: opt.load_state_dict(saved),
+            )
     elif kind == "skip_flag_no_delay":
-        expect_error(ValueError, "'0.weight' has skip_backward_post_hook=True",
-                     lambda: fp8dp.DistributedDataParallel(delayed_mlp()))
+        expect_error(
+            ValueError,
+            "'0.weight' has skip_backward_post_hook=True",
+            lambda: fp8dp.DistributedDataParallel(delayed_mlp()),
+        )
     elif kind == "owner_without_hooks":
         model = mlp()
         model[0].weight.skip_backward_post_hook = True
-        expect_error(ValueError, "module Linear has no register_wgrad_accumulation_and_reduce_hooks",
-                     lambda: fp8dp.DistributedDataParallel(model, cfg(delay_wgrad_compute=True)))
+        expect_error(
+            ValueError,
+            "module Linear has no register_wgrad_accumulation_and_reduce_hooks",
+            lambda: fp8dp.DistributedDataParallel(model, cfg(delay_wgrad_compute=True)),
+        )
     elif kind == "nccl_backend":
         if fp8dp._C.native_nccl_available():
             return  # the CUDA build has it; its own tests cover it
-        expect_error(ValueError, "comm_backend: 'nccl' needs fp8dp built with CUDA and NCCL",
-                     lambda: fp8dp.DistributedDataParallel(mlp(), cfg(comm_backend="nccl")))
+        expect_error(
+            ValueError,
+            "comm_backend: 'nccl' needs fp8dp built with CUDA and NCCL",
+            lambda: fp8dp.DistributedDataParallel(mlp(), cfg(comm_backend="nccl")),
+        )
     elif kind == "optimizer_without_dist_opt":
         ddp = fp8dp.DistributedDataParallel(mlp())
-        expect_error(ValueError, "use_distributed_optimizer=True",
-                     lambda: fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp))
+        expect_error(
+            ValueError,
+            "use_distributed_optimizer=True",
+            lambda: fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp),
+        )
 
 
 def main():

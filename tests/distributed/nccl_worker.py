@@ -51,7 +51,7 @@ def dev():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@case(dtype=list(DTYPES), op=["sum", "avg"])
+@case(dtype=list(DTYPES), op=["SUM", "AVG"])
 def collectives_exact(rank, ws, dtype, op):
     """all_reduce / reduce_scatter (in place) / all_gather (in place) on 2^24 elements. Values are
     small integers times (rank + 1): every sum and every average (k * (ws+1)/2 with ws = 2) is
@@ -64,7 +64,8 @@ def collectives_exact(rank, ws, dtype, op):
     n = (1 << 24) // ws * ws
     pattern = (torch.arange(n, device=dev()) % 8).to(t)
     total = pattern * (ws * (ws + 1) / 2)
-    want = total / ws if op == "avg" else total
+    want = total / ws if op == "AVG" else total
+    op = getattr(fp8dp._C.ReduceOp, op)
     buf = torch.empty(n, dtype=t, device=dev())
     buf.copy_(pattern * (rank + 1))
     comm.all_reduce([buf], op).wait()
@@ -81,7 +82,7 @@ def collectives_exact(rank, ws, dtype, op):
     # Two buffers in one group (one ncclGroupStart/End), int64 bookkeeping included.
     a = torch.full((5,), rank + 1, dtype=torch.int64, device=dev())
     b = torch.full((3,), float(rank + 1), dtype=t, device=dev())
-    comm.all_reduce([a, b], "sum").wait()
+    comm.all_reduce([a, b], fp8dp._C.ReduceOp.SUM).wait()
     assert a.tolist() == [ws * (ws + 1) // 2] * 5 and b.tolist() == [ws * (ws + 1) / 2] * 3
 
 
@@ -149,7 +150,7 @@ def skipped_collective_times_out(rank, ws, skipper):
         elapsed = time.monotonic() - t0
         assert 2.0 <= elapsed < 15.0, elapsed
         try:
-            comm.all_reduce([torch.zeros(4, device=dev())]).wait()
+            comm.all_reduce([torch.zeros(4, device=dev())], fp8dp._C.ReduceOp.SUM).wait()
         except RuntimeError as e:
             assert "aborted" in str(e), str(e)
         else:

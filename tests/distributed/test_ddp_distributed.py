@@ -1,6 +1,6 @@
 """Launches the DDP worker under torchrun (gloo, CPU) at world sizes 2 and 3 (3 exercises uneven
-padding) and checks that every case passed on every rank. One launch runs all cases: process start-up
-dominates on small machines."""
+padding) and checks that every case passed on every rank. One launch runs all cases: process
+start-up dominates on small machines."""
 
 import os
 import re
@@ -25,8 +25,14 @@ def test_ddp_cases_pass_on_every_rank(world_size):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world_size}", os.path.join(HERE, "ddp_worker.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        os.path.join(HERE, "ddp_worker.py"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     results = re.findall(r"\[rank (\d+)/\d+\] (PASS|FAIL) (\w+\[[^\]]*\])", out)

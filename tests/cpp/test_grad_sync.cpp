@@ -1,0 +1,206 @@
+// GradSync without a process group: C1 (views into one buffer, parameters moved into the param
+// buffer), C2 (the hook's add / skip rules), C5 (learned golden counts, launch on completion,
+// excess and incomplete errors, no_sync), the NaN check and the check_for_errors() fault-injection
+// seam. The communicator is a world of one, where every collective is the identity; it counts
+// launches.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <limits>
+
+#include "common/check.h"
+#include "grad_buffer/grad_sync.h"
+
+namespace fp8dp {
+namespace {
+
+class DoneWork : public CommWork {
+ public:
+  void wait() override {}
+  bool is_completed() override { return true; }
+};
+
+class SoloCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string name() const override { return "solo"; }
+  void check_for_errors() override {
+    if (fail) throw Error("injected communicator failure");
+  }
+  int grad_launches = 0;  // all-reduces / reduce-scatters of more than one element
+  bool fail = false;
+
+ protected:
+  std::shared_ptr<CommWork> do_all_reduce(const std::vector<at::Tensor>& b, ReduceOp) override {
+    if (b[0].scalar_type() != at::kLong) ++grad_launches;
+    return std::make_shared<DoneWork>();
+  }
+  std::shared_ptr<CommWork> do_reduce_scatter(const std::vector<at::Tensor>& in,
+                                              const std::vector<at::Tensor>& out,
+                                              ReduceOp) override {
+    ++grad_launches;
+    for (size_t i = 0; i < in.size(); ++i)
+      if (!out[i].is_same(in[i])) out[i].copy_(in[i]);
+    return std::make_shared<DoneWork>();
+  }
+  std::shared_ptr<CommWork> do_all_gather(const std::vector<at::Tensor>& in,
+                                          const std::vector<at::Tensor>& out) override {
+    for (size_t i = 0; i < in.size(); ++i)
+      if (in[i].data_ptr() != out[i].data_ptr()) out[i].copy_(in[i]);
+    return std::make_shared<DoneWork>();
+  }
+  std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>&, int) override {
+    return std::make_shared<DoneWork>();
+  }
+};
+
+struct Fixture {
+  // Registration order: a [4,3], b [5], c [2,2]; with bucket_size 8 and overlap, reverse order
+  // gives bucket 0 = {c, b} (9 >= 8 elements) and bucket 1 = {a}.
+  std::vector<at::Tensor> params{at::arange(12, at::kFloat).reshape({4, 3}),
+                                 at::arange(5, at::kFloat),
+                                 at::arange(4, at::kFloat).reshape({2, 2})};
+  std::shared_ptr<SoloCommunicator> comm = std::make_shared<SoloCommunicator>();
+  std::unique_ptr<GradSync> sync;
+  explicit Fixture(GradSyncOptions o) {
+    o.bucket_size = 8;
+    sync = std::make_unique<GradSync>(params, std::vector<std::string>{"a", "b", "c"}, comm, o);
+  }
+  void all_ready() {
+    for (int64_t p = 2; p >= 0; --p) sync->param_ready(p, at::ones_like(params[p]), false);
+  }
+};
+
+GradSyncOptions overlap() {
+  GradSyncOptions o;
+  o.overlap_grad_reduce = true;
+  return o;
+}
+
+template <typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(GradSync, MainGradsAreViewsOfOneBufferAndParamsMoveIntoTheParamBuffer) {
+  Fixture f(overlap());
+  const auto& buf = f.sync->buffers().at(0);
+  ASSERT_EQ(f.sync->buffers().size(), 1u);
+  EXPECT_EQ(buf.grad_data.numel(), 21);
+  const auto* g0 = buf.grad_data.data_ptr<float>();
+  const auto* p0 = buf.param_data.data_ptr<float>();
+  for (int64_t p = 0; p < 3; ++p) {
+    const int64_t start = buf.layout().params[p].start;
+    EXPECT_EQ(f.sync->main_grad(p).data_ptr<float>(), g0 + start);
+    EXPECT_EQ(f.params[p].data_ptr<float>(), p0 + start);  // set_data moved the parameter
+    EXPECT_EQ(f.sync->main_grad(p).sizes(), f.params[p].sizes());
+  }
+  EXPECT_TRUE(at::equal(f.params[0], at::arange(12, at::kFloat).reshape({4, 3})));  // values kept
+  EXPECT_EQ(f.sync->num_bucket_groups(), 2);
+}
+
+TEST(GradSync, HookAddsOnlyWhatWasNotAlreadyAdded) {
+  Fixture f(GradSyncOptions{});
+  f.sync->param_ready(1, at::full({5}, 2.0f), false);   // (a): added
+  f.sync->param_ready(1, at::full({5}, 100.0f), true);  // (b): fused, already in main_grad
+  f.sync->param_ready(1, std::nullopt, false);          // moved by someone else: nothing
+  EXPECT_TRUE(at::equal(f.sync->main_grad(1), at::full({5}, 2.0f)));
+  EXPECT_THROW(f.sync->param_ready(1, at::ones({4}), false), ValueError);  // wrong shape
+}
+
+TEST(GradSync, FirstIterationLearnsLaterIterationsLaunchOnCompletion) {
+  Fixture f(overlap());
+  f.all_ready();
+  EXPECT_EQ(f.comm->grad_launches, 0);  // iteration 1: collectives wait for finish_grad_sync
+  f.sync->finish_grad_sync();
+  EXPECT_EQ(f.comm->grad_launches, 2);
+  f.sync->finish_grad_sync();  // idempotent
+  EXPECT_EQ(f.comm->grad_launches, 2);
+  f.sync->zero_grad_buffer();
+  f.sync->param_ready(2, at::ones({2, 2}), false);
+  EXPECT_EQ(f.comm->grad_launches, 2);
+  f.sync->param_ready(1, at::ones({5}), false);  // completes bucket {c, b}
+  EXPECT_EQ(f.comm->grad_launches, 3);
+  EXPECT_TRUE(f.sync->group_launched(f.sync->group_of_param(1)));
+  EXPECT_FALSE(f.sync->group_launched(f.sync->group_of_param(0)));
+  f.sync->param_ready(0, at::ones({4, 3}), false);
+  EXPECT_EQ(f.comm->grad_launches, 4);
+  f.sync->finish_grad_sync();
+  EXPECT_EQ(f.comm->grad_launches, 4);
+  EXPECT_TRUE(at::equal(f.sync->main_grad(0), at::ones({4, 3})));  // dp = 1: no scaling
+}
+
+TEST(GradSync, NoSyncNeitherCountsNorLaunches) {
+  Fixture f(overlap());
+  f.all_ready();
+  f.sync->finish_grad_sync();
+  f.sync->zero_grad_buffer();
+  f.sync->set_sync_enabled(false);
+  f.all_ready();
+  f.all_ready();
+  EXPECT_EQ(f.comm->grad_launches, 2);
+  f.sync->set_sync_enabled(true);
+  f.all_ready();  // the last micro-batch launches both groups
+  EXPECT_EQ(f.comm->grad_launches, 4);
+  f.sync->finish_grad_sync();
+  EXPECT_TRUE(at::equal(f.sync->main_grad(1), at::full({5}, 3.0f)));  // a plain sum over 3
+}
+
+TEST(GradSync, ExcessAndIncompleteReadinessNameTheParameters) {
+  Fixture f(overlap());
+  f.all_ready();
+  f.sync->finish_grad_sync();
+  f.sync->zero_grad_buffer();
+  f.sync->param_ready(1, at::ones({5}), false);
+  const std::string excess = error_of([&] { f.sync->param_ready(1, at::ones({5}), false); });
+  EXPECT_NE(excess.find("'b' was reported ready 2 times"), std::string::npos) << excess;
+  EXPECT_TRUE(at::equal(f.sync->main_grad(1), at::ones({5})));  // the excess was not added
+  const std::string incomplete = error_of([&] { f.sync->finish_grad_sync(); });
+  EXPECT_NE(incomplete.find("'c' (ready 0 of 1)"), std::string::npos) << incomplete;
+  EXPECT_NE(incomplete.find("'a' (ready 0 of 1)"), std::string::npos) << incomplete;
+  EXPECT_EQ(incomplete.find("'b'"), std::string::npos) << incomplete;
+}
+
+TEST(GradSync, NanCheckNamesOnlyTheParameterWithNaN) {
+  GradSyncOptions o = overlap();
+  o.check_for_nan_in_grad = true;
+  Fixture f(o);
+  f.all_ready();
+  f.sync->main_grad(1)[3].fill_(std::numeric_limits<float>::quiet_NaN());
+  const std::string msg = error_of([&] { f.sync->finish_grad_sync(); });
+  EXPECT_NE(msg.find("rank 0 has NaN or Inf in the local gradients of 'b'"), std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find("'a'"), std::string::npos) << msg;
+}
+
+TEST(GradSync, CommunicatorErrorsSurfaceThroughCheckForErrors) {
+  Fixture f(overlap());
+  f.all_ready();
+  f.comm->fail = true;  // the fault-injection seam: an asynchronous communicator failure
+  EXPECT_NE(error_of([&] { f.sync->finish_grad_sync(); }).find("injected communicator failure"),
+            std::string::npos);
+}
+
+TEST(GradSync, DistributedOptimizerShardsCoverEveryParameterOnce) {
+  GradSyncOptions o = overlap();
+  o.use_distributed_optimizer = true;
+  Fixture f(o);
+  const auto shards = f.sync->owned_shards();
+  ASSERT_EQ(shards.size(), 3u);  // dp = 1 owns everything
+  for (const auto& s : shards) EXPECT_EQ(s.numel, f.params[s.param].numel());
+  // Alignment: every parameter starts on a 64-element boundary; buckets end on multiples of 128.
+  for (const auto& b : f.sync->buffers()[0].buckets) EXPECT_EQ(b.numel % 128, 0);
+  std::vector<at::Tensor> masters;
+  for (const auto& s : shards) masters.push_back(at::full({s.numel}, 7.0f));
+  f.sync->copy_shards_and_sync_params(masters);
+  for (const auto& p : f.params) EXPECT_TRUE(at::equal(p, at::full_like(p, 7.0f)));
+}
+
+}  // namespace
+}  // namespace fp8dp
