@@ -131,7 +131,9 @@ def skipped_collective_times_out(rank, ws, skipper):
     """One rank skips the gradient all-reduce: the others get an fp8dp error naming the collective
     within the (2 s) timeout instead of hanging, their communicator is aborted, and later calls say
     so."""
-    ddp = fp8dp.DistributedDataParallel(mlp().to(dev()), cfg(comm_backend="nccl"))
+    # Overlap off: the all-reduce is launched by finish_grad_sync(), which the skipper never calls.
+    ddp = fp8dp.DistributedDataParallel(mlp().to(dev()),
+                                        cfg(comm_backend="nccl", overlap_grad_reduce=False))
     x, y = (t.to(dev()) for t in data(0, ws, 1))
     iteration(ddp, x, y, rank, 1)  # a healthy step first
     comm = ddp._sync.communicator()
