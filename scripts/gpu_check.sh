@@ -4,7 +4,9 @@
 # compute-sanitizer memcheck on the kernel gtest, and the benchmarks. Each step runs even when an
 # earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
 # Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
-# bench_kernels.json, bench_gemm.json, summary.txt.
+# bench_kernels.json, bench_gemm.json, bench_linear.json, and with 2 GPUs bench_reduce_scatter.json,
+# bench_ddp.json; summary.txt. The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
+# DDP benchmarks) run under torchrun --nproc_per_node=2 when two GPUs are visible.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,7 +63,9 @@ if want pytest; then
 fi
 if want distributed; then
   if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
-    run_step distributed "$OUT/tests.log" 400 "$PY" -m pytest -q -rs tests/distributed
+    # The NCCL cases (torchrun, 2 GPUs); the gloo DDP cases run in CPU CI.
+    run_step distributed "$OUT/tests.log" 300 "$PY" -m pytest -q -rs \
+      tests/distributed/test_nccl_distributed.py
     [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
   else
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
@@ -70,6 +74,15 @@ fi
 if want bench; then
   run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
   run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+  run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
+  if [ "$NGPU" -ge 2 ]; then
+    TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node=2)
+    run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
+      --json "$OUT/bench_reduce_scatter.json"
+    run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
+  else
+    echo "=== [bench 2-GPU] skipped: $NGPU GPU(s) visible" | tee -a "$OUT/bench.log"
+  fi
 fi
 if want sanitizer; then
   # Kernel gtest under memcheck; one cast per parametrised case is plenty for out-of-bounds checks.
@@ -79,12 +92,13 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_gemm sanitizer; do
+  for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear \
+           bench_reduce_scatter bench_ddp sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8
 } | tee "$OUT/summary.txt"
 # Benchmark tables last, so they end the output.
-grep -vE "^===" "$OUT/bench.log" 2>/dev/null | tail -40
+grep -vE "^===" "$OUT/bench.log" 2>/dev/null | tail -60
 for k in "${!RC[@]}"; do [ "${RC[$k]}" = 0 ] || exit 1; done
 exit 0
