@@ -31,6 +31,8 @@ run_step() {  # run_step NAME LOG TIMEOUT_S CMD...
   echo "=== [$name] rc=${RC[$name]} in $((SECONDS - t0)) s" | tee -a "$log"
 }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
+# "bench" runs every benchmark; STEPS may also name single ones (bench_linear, bench_ddp, ...).
+wantb() { want bench || want "$1"; }
 
 {
   echo "date: $(date -u)"
@@ -55,7 +57,7 @@ fi
 if want pytest; then
   # One process per file: a crash in one file must not hide the results of the others.
   prc=0
-  for f in tests/python/test_*.py; do
+  for f in ${PYTEST_FILES:-tests/python/test_*.py}; do
     run_step "pytest" "$OUT/tests.log" 300 "$PY" -m pytest -q -rs "$f"
     [ "${RC[pytest]}" = 0 ] || [ "${RC[pytest]}" = 5 ] || prc=${RC[pytest]}
   done
@@ -71,15 +73,15 @@ if want distributed; then
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
   fi
 fi
-if want bench; then
-  run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
-  run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
-  run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
+if true; then
+  wantb bench_kernels && run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
+  wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+  wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
   if [ "$NGPU" -ge 2 ]; then
     TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node=2)
-    run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
+    wantb bench_reduce_scatter && run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
       --json "$OUT/bench_reduce_scatter.json"
-    run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
+    wantb bench_ddp && run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
   else
     echo "=== [bench 2-GPU] skipped: $NGPU GPU(s) visible" | tee -a "$OUT/bench.log"
   fi
