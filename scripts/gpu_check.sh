@@ -47,7 +47,7 @@ command -v ninja >/dev/null || GEN=(-G "Unix Makefiles")
 if want build; then
   run_step configure "$OUT/build.log" 300 cmake -S . -B "$BUILD" "${GEN[@]}" \
     -DPython3_EXECUTABLE="$PY" -DFP8DP_CUDA=ON -DFP8DP_INPLACE=ON -DCMAKE_BUILD_TYPE=Release
-  run_step build "$OUT/build.log" 400 cmake --build "$BUILD" -j "$JOBS"
+  run_step build "$OUT/build.log" 400 cmake --build "$BUILD" -j "$JOBS" -- -k 0
 fi
 "$PY" -c 'import fp8dp; print("fp8dp build_info", fp8dp.build_info())' >>"$OUT/build.log" 2>&1
 
