@@ -4,7 +4,9 @@
 # compute-sanitizer memcheck on the kernel gtest, and the benchmarks. Each step runs even when an
 # earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
 # Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
-# bench_kernels.json, bench_gemm.json, summary.txt.
+# bench_kernels.json, bench_gemm.json, bench_linear.json, and with 2 GPUs bench_reduce_scatter.json,
+# bench_ddp.json; summary.txt. The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
+# DDP benchmarks) run under torchrun --nproc_per_node=2 when two GPUs are visible.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +31,8 @@ run_step() {  # run_step NAME LOG TIMEOUT_S CMD...
   echo "=== [$name] rc=${RC[$name]} in $((SECONDS - t0)) s" | tee -a "$log"
 }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
+# "bench" runs every benchmark; STEPS may also name single ones (bench_linear, bench_ddp, ...).
+wantb() { want bench || want "$1"; }
 
 {
   echo "date: $(date -u)"
@@ -43,7 +47,7 @@ command -v ninja >/dev/null || GEN=(-G "Unix Makefiles")
 if want build; then
   run_step configure "$OUT/build.log" 300 cmake -S . -B "$BUILD" "${GEN[@]}" \
     -DPython3_EXECUTABLE="$PY" -DFP8DP_CUDA=ON -DFP8DP_INPLACE=ON -DCMAKE_BUILD_TYPE=Release
-  run_step build "$OUT/build.log" 400 cmake --build "$BUILD" -j "$JOBS"
+  run_step build "$OUT/build.log" 400 cmake --build "$BUILD" -j "$JOBS" -- -k 0
 fi
 "$PY" -c 'import fp8dp; print("fp8dp build_info", fp8dp.build_info())' >>"$OUT/build.log" 2>&1
 
@@ -53,7 +57,7 @@ fi
 if want pytest; then
   # One process per file: a crash in one file must not hide the results of the others.
   prc=0
-  for f in tests/python/test_*.py; do
+  for f in ${PYTEST_FILES:-tests/python/test_*.py}; do
     run_step "pytest" "$OUT/tests.log" 300 "$PY" -m pytest -q -rs "$f"
     [ "${RC[pytest]}" = 0 ] || [ "${RC[pytest]}" = 5 ] || prc=${RC[pytest]}
   done
@@ -61,15 +65,26 @@ if want pytest; then
 fi
 if want distributed; then
   if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
-    run_step distributed "$OUT/tests.log" 400 "$PY" -m pytest -q -rs tests/distributed
+    # The NCCL cases (torchrun, 2 GPUs); the gloo DDP cases run in CPU CI.
+    run_step distributed "$OUT/tests.log" 300 "$PY" -m pytest -q -rs \
+      tests/distributed/test_nccl_distributed.py
     [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
   else
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
   fi
 fi
-if want bench; then
-  run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
-  run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+if true; then
+  wantb bench_kernels && run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
+  wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+  wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
+  if [ "$NGPU" -ge 2 ]; then
+    TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node=2)
+    wantb bench_reduce_scatter && run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
+      --json "$OUT/bench_reduce_scatter.json"
+    wantb bench_ddp && run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
+  else
+    echo "=== [bench 2-GPU] skipped: $NGPU GPU(s) visible" | tee -a "$OUT/bench.log"
+  fi
 fi
 if want sanitizer; then
   # Kernel gtest under memcheck; one cast per parametrised case is plenty for out-of-bounds checks.
@@ -79,12 +94,13 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_gemm sanitizer; do
+  for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear \
+           bench_reduce_scatter bench_ddp sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8
 } | tee "$OUT/summary.txt"
 # Benchmark tables last, so they end the output.
-grep -vE "^===" "$OUT/bench.log" 2>/dev/null | tail -40
+grep -vE "^===" "$OUT/bench.log" 2>/dev/null | tail -60
 for k in "${!RC[@]}"; do [ "${RC[$k]}" = 0 ] || exit 1; done
 exit 0

@@ -21,8 +21,10 @@ class CommWork {
  public:
   virtual ~CommWork() = default;
   // Blocks until the collective has finished (CPU) or orders the caller's current stream after it
-  // (CUDA: an event wait, no host sync). Throws fp8dp::Error naming the collective when it failed
-  // or did not finish within the communicator's timeout. A second call returns at once.
+  // (CUDA: a device-side event wait; the host polls the collective's end event until then, so that
+  // a peer that never joins raises instead of hanging, but never waits for compute queued after
+  // it). Throws fp8dp::Error naming the collective when it failed or did not finish within the
+  // communicator's timeout. A second call returns at once.
   virtual void wait() = 0;
   // True once wait() would return without blocking.
   virtual bool is_completed() = 0;
@@ -37,8 +39,11 @@ class CommWork {
 // - do_* return at once; the collective runs asynchronously. On CUDA: record an event on the
 //   caller's current stream, make the communicator's own stream wait on it (so writes made before
 //   the call, e.g. the 1/dp pre-scale, are seen), launch there, record a completion event.
-// - CommWork::wait() orders the caller's current stream after the completion event (no host sync)
-//   and keeps every buffer (and any scratch) alive until then; on the CPU it blocks.
+// - CommWork::wait() orders the caller's current stream after the completion event and keeps every
+//   buffer (and any scratch) alive until then, or tells the caching allocator (recordStream); on
+//   the CPU it blocks. To turn a missing peer into an error rather than a hang, the NCCL
+//   implementation polls that event on the host until timeout() (it never waits for work queued
+//   after the collective).
 // - Failures surface as fp8dp::Error from wait() or check_for_errors(), never as a hang: a
 //   collective that does not finish within timeout() aborts the communicator and raises, naming
 //   the collective.

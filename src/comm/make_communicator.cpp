@@ -1,6 +1,10 @@
-// The communicator factory. The native NCCL communicator (src/comm/cuda/) plugs in here: a CUDA
-// build that has it defines FP8DP_HAVE_NCCL_COMMUNICATOR and make_nccl_communicator().
+// The communicator factory. The native NCCL communicator (src/comm/cuda/) plugs in here: every CUDA
+// build (FP8DP_WITH_CUDA) compiles it and links NCCL, and defines make_nccl_communicator().
 #include "comm/make_communicator.h"
+
+#if defined(FP8DP_WITH_CUDA) && !defined(FP8DP_CUDA_COMPILE_ONLY)
+#define FP8DP_HAVE_NCCL_COMMUNICATOR 1
+#endif
 
 #include "comm/process_group_communicator.h"
 #include "common/check.h"

@@ -5,11 +5,45 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <type_traits>
+#include <utility>
 
 #include "common/check.h"
 
 namespace fp8dp {
 namespace {
+
+// torch renamed the flat-buffer collectives: 2.11 has _reduce_scatter_base / _allgather_base, newer
+// releases reduce_scatter_single / all_gather_single (and drop or deprecate the old names). Pick
+// whichever this torch has at compile time, so one source builds against both.
+template <typename G, typename = void>
+struct HasSingleCollectives : std::false_type {};
+template <typename G>
+struct HasSingleCollectives<G, std::void_t<decltype(std::declval<G&>().reduce_scatter_single(
+                                   std::declval<at::Tensor&>(), std::declval<at::Tensor&>(),
+                                   std::declval<const c10d::ReduceScatterOptions&>()))>>
+    : std::true_type {};
+
+template <typename G>
+c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(G& g, at::Tensor& out, at::Tensor& in,
+                                                   const c10d::ReduceScatterOptions& opts) {
+  if constexpr (HasSingleCollectives<G>::value) {
+    return g.reduce_scatter_single(out, in, opts);
+  } else {
+    return g._reduce_scatter_base(out, in, opts);
+  }
+}
+
+template <typename G>
+c10::intrusive_ptr<c10d::Work> all_gather_flat(G& g, at::Tensor& out, at::Tensor& in,
+                                               const c10d::AllgatherOptions& opts) {
+  if constexpr (HasSingleCollectives<G>::value) {
+    return g.all_gather_single(out, in, opts);
+  } else {
+    return g._allgather_base(out, in, opts);
+  }
+}
+
 
 // The backend's own operation timeout stays the group's (init_process_group(timeout=...)); wait()
 // gives up after the communicator's timeout, whichever comes first.
@@ -121,7 +155,7 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_reduce_scatter(
       bool avg = op == ReduceOp::kAvg && avg_supported_;
       opts.reduceOp = avg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
       try {
-        works.push_back(group_->reduce_scatter_single(out, in, opts));
+        works.push_back(reduce_scatter_flat(*group_, out, in, opts));
         scratch.push_back(out);
         full.push_back(false);
         divide = divide || (op == ReduceOp::kAvg && !avg);
@@ -135,7 +169,7 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_reduce_scatter(
       if (reduce_scatter_supported_) {  // AVG was refused: SUM, divide on wait()
         opts.reduceOp = c10d::ReduceOp::SUM;
         try {
-          works.push_back(group_->reduce_scatter_single(out, in, opts));
+          works.push_back(reduce_scatter_flat(*group_, out, in, opts));
           scratch.push_back(out);
           full.push_back(false);
           divide = divide || op == ReduceOp::kAvg;
@@ -180,7 +214,7 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_all_gather(
     // writes.
     at::Tensor in = overlaps(inputs[i], out) ? inputs[i].clone() : inputs[i];
     copies.push_back(in);
-    works.push_back(group_->all_gather_single(out, in, opts));
+    works.push_back(all_gather_flat(*group_, out, in, opts));
   }
   return std::make_shared<ProcessGroupWork>(name() + " all_gather", timeout(), std::move(works),
                                             [copies] {});

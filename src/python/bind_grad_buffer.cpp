@@ -41,8 +41,10 @@ void bind_grad_buffer(py::module_& m) {
       m, "ProcessGroupCommunicator")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, bool, bool>(), py::arg("process_group"),
            py::arg("native_avg") = true, py::arg("native_reduce_scatter") = true);
+  // Without the GIL: the NCCL communicator's unique-id broadcast runs on the group (gloo's workers
+  // take the GIL).
   m.def("make_communicator", &make_communicator, py::arg("backend"), py::arg("process_group"),
-        py::arg("cuda"));
+        py::arg("cuda"), py::call_guard<py::gil_scoped_release>());
   m.def("native_nccl_available", &native_nccl_available);
 
   py::class_<LayoutOptions>(m, "LayoutOptions")

@@ -1,0 +1,124 @@
+"""fp8dp.Linear forward+backward in FP8 (DelayedScaling) vs torch.nn.Linear in BF16, interleaved, on
+one GPU; plus the three FP8 GEMMs of the step alone, to show the share of time outside GEMMs, and
+the peak memory of one step against the BF16 layer.
+
+    python3 bench/linear_gpu.py [--json out.json]
+
+Shapes (tokens, in, out): 8192x8192x8192, 4096x4096x14336, 16384x4096x4096. One step = forward,
+backward with a fixed grad_output, and (FP8) update_fp8_scales(), as in training. Targets (issue 5):
+>= 1.5x BF16 at 8192^3, >= 1.3x at 4096x4096x14336.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_timing import device_info, print_table, time_interleaved, write_json  # noqa: E402
+
+import fp8dp  # noqa: E402
+
+_C = fp8dp._C
+SHAPES = [(8192, 8192, 8192), (4096, 4096, 14336), (16384, 4096, 4096)]  # tokens, in, out
+TARGETS = {(8192, 8192, 8192): 1.5, (4096, 4096, 14336): 1.3}
+
+
+def make_step(module, x, dy, recipe):
+    def step():
+        xa = x.detach().requires_grad_(True)
+        if recipe is None:
+            y = module(xa)
+        else:
+            with fp8dp.fp8_autocast(fp8_recipe=recipe):
+                y = module(xa)
+        y.backward(dy)
+        module.weight.grad = None
+        if module.bias is not None:
+            module.bias.grad = None
+        if recipe is not None:
+            fp8dp.update_fp8_scales()
+
+    return step
+
+
+def gemms_alone(t, k, n):
+    """fprop [t,k]x[n,k]^T, dgrad [t,n]x[k,n]^T, wgrad [n,t]x[k,t]^T on FP8 operands (E4M3 input and
+    weight, E5M2 gradient), BF16 out, as the FP8 layer issues them (TN, cached transposes)."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    x = (torch.randn(t, k, device="cuda") * 20).to(e4)
+    w = (torch.randn(n, k, device="cuda") * 20).to(e4)
+    dy = (torch.randn(t, n, device="cuda") * 20).to(e5)
+    xt, wt, dyt = x.t().contiguous(), w.t().contiguous(), dy.t().contiguous()
+    s = torch.tensor([0.05], device="cuda")
+
+    def run():
+        _C._gemm_cuda(x, w, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16,
+                      use_split_accumulator=False)
+        _C._gemm_cuda(dy, wt, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16)
+        _C._gemm_cuda(dyt, xt, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16)
+
+    return run
+
+
+def peak_step_mib(step):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_shape(t, k, n, rounds):
+    torch.manual_seed(0)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    ours = fp8dp.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
+    ours.load_state_dict(ref.state_dict())
+    bf16 = make_step(ref, x, dy, None)
+    fp8 = make_step(ours, x, dy, fp8dp.DelayedScaling())
+    gemm = gemms_alone(t, k, n)
+    ms = time_interleaved({"bf16": bf16, "fp8": fp8, "gemm": gemm}, warmup=3, rounds=rounds)
+    mem_bf16, mem_fp8 = peak_step_mib(bf16), peak_step_mib(fp8)
+    flop = 3 * 2.0 * t * k * n
+    return {
+        "tokens": t, "in": k, "out": n,
+        "bf16_ms": ms["bf16"], "fp8_ms": ms["fp8"], "fp8_gemms_ms": ms["gemm"],
+        "speedup": ms["bf16"] / ms["fp8"], "target": TARGETS.get((t, k, n)),
+        "fp8_tflops": flop / ms["fp8"] / 1e9, "bf16_tflops": flop / ms["bf16"] / 1e9,
+        "share_outside_gemms": 1.0 - ms["gemm"] / ms["fp8"],
+        "peak_step_mib_bf16": mem_bf16, "peak_step_mib_fp8": mem_fp8,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="bench/results/linear_gpu.json")
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    results = []
+    for t, k, n in SHAPES:
+        try:
+            results.append(bench_shape(t, k, n, args.rounds))
+        except Exception as e:  # one shape failing must not hide the others
+            print(f"{t}x{k}x{n}: FAILED {type(e).__name__}: {e}", flush=True)
+            results.append({"tokens": t, "in": k, "out": n, "error": f"{type(e).__name__}: {e}"})
+        torch.cuda.empty_cache()
+    rows = [[f"{r['tokens']}x{r['in']}x{r['out']}", f"{r['bf16_ms']:.3f}", f"{r['fp8_ms']:.3f}",
+             f"{r['speedup']:.2f}x", r["target"] or "-", f"{r['fp8_gemms_ms']:.3f}",
+             f"{100 * r['share_outside_gemms']:.0f}%",
+             f"{r['peak_step_mib_fp8']:.0f}/{r['peak_step_mib_bf16']:.0f}"]
+            for r in results if "error" not in r]
+    print_table("fp8dp.Linear FP8 (delayed) vs torch.nn.Linear BF16, forward+backward",
+                ["tokens x in x out", "bf16 ms", "fp8 ms", "speedup", "target", "gemms ms",
+                 "outside", "peak MiB fp8/bf16"], rows)
+    write_json(args.json, {"benchmark": "linear_gpu", **device_info(),
+                           "command": "python3 bench/linear_gpu.py", "results": results})
+    sys.exit(0 if all("error" not in r for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()

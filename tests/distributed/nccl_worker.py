@@ -1,0 +1,188 @@
+"""torchrun worker for the native NCCL communicator (one GPU per rank, >= 2 GPUs). The torch group
+is gloo (the NCCL unique id travels as a CPU tensor) and every fp8dp collective runs on fp8dp's own
+ncclComm_t. Prints one PASS/FAIL line per case, like ddp_worker.py, and exits non-zero on a
+failure."""
+
+import copy
+import gc
+import itertools
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fp8dp  # noqa: E402
+from _models import mlp  # noqa: E402
+from ddp_worker import (  # noqa: E402
+    cfg,
+    check_main_grads,
+    data,
+    iteration,
+    micro,
+    mse,
+    reference_grads,
+)
+
+CASES = []
+
+
+def case(**grid):
+    def register(fn):
+        for combo in itertools.product(*grid.values()):
+            kw = dict(zip(grid.keys(), combo))
+            CASES.append((f"{fn.__name__}[{','.join(f'{k}={v}' for k, v in kw.items())}]", fn, kw))
+        return fn
+
+    return register
+
+# GPU FP32 GEMMs sum the batch in another order than the single-process reference (and without TF32,
+# disabled below, each product is exact to 2^-24 relative): the ddp_worker bound, widened 4x for the
+# GEMM's own reordering within a micro-batch.
+FP32 = dict(rtol=4e-5, atol=4 * 64 * 2.0**-23)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dev():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@case(dtype=list(DTYPES), op=["SUM", "AVG"])
+def collectives_exact(rank, ws, dtype, op):
+    """all_reduce / reduce_scatter (in place) / all_gather (in place) on 2^24 elements. Values are
+    small integers times (rank + 1): every sum and every average (k * (ws+1)/2 with ws = 2) is
+    exact in float16 and bfloat16, so results must match exactly. The buffer is written on the
+    compute stream just before each call: without the start event the comm stream would read stale
+    data."""
+    comm = fp8dp._C.make_communicator("nccl", dist.group.WORLD, True)
+    assert comm.name == "nccl" and comm.rank == rank and comm.size == ws
+    t = DTYPES[dtype]
+    n = (1 << 24) // ws * ws
+    pattern = (torch.arange(n, device=dev()) % 8).to(t)
+    total = pattern * (ws * (ws + 1) / 2)
+    want = total / ws if op == "AVG" else total
+    op = getattr(fp8dp._C.ReduceOp, op)
+    buf = torch.empty(n, dtype=t, device=dev())
+    buf.copy_(pattern * (rank + 1))
+    comm.all_reduce([buf], op).wait()
+    assert torch.equal(buf, want), "all_reduce"
+    buf.copy_(pattern * (rank + 1))
+    m = n // ws
+    chunk = buf[rank * m : (rank + 1) * m]
+    comm.reduce_scatter([buf], [chunk], op).wait()
+    assert torch.equal(chunk, want[rank * m : (rank + 1) * m]), "reduce_scatter in place"
+    out = torch.zeros(n, dtype=t, device=dev())
+    out[rank * m : (rank + 1) * m] = pattern[rank * m : (rank + 1) * m]
+    comm.all_gather([out[rank * m : (rank + 1) * m]], [out]).wait()
+    assert torch.equal(out, pattern), "all_gather in place"
+    # Two buffers in one group (one ncclGroupStart/End), int64 bookkeeping included.
+    a = torch.full((5,), rank + 1, dtype=torch.int64, device=dev())
+    b = torch.full((3,), float(rank + 1), dtype=t, device=dev())
+    comm.all_reduce([a, b], fp8dp._C.ReduceOp.SUM).wait()
+    assert a.tolist() == [ws * (ws + 1) // 2] * 5 and b.tolist() == [ws * (ws + 1) / 2] * 3
+
+
+@case(overlap=[False, True], dist_opt=[False, True], avg=[False, True])
+def grads_match_reference(rank, ws, overlap, dist_opt, avg):
+    """main_grad (all-reduce) or each rank's owned chunk (reduce-scatter) equals the gradient of a
+    single-process FP32 model on the global batch, with fp8dp's NCCL communicator."""
+    n_mb = 2
+    model = mlp().to(dev())
+    ref = copy.deepcopy(model)
+    ddp = fp8dp.DistributedDataParallel(
+        model,
+        cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt,
+            average_in_collective=avg, bucket_size=150, comm_backend="nccl"),
+    )
+    assert ddp._sync.communicator().name == "nccl"
+    for step in range(2):  # step 0 learns the golden counts, step 1 launches from the hooks
+        x, y = (t.to(dev()) for t in data(step, ws, n_mb))
+        iteration(ddp, x, y, rank, n_mb)
+        assert check_main_grads(ddp, reference_grads(ref, x, y), **FP32) > 0 or dist_opt
+
+
+@case()
+def auto_picks_nccl_and_optimizer_stays_in_sync(rank, ws):
+    """comm_backend='auto' on CUDA parameters picks the native communicator; 3 DistributedOptimizer
+    (AdamW) steps (reduce-scatter, shard step, all-gather) leave bit-identical parameters on every
+    rank."""
+    ddp = fp8dp.DistributedDataParallel(mlp().to(dev()), cfg(use_distributed_optimizer=True,
+                                                              overlap_grad_reduce=True,
+                                                              bucket_size=150))
+    assert ddp._sync.communicator().name == "nccl"
+    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
+    for step in range(3):
+        x, y = (t.to(dev()) for t in data(step, ws, 1))
+        iteration(ddp, x, y, rank, 1)
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in ddp.module.parameters()])
+    gathered = [torch.empty_like(flat.cpu()) for _ in range(ws)]
+    dist.all_gather(gathered, flat.cpu())
+    for g in gathered[1:]:
+        assert torch.equal(g, gathered[0])
+
+
+@case(skipper=[1])
+def skipped_collective_times_out(rank, ws, skipper):
+    """One rank skips the gradient all-reduce: the others get an fp8dp error naming the collective
+    within the (2 s) timeout instead of hanging, their communicator is aborted, and later calls say
+    so."""
+    # Overlap off: the all-reduce is launched by finish_grad_sync(), which the skipper never calls.
+    ddp = fp8dp.DistributedDataParallel(mlp().to(dev()),
+                                        cfg(comm_backend="nccl", overlap_grad_reduce=False))
+    x, y = (t.to(dev()) for t in data(0, ws, 1))
+    iteration(ddp, x, y, rank, 1)  # a healthy step first
+    comm = ddp._sync.communicator()
+    comm.set_timeout(2.0)
+    ddp.zero_grad_buffer()
+    mse(ddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+    if rank != skipper:
+        t0 = time.monotonic()
+        try:
+            ddp.finish_grad_sync()
+        except RuntimeError as e:
+            msg = str(e)
+            assert "nccl all_reduce" in msg and "did not finish within 2000 ms" in msg, msg
+        else:
+            raise AssertionError("a rank that skipped the collective went unnoticed")
+        elapsed = time.monotonic() - t0
+        assert 2.0 <= elapsed < 15.0, elapsed
+        try:
+            comm.all_reduce([torch.zeros(4, device=dev())], fp8dp._C.ReduceOp.SUM).wait()
+        except RuntimeError as e:
+            assert "aborted" in str(e), str(e)
+        else:
+            raise AssertionError("an aborted communicator accepted a collective")
+    dist.barrier()  # gloo: independent of the aborted NCCL communicator
+
+
+def main():
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    only = os.environ.get("FP8DP_DDP_CASES", "")
+    failed = []
+    for name, fn, kw in CASES:
+        if only and only not in name:
+            continue
+        try:
+            fn(rank, ws, **kw)
+            print(f"[rank {rank}/{ws}] PASS {name}", flush=True)
+        except Exception:
+            failed.append(name)
+            print(f"[rank {rank}/{ws}] FAIL {name}\n{traceback.format_exc()}", flush=True)
+        gc.collect()  # each case's communicator is destroyed before the next one is built
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
