@@ -63,18 +63,18 @@ def main():
 
     sync = ddp._sync
 
-    @torch.no_grad()
     def compute_only():
         ddp.zero_grad_buffer()
         with ddp.no_sync():
             fwd_bwd()
-        for m, s in zip(opt._masters, opt._shards):
-            gs = sync.grad_shard(s)
-            m.grad = gs if gs.dtype == torch.float32 else gs.float()
-        opt.optimizer.step()
-        for m, s in zip(opt._masters, opt._shards):
-            sync.param_shard(s).copy_(m)
-        fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
+        with torch.no_grad():  # the optimizer half only: backward above needs autograd
+            for m, s in zip(opt._masters, opt._shards):
+                gs = sync.grad_shard(s)
+                m.grad = gs if gs.dtype == torch.float32 else gs.float()
+            opt.optimizer.step()
+            for m, s in zip(opt._masters, opt._shards):
+                sync.param_shard(s).copy_(m)
+            fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
 
     for _ in range(2):  # the first iteration learns the golden readiness counts
         full()

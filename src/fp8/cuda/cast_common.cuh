@@ -20,7 +20,13 @@ constexpr uint32_t kQuietNaNBits = 0x7FC00000u;
 // Exact widening of one input element (all three conversions are exact, so CPU == GPU).
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+// The hardware half -> float conversion returns a positive NaN for every NaN; keep the sign as the CPU
+// conversion does, so a negative half NaN still quantizes to 0xFF on both (seen on the H200).
+__device__ __forceinline__ float to_float(__half v) {
+  const float f = __half2float(v);
+  const uint32_t sign = static_cast<uint32_t>(__half_as_ushort(v) & 0x8000u) << 16;
+  return f != f ? __uint_as_float(kQuietNaNBits | sign) : f;
+}
 
 // amax is tracked as the bits of |x|: for non-negative floats the unsigned order of the bits is the
 // numeric order, +Inf (0x7F800000) sorts above every finite value and every NaN above +Inf. So one
