@@ -16,7 +16,6 @@ import copy
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,16 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from machine import cpu_name
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def parse():

@@ -13,24 +13,15 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 
+from machine import cpu_name
+
 import fp8dp
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def make_step(module, x, dy, recipe):

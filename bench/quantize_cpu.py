@@ -16,11 +16,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
+
+from machine import cpu_name
 
 import fp8dp
 from fp8dp import _C
@@ -36,16 +37,6 @@ def timed(fn) -> float:
     fn()
     return time.perf_counter() - t0
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
