@@ -100,7 +100,7 @@ if want demo; then
 fi
 if want sanitizer; then
   # Kernel gtest under memcheck; one cast per parametrised case is plenty for out-of-bounds checks.
-  run_step sanitizer "$OUT/sanitizer.log" 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  run_step sanitizer "$OUT/sanitizer.log" "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     --leak-check no "$BUILD/test_quantize_cuda" --gtest_brief=1
 fi
 
