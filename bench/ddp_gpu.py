@@ -4,15 +4,36 @@ with fp8dp's native NCCL communicator, against the same per-GPU step with commun
 
     torchrun --standalone --nproc_per_node=2 bench/ddp_gpu.py [--json out.json]
 
-Full step: zero_grad_buffer, forward + backward (buckets reduce-scatter while backward runs), then
-DistributedOptimizer.step() (finish_grad_sync, AdamW on the rank's shard, copy back, all-gather of
-the parameters, amax all-reduce). Compute-only step: the same work on the same model without a
-single collective: backward under no_sync(), AdamW on the same shard, copy back, the local scale
-update. Exposed communication = full - compute-only. Target (issue 5): full <= 1.05x compute-only.
+Variants (same model, same inputs, same compute):
+- full: zero_grad_buffer, forward + backward (buckets reduce-scatter while backward runs), then
+  DistributedOptimizer.step() (finish_grad_sync, AdamW on the rank's shard, copy back, launch of
+  the parameter all-gather, amax all-reduce). With overlap_param_gather=True (set here) the
+  all-gather is waited for by the next forward, module by module.
+- full_no_param_overlap: the same, but opt.finish_param_sync() right after step(): the all-gather
+  is paid inside the step (what overlap_param_gather=False does).
+- compute_only: the same work without a single collective: backward under no_sync(), AdamW on the
+  same shard, local copy-back, the local scale update.
+
+Timing is steady state: each sample is one untimed step followed by --steps timed steps, each
+step from its first event to the next step's, so an all-gather left in flight by one step is paid
+where training pays it (in the next forward). CUDA events on the compute stream between the phases
+of each step (zero, forward, backward, finish_grad_sync, optimizer step) give a per-phase breakdown;
+full - compute_only per phase says where communication is still exposed:
+  forward     waiting for the parameter all-gather (overlap_param_gather)
+  backward    pre-scale passes, NCCL kernels slowing the GEMMs they overlap, late launches
+  grad sync   the reduce-scatter still running when backward ends (the last bucket)
+  optimizer   the all-gather when it is not overlapped, the amax all-reduce
+The collectives alone (every bucket's reduce-scatter, then every bucket's all-gather, no compute)
+give the communication that there is to hide. Everything runs once per --bucket-sizes entry
+(default: DDP's default bucket size, then one layer per bucket, where the last bucket's
+reduce-scatter and the first bucket's all-gather, the parts nothing can hide, are smallest).
+Target (issue 5): full <= 1.05x compute-only.
 """
 
 import argparse
+import gc
 import os
+import statistics
 import sys
 from datetime import timedelta
 
@@ -20,53 +41,123 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cuda_timing import device_info, print_table, time_interleaved, write_json  # noqa: E402
+from cuda_timing import device_info, print_table, write_json  # noqa: E402
 
 import fp8dp  # noqa: E402
 
+PHASES = ["zero", "forward", "backward", "grad_sync", "optimizer"]
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default="bench/results/ddp_gpu.json")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per step")
-    ap.add_argument("--rounds", type=int, default=10)
-    args = ap.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl", timeout=timedelta(seconds=180),
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    rank, ws = dist.get_rank(), dist.get_world_size()
+
+def timed_steps(step, steps, rounds, drain):
+    """Median ms per step and per phase over rounds x steps steady-state steps. step(ev) runs one
+    training step and records len(PHASES) events into ev, the first one at its start."""
+    per_step, per_phase = [], {p: [] for p in PHASES}
+    for _ in range(rounds):
+        step([])  # untimed: leaves the steady state (e.g. an all-gather in flight) behind it
+        marks = []
+        for _ in range(steps):
+            ev = []
+            step(ev)
+            marks.append(ev)
+        tail = torch.cuda.Event(enable_timing=True)
+        tail.record()
+        drain()
+        torch.cuda.synchronize()
+        starts = [m[0] for m in marks] + [tail]
+        for i, ev in enumerate(marks):
+            per_step.append(starts[i].elapsed_time(starts[i + 1]))
+            bounds = ev + [starts[i + 1]]
+            for k, p in enumerate(PHASES):
+                per_phase[p].append(bounds[k].elapsed_time(bounds[k + 1]))
+    return statistics.median(per_step), {p: statistics.median(v) for p, v in per_phase.items()}
+
+
+def comm_alone(sync, grad_dtype, param_dtype, rounds):
+    """ms of every bucket's reduce-scatter (grad dtype, AVG) and all-gather (param dtype) issued
+    back to back like one step issues them, on scratch buffers of the same sizes, no compute."""
+    comm = sync.communicator()
+    ws, rank = comm.size, comm.rank
+    numels = [numel for _, _, _, numel, _ in sync.buckets()]  # one bucket per group here
+    grads = [torch.zeros(n, dtype=grad_dtype, device="cuda") for n in numels]
+    params = [torch.zeros(n, dtype=param_dtype, device="cuda") for n in numels]
+
+    def chunk(t):
+        m = t.numel() // ws
+        return t[rank * m : (rank + 1) * m]
+
+    out = {}
+    for name, fn in (
+        ("reduce_scatter_ms", lambda: [comm.reduce_scatter([g], [chunk(g)], fp8dp._C.ReduceOp.AVG)
+                                       for g in grads]),
+        ("all_gather_ms", lambda: [comm.all_gather([chunk(p)], [p]) for p in params]),
+    ):
+        samples = []
+        for r in range(rounds + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for w in fn():
+                w.wait()
+            end.record()
+            torch.cuda.synchronize()
+            if r:
+                samples.append(start.elapsed_time(end))
+        out[name] = statistics.median(samples)
+    return out
+
+
+def run_config(args, bucket_size, rank, ws):
+    """Builds the model and DDP with this bucket size (None: DDP's default), times the variants
+    and returns the slowest rank's numbers."""
     torch.manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
     h = args.hidden
     model = torch.nn.Sequential(*[
         fp8dp.Linear(h, h, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True)
         for _ in range(args.layers)])
-    cfg = fp8dp.DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                              use_distributed_optimizer=True, comm_backend="nccl")
+    # AVG in the collective: NCCL applies 1/dp inside the reduce-scatter kernel, where a pre-scale
+    # is one more pass over the whole FP32 gradient buffer on the compute stream.
+    cfg = fp8dp.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True,
+        average_in_collective=not args.prescale, bucket_size=bucket_size, comm_backend="nccl")
     ddp = fp8dp.DistributedDataParallel(model, cfg)
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-5)
     recipe = fp8dp.DelayedScaling()
     g = torch.Generator("cuda").manual_seed(rank)
     x = torch.randn(args.tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
     dy = torch.randn(args.tokens, h, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-3
-
-    def fwd_bwd():
-        with fp8dp.fp8_autocast(fp8_recipe=recipe):
-            y = ddp(x)
-        y.backward(dy)
-
-    def full():
-        ddp.zero_grad_buffer()
-        fwd_bwd()
-        opt.step()
-
     sync = ddp._sync
 
-    def compute_only():
+    def mark(ev):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        ev.append(e)
+
+    def full(ev, overlap=True):
+        mark(ev)
         ddp.zero_grad_buffer()
+        mark(ev)
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            y = ddp(x)
+        mark(ev)
+        y.backward(dy)
+        mark(ev)
+        ddp.finish_grad_sync()
+        mark(ev)
+        opt.step()
+        if not overlap:
+            opt.finish_param_sync()
+
+    def compute_only(ev):
+        mark(ev)
+        ddp.zero_grad_buffer()
+        mark(ev)
         with ddp.no_sync():
-            fwd_bwd()
+            with fp8dp.fp8_autocast(fp8_recipe=recipe):
+                y = ddp(x)
+            mark(ev)
+            y.backward(dy)
+        mark(ev)
+        mark(ev)  # no gradient collective to finish
         with torch.no_grad():  # the optimizer half only: backward above needs autograd
             for m, s in zip(opt._masters, opt._shards):
                 gs = sync.grad_shard(s)
@@ -76,35 +167,105 @@ def main():
                 sync.param_shard(s).copy_(m)
             fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
 
+    variants = {
+        "full": lambda ev: full(ev, True),
+        "full_no_param_overlap": lambda ev: full(ev, False),
+        "compute_only": compute_only,
+    }
     for _ in range(2):  # the first iteration learns the golden readiness counts
-        full()
-    ms = time_interleaved({"full": full, "compute_only": compute_only}, warmup=2,
-                          rounds=args.rounds)
-    # Every rank's medians, so that the slowest rank is visible.
-    mine = torch.tensor([ms["full"], ms["compute_only"]], device="cuda")
+        full([])
+    opt.finish_param_sync()
+    # Interleaved: one sample of each variant per round, so clock drift hits all alike.
+    step_ms = {n: [] for n in variants}
+    phase_ms = {n: {p: [] for p in PHASES} for n in variants}
+    for _ in range(args.rounds):
+        for name, fn in variants.items():
+            s, ph = timed_steps(fn, args.steps, 1, opt.finish_param_sync)
+            step_ms[name].append(s)
+            for p in PHASES:
+                phase_ms[name][p].append(ph[p])
+    med = {n: statistics.median(v) for n, v in step_ms.items()}
+    ph_med = {n: {p: statistics.median(v) for p, v in d.items()} for n, d in phase_ms.items()}
+    alone = comm_alone(sync, ddp._params[0].main_grad.dtype, ddp._params[0].dtype, 5)
+
+    # Every rank's numbers; the slowest rank's are reported.
+    names = list(variants)
+    flat = [med[n] for n in names] + [ph_med[n][p] for n in names for p in PHASES]
+    flat += [alone["reduce_scatter_ms"], alone["all_gather_ms"]]
+    mine = torch.tensor(flat, device="cuda", dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(ws)]
     dist.all_gather(every, mine)
-    full_ms = max(e[0].item() for e in every)
-    comp_ms = max(e[1].item() for e in every)
-    params = sum(p.numel() for p in model.parameters())
+    worst = torch.stack(every).max(0).values.tolist()
+    med = dict(zip(names, worst[: len(names)]))
+    k = len(names)
+    ph_med = {n: dict(zip(PHASES, worst[k + i * len(PHASES) : k + (i + 1) * len(PHASES)]))
+              for i, n in enumerate(names)}
+    alone = {"reduce_scatter_ms": worst[-2], "all_gather_ms": worst[-1]}
+    comp = med["compute_only"]
     result = {
         "layers": args.layers, "hidden": h, "tokens_per_gpu": args.tokens, "world": ws,
-        "params": params, "communicator": sync.communicator().name,
-        "bucket_groups": sync.num_bucket_groups,
-        "full_step_ms": full_ms, "compute_only_step_ms": comp_ms,
-        "ratio": full_ms / comp_ms, "exposed_comm_ms": full_ms - comp_ms,
-        "per_rank_ms": [[e[0].item(), e[1].item()] for e in every],
+        "params": sum(p.numel() for p in model.parameters()),
+        "communicator": sync.communicator().name,
+        "bucket_groups": sync.num_bucket_groups, "bucket_size": cfg.resolved_bucket_size(ws),
+        "average_in_collective": cfg.average_in_collective,
+        "overlap_param_gather": ddp.overlap_param_gather,
+        "full_step_ms": med["full"], "compute_only_step_ms": comp,
+        "full_no_param_overlap_step_ms": med["full_no_param_overlap"],
+        "ratio": med["full"] / comp, "exposed_comm_ms": med["full"] - comp,
+        "ratio_no_param_overlap": med["full_no_param_overlap"] / comp,
+        "phase_ms": ph_med,
+        "comm_alone_ms": alone,
+        "per_rank_step_ms": [e[:k].tolist() for e in every],
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
     if rank == 0:
         print_table(f"DDP step, {args.layers} x fp8dp.Linear({h}), {args.tokens} tokens/GPU, "
-                    f"{ws} GPUs (target ratio <= 1.05)",
-                    ["full ms", "compute-only ms", "ratio", "exposed comm ms", "bucket groups"],
-                    [[f"{full_ms:.2f}", f"{comp_ms:.2f}", f"{result['ratio']:.3f}x",
-                      f"{result['exposed_comm_ms']:.2f}", result["bucket_groups"]]])
+                    f"{ws} GPUs, bucket_size {result['bucket_size']} = "
+                    f"{sync.num_bucket_groups} bucket groups, "
+                    f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'} "
+                    "(target ratio <= 1.05; slowest rank)",
+                    ["variant", "step ms", "ratio", "exposed comm ms"],
+                    [[n, f"{med[n]:.2f}", f"{med[n] / comp:.3f}x", f"{med[n] - comp:.2f}"]
+                     for n in names])
+        print_table("Per phase (ms, median, slowest rank); delta = full - compute_only",
+                    ["phase"] + names + ["delta"],
+                    [[p] + [f"{ph_med[n][p]:.2f}" for n in names]
+                     + [f"{ph_med['full'][p] - ph_med['compute_only'][p]:+.2f}"] for p in PHASES])
+        print(f"collectives alone (no compute): reduce-scatter of every bucket "
+              f"{alone['reduce_scatter_ms']:.2f} ms, all-gather {alone['all_gather_ms']:.2f} ms",
+              flush=True)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="bench/results/ddp_gpu.json")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per step")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per sample")
+    ap.add_argument("--bucket-sizes", default="default,16000000",
+                    help="comma-separated bucket sizes in elements, each its own model "
+                         "('default': DDP's; 16000000: one layer per bucket at hidden 4096)")
+    ap.add_argument("--prescale", action="store_true",
+                    help="pre-scale buckets by 1/dp (average_in_collective=False) instead of AVG")
+    args = ap.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", timeout=timedelta(seconds=180),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    results = []
+    for b in args.bucket_sizes.split(","):
+        results.append(run_config(args, None if b == "default" else int(b), rank, ws))
+        gc.collect()  # the model, its buffers and its NCCL communicator, before the next one
+        torch.cuda.empty_cache()
+    if rank == 0:
         cmd = "torchrun --standalone --nproc_per_node=2 bench/ddp_gpu.py"
+        env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         write_json(args.json, {"benchmark": "ddp_gpu", **device_info(), "command": cmd,
-                               "result": result})
+                               "nccl_env": env, "result": results[0],
+                               "bucket_sweep": results[1:]})
     dist.barrier()
     dist.destroy_process_group()
 

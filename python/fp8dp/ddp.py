@@ -28,6 +28,22 @@ class _GradHook:
             ddp._on_grad(self._i)
 
 
+class _ParamGatherWait:
+    """The forward / state_dict / load_state_dict pre-hook of a module that owns parameters
+    (overlap_param_gather): waits for the bucket groups holding them. Holds the DDP weakly, like
+    _GradHook, so that the model keeping its hooks does not keep a dropped DDP alive."""
+
+    def __init__(self, ddp, groups: tuple):
+        self._ddp = weakref.ref(ddp)
+        self._groups = groups
+
+    def __call__(self, *_hook_args) -> None:
+        ddp = self._ddp()
+        if ddp is not None and ddp._sync.param_sync_pending:
+            for g in self._groups:
+                ddp._sync.finish_param_sync(g)
+
+
 def _owners(module: torch.nn.Module) -> dict:
     """id(parameter) -> the module that registers it directly."""
     out = {}
@@ -93,6 +109,7 @@ class DistributedDataParallel(torch.nn.Module):
         opts.grad_ledger = config.grad_ledger
         is_cuda = bool(named) and named[0][1].is_cuda
         comm = _C.make_communicator(config.comm_backend, process_group, is_cuda)
+        comm.blocking_wait = config.nccl_blocking_wait
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
         self._sync = _C.GradSync(self._params, self._names, comm, opts)
@@ -105,6 +122,24 @@ class DistributedDataParallel(torch.nn.Module):
                 delayed[id(p)].register_wgrad_accumulation_and_reduce_hooks(_GradHook(self, i))
             else:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(_GradHook(self, i)))
+        self.overlap_param_gather = config.overlap_param_gather
+        if self.overlap_param_gather:
+            # DistributedOptimizer.step() only launches the all-gathers. Each module that
+            # registers parameters waits for the bucket groups holding them just before anything
+            # reads or writes them through it: its forward (so the gather overlaps the forward
+            # of the modules before it), its state_dict() and its load_state_dict() (a checkpoint
+            # taken through the bare module, or loaded into it, right after a step).
+            groups_of = {}
+            for i, p in enumerate(self._params):
+                owner = owners[id(p)]
+                groups_of.setdefault(id(owner), (owner, set()))[1].add(self._sync.group_of_param(i))
+            for owner, groups in groups_of.values():
+                wait = _ParamGatherWait(self, tuple(sorted(groups)))
+                self._hook_handles += [
+                    owner.register_forward_pre_hook(wait),
+                    owner.register_state_dict_pre_hook(wait),
+                    owner.register_load_state_dict_pre_hook(wait),
+                ]
 
     # -- hooks: C2 (a)/(b); the accumulate / count / launch logic is GradSync.param_ready --------
     def _on_grad(self, i: int) -> None:
@@ -123,7 +158,17 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         self._check_parameters()
         self._sync.begin_microbatch()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self._sync.param_sync_pending:
+            # Parameters whose module did not run (unused in this forward) are complete afterwards.
+            self._sync.finish_param_sync()
+        return out
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter all-gathers that DistributedOptimizer.step() left in flight
+        (overlap_param_gather): every parameter holds its full updated value afterwards
+        (stream-ordered on CUDA). A no-op when none is in flight."""
+        self._sync.finish_param_sync()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -159,7 +204,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync.broadcast_params(int(src))
 
     def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()  # never save half-gathered parameters
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
+        self.finish_param_sync()  # an all-gather still in flight would overwrite what is loaded
         return self.module.load_state_dict(state_dict, strict=strict)

@@ -24,6 +24,17 @@ class DistributedDataParallelConfig:
     bucket), align parameters to 64 elements and pad bucket ends to lcm(dp, 128) so chunks are
     equal. Needed by fp8dp.DistributedOptimizer."""
 
+    overlap_param_gather: bool = False
+    """Default False. True (needs use_distributed_optimizer): DistributedOptimizer.step() only
+    launches the parameter all-gathers (asynchronously, first layers first) and each module that
+    owns parameters waits for its bucket groups just before its forward, state_dict() or
+    load_state_dict() (pre-hooks; stream-ordered on CUDA), so the all-gather overlaps the next
+    forward instead of stalling the step (Megatron's overlap_param_gather). Off by default because
+    code that reads parameter tensors directly right after step() (p.detach(), p.norm(), a
+    comparison) would see half-gathered values: with it on, such code calls
+    optimizer.finish_param_sync() first. broadcast_params() and the next step() wait by
+    themselves."""
+
     bucket_size: Optional[int] = None
     """Default None = max(40_000_000, 1_000_000 * dp) elements: large enough that each collective
     reaches most of the link bandwidth, small enough that the first buckets overlap with backward;
@@ -56,6 +67,15 @@ class DistributedDataParallelConfig:
     finish_grad_sync() on any missing or duplicated one (contract C2 made checkable in your own
     model). A debugging aid: costs bookkeeping per hook and one tiny all-reduce per iteration."""
 
+    nccl_blocking_wait: bool = False
+    """Default False: with the native NCCL communicator a collective's wait() makes the compute
+    stream wait on its end event and returns at once, so the host keeps queueing work (the
+    optimizer's kernels) while the collective runs; a watchdog thread aborts a collective that
+    fails or outlives the communicator's timeout, and the next call raises. True: wait() blocks the
+    host until the collective finished and raises right there on a timeout (a debugging aid that
+    costs the overlap of host and device). Ignored by the process-group communicator (gloo waits
+    on the host anyway)."""
+
     comm_backend: str = "auto"
     """Default "auto": fp8dp's native NCCL communicator for CUDA parameters when the build has it,
     the process group's own collectives otherwise. "nccl" insists on the native one (an error when
@@ -74,6 +94,11 @@ class DistributedDataParallelConfig:
                 )
             if self.bucket_size <= 0:
                 raise ValueError(f"bucket_size: expected > 0 elements, got {self.bucket_size}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError(
+                "overlap_param_gather: True needs use_distributed_optimizer=True (only the "
+                "distributed optimizer all-gathers parameters), got use_distributed_optimizer=False"
+            )
         if self.comm_backend not in _BACKENDS:
             raise ValueError(
                 f"comm_backend: expected one of {_BACKENDS}, got {self.comm_backend!r}"

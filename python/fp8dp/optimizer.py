@@ -50,17 +50,28 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self):
         """finish_grad_sync(), step the master shards on their gradient chunks, copy them back into
-        the parameter buffer, all-gather it; then update FP8 scales when fp8dp provides that."""
+        the parameter buffer and launch its all-gather; then update FP8 scales when fp8dp provides
+        that. With overlap_param_gather the all-gathers are left in flight for the next forward
+        to wait on (see finish_param_sync()); otherwise step() waits for them."""
         self._ddp.finish_grad_sync()
         for m, s in zip(self._masters, self._shards):
             g = self._sync.grad_shard(s)
             m.grad = g if g.dtype == torch.float32 else g.float()
         self.optimizer.step()
-        self._sync.copy_shards_and_sync_params(self._masters)
+        self._sync.copy_shards(self._masters)
+        self._sync.start_param_sync()
+        if not self._ddp.overlap_param_gather:
+            self._sync.finish_param_sync()
         import fp8dp
 
         if hasattr(fp8dp, "update_fp8_scales"):
             fp8dp.update_fp8_scales(self._ddp.process_group)
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter all-gathers of the last step() (overlap_param_gather). Needed
+        only before reading parameters outside the DDP forward, ddp.state_dict() and the next
+        step, which wait by themselves: e.g. evaluation through the bare module."""
+        self._ddp.finish_param_sync()
 
     def state_dict(self) -> dict:
         """This rank's part: its master shards, the inner optimizer's state, and where they

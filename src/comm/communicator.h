@@ -20,13 +20,16 @@ const char* reduce_op_name(ReduceOp op);
 class CommWork {
  public:
   virtual ~CommWork() = default;
-  // Blocks until the collective has finished (CPU) or orders the caller's current stream after it
-  // (CUDA: a device-side event wait; the host polls the collective's end event until then, so that
-  // a peer that never joins raises instead of hanging, but never waits for compute queued after
-  // it). Throws fp8dp::Error naming the collective when it failed or did not finish within the
-  // communicator's timeout. A second call returns at once.
+  // CPU: blocks until the collective has finished. CUDA (default, stream-ordered): makes the
+  // caller's current stream wait on the collective's end event and returns at once, so the host
+  // keeps queueing work (e.g. the optimizer's kernels) while the collective runs; a collective
+  // that never finishes is aborted by the communicator's watchdog after timeout(), which
+  // unblocks the stream, and the next call on the communicator raises. With blocking_wait() the
+  // CUDA work polls its end event on the host instead and raises right here on a timeout.
+  // Throws fp8dp::Error naming the collective when it failed (or the communicator was aborted).
+  // A second call returns at once.
   virtual void wait() = 0;
-  // True once wait() would return without blocking.
+  // True once the collective has finished on the device (or wait() was already called).
   virtual bool is_completed() = 0;
 };
 
@@ -42,8 +45,9 @@ class CommWork {
 // - CommWork::wait() orders the caller's current stream after the completion event and keeps every
 //   buffer (and any scratch) alive until then, or tells the caching allocator (recordStream); on
 //   the CPU it blocks. To turn a missing peer into an error rather than a hang, the NCCL
-//   implementation polls that event on the host until timeout() (it never waits for work queued
-//   after the collective).
+//   implementation watches every collective from a watchdog thread (end event, async error,
+//   deadline = launch + timeout()) and aborts the communicator when one fails; with
+//   blocking_wait() wait() itself polls the end event on the host until timeout().
 // - Failures surface as fp8dp::Error from wait() or check_for_errors(), never as a hang: a
 //   collective that does not finish within timeout() aborts the communicator and raises, naming
 //   the collective.
@@ -73,9 +77,15 @@ class Communicator {
   // aborted communicator). Virtual so that tests can inject a failure.
   virtual void check_for_errors() {}
 
-  // How long wait() waits before it declares the collective failed (default 10 minutes).
+  // How long a collective may take before it is declared failed (default 10 minutes).
   void set_timeout(std::chrono::milliseconds timeout);
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // CUDA communicators: true makes wait() block the host until the collective finished and raise
+  // there on a timeout (a debugging aid; the host then cannot queue work behind the collective).
+  // Default false: stream-ordered waits. Host-side communicators always block. Applies to
+  // collectives launched after the call.
+  void set_blocking_wait(bool blocking) { blocking_wait_ = blocking; }
+  bool blocking_wait() const { return blocking_wait_; }
 
  protected:
   virtual std::shared_ptr<CommWork> do_all_reduce(const std::vector<at::Tensor>& buffers,
@@ -90,6 +100,7 @@ class Communicator {
 
  private:
   std::chrono::milliseconds timeout_{std::chrono::minutes(10)};
+  bool blocking_wait_ = false;
 };
 
 }  // namespace fp8dp

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+
 #include "common/check.h"
 
 namespace fp8dp {
@@ -9,22 +10,34 @@ namespace fp8dp {
 BucketGroup::BucketGroup(std::vector<const Bucket*> buckets, const std::vector<std::string>* names)
     : buckets_(std::move(buckets)), names_(names) {}
 
-void BucketGroup::check_local_finite() {
-  if (checked_) return;
-  checked_ = true;
-  for (const Bucket* b : buckets_) {
-    if (at::isfinite(b->grad).all().item<bool>()) continue;  // one pass for the common case
-    // Name the culprits: the views of the parameters that hold a NaN or Inf.
-    for (size_t k = 0; k < b->params.size(); ++k) {
-      at::Tensor v = b->grad.narrow(0, b->param_starts[k], b->param_numels[k]);
-      if (!at::isfinite(v).all().item<bool>()) nonfinite_.push_back((*names_)[b->params[k]]);
-    }
-  }
+void BucketGroup::flag_local_nonfinite() {
+  if (nonfinite_.defined()) return;
+  // One multi-tensor L1 norm per group: NaN and Inf propagate through a sum of magnitudes, so a
+  // parameter is flagged iff its norm is not finite. Everything stays on the device; the one host
+  // read happens in GradSync::finish_grad_sync for all groups together (a .item() per bucket would
+  // stall the backward pass at every launch).
+  std::vector<at::Tensor> views;
+  for (const Bucket* b : buckets_)
+    for (size_t k = 0; k < b->params.size(); ++k)
+      views.push_back(b->grad.narrow(0, b->param_starts[k], b->param_numels[k]));
+  nonfinite_ = at::isfinite(at::stack(at::_foreach_norm(views, 1))).logical_not();
+}
+
+std::vector<std::string> BucketGroup::nonfinite_names() const {
+  std::vector<std::string> out;
+  if (!nonfinite_.defined()) return out;
+  const at::Tensor flags = nonfinite_.cpu();
+  const bool* f = flags.const_data_ptr<bool>();
+  int64_t i = 0;
+  for (const Bucket* b : buckets_)
+    for (int64_t p : b->params)
+      if (f[i++]) out.push_back((*names_)[p]);
+  return out;
 }
 
 void BucketGroup::start_grad_sync(Communicator& comm, const SyncSettings& s) {
   FP8DP_CHECK(!launched_, "bucket group launched twice in one iteration");
-  if (s.check_for_nan) check_local_finite();
+  if (s.check_for_nan) flag_local_nonfinite();
   const int dp = comm.size();
   std::vector<at::Tensor> grads;
   for (const Bucket* b : buckets_) {
@@ -53,6 +66,7 @@ void BucketGroup::finish_grad_sync() {
 }
 
 void BucketGroup::start_param_sync(Communicator& comm) {
+  FP8DP_CHECK(!param_work_, "bucket group: parameter all-gather started twice without a finish");
   const int dp = comm.size();
   std::vector<at::Tensor> chunks, whole;
   for (const Bucket* b : buckets_) {
@@ -72,8 +86,7 @@ void BucketGroup::finish_param_sync() {
 
 void BucketGroup::reset() {
   launched_ = false;
-  checked_ = false;
-  nonfinite_.clear();
+  nonfinite_ = at::Tensor();
 }
 
 }  // namespace fp8dp

@@ -1,7 +1,10 @@
 // BucketGroup: the buckets whose collectives are issued together (one grouped call on the
-// communicator). start_grad_sync() checks the local gradients, pre-scales and launches; finish
-// waits.
+// communicator). start_grad_sync() flags non-finite local gradients (on the device), pre-scales and
+// launches; finish waits. start_param_sync() / finish_param_sync() do the same for the parameter
+// all-gather of the distributed optimizer.
 #pragma once
+
+#include <ATen/core/Tensor.h>
 
 #include <memory>
 #include <string>
@@ -23,21 +26,28 @@ class BucketGroup {
   // buckets must outlive the group; names: parameter names by global index.
   BucketGroup(std::vector<const Bucket*> buckets, const std::vector<std::string>* names);
 
-  // Records which parameters hold non-finite local gradients (when asked: every rank must still
-  // join the collective, so nothing is thrown here), pre-scales by 1/dp unless the collective
-  // averages, and launches one grouped all-reduce or in-place reduce-scatter.
+  // Flags the parameters whose local gradient is non-finite (when asked; on the device, no host
+  // sync: every rank must still join the collective, so nothing is thrown here), pre-scales by
+  // 1/dp unless the collective averages, and launches one grouped all-reduce or in-place
+  // reduce-scatter.
   void start_grad_sync(Communicator& comm, const SyncSettings& s);
   // Waits for the launched collective; a no-op when nothing is in flight.
   void finish_grad_sync();
   // All-gathers every bucket's param views from the rank chunks (after the optimizer step).
   void start_param_sync(Communicator& comm);
   void finish_param_sync();
+  bool param_sync_in_flight() const { return static_cast<bool>(param_work_); }
 
   bool launched() const { return launched_; }
-  // Names of parameters whose local gradient was non-finite at launch ("" entries never).
-  const std::vector<std::string>& nonfinite() const { return nonfinite_; }
-  // Scans the local gradients now (for groups that finish_grad_sync has not launched yet).
-  void check_local_finite();
+  // Computes, on the device and without a host sync, one flag per parameter of the group: true
+  // when its local gradient holds a NaN or Inf (or magnitudes whose sum overflows). Idempotent
+  // within an iteration; start_grad_sync() calls it before the gradients are scaled or reduced.
+  void flag_local_nonfinite();
+  // The flags of flag_local_nonfinite() (a bool tensor, one entry per parameter in layout order),
+  // undefined when it has not run this iteration.
+  const at::Tensor& nonfinite_flags() const { return nonfinite_; }
+  // Names of the flagged parameters (copies the flags to the host: the error path only).
+  std::vector<std::string> nonfinite_names() const;
   const std::vector<const Bucket*>& buckets() const { return buckets_; }
   void reset();
 
@@ -46,8 +56,7 @@ class BucketGroup {
   const std::vector<std::string>* names_;
   std::shared_ptr<CommWork> grad_work_, param_work_;
   bool launched_ = false;
-  bool checked_ = false;
-  std::vector<std::string> nonfinite_;
+  at::Tensor nonfinite_;
 };
 
 }  // namespace fp8dp

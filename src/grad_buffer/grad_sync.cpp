@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -79,6 +80,12 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
       for (int64_t p : bucket.params) group_of_param_[p] = static_cast<int64_t>(grouped.size()) - 1;
     }
   for (auto& g : grouped) groups_.emplace_back(std::move(g), &names_);
+  std::vector<int64_t> first(groups_.size(), std::numeric_limits<int64_t>::max());
+  for (size_t p = 0; p < params_.size(); ++p)
+    first[group_of_param_[p]] = std::min(first[group_of_param_[p]], static_cast<int64_t>(p));
+  for (size_t g = 0; g < groups_.size(); ++g) param_sync_order_.push_back(static_cast<int64_t>(g));
+  std::stable_sort(param_sync_order_.begin(), param_sync_order_.end(),
+                   [&](int64_t a, int64_t b) { return first[a] < first[b]; });
   readiness_ =
       std::make_unique<Readiness>(group_of_param_, names_, static_cast<int64_t>(groups_.size()));
   ledger_ = std::make_unique<Ledger>(names_);
@@ -103,6 +110,7 @@ void GradSync::check_same_layout_on_all_ranks() {
   at::Tensor all = at::empty({4 * dp}, opts);
   comm_->all_gather({mine}, {all})->wait();
   at::Tensor cpu = all.cpu();
+  comm_->check_for_errors();  // an aborted collective unblocks the copy with garbage: raise first
   const int64_t* a = cpu.const_data_ptr<int64_t>();
   for (int r = 0; r < dp; ++r) {
     FP8DP_CHECK_ARG(a[4 * r + 3] == dp, "process_group: rank ", r, " sees world size ",
@@ -172,16 +180,6 @@ std::string GradSync::local_errors() {
     const std::string l = ledger_->end_iteration();
     if (!l.empty()) err << (err.tellp() > 0 ? "\n" : "") << l;
   }
-  if (opts_.check_for_nan_in_grad) {
-    std::vector<std::string> bad;
-    for (auto& g : groups_) {
-      if (!g.launched()) g.check_local_finite();
-      for (const auto& n : g.nonfinite()) bad.push_back("'" + n + "'");
-    }
-    if (!bad.empty())
-      err << (err.tellp() > 0 ? "\n" : "") << "check_for_nan_in_grad: rank " << comm_->rank()
-          << " has NaN or Inf in the local gradients of " << join(bad);
-  }
   return err.str();
 }
 
@@ -204,22 +202,42 @@ void GradSync::finish_grad_sync() {
   const std::string err = local_errors();
   if (opts_.grad_ledger || opts_.check_for_nan_in_grad) {
     // Agree before raising: a rank that raised alone would leave the others blocked in the next
-    // collective. One tiny all-reduce; each rank sets its own slot.
-    const int dp = comm_->size();
+    // collective. One tiny all-reduce; slot r says rank r has an error known on the host
+    // (readiness, ledger), slot dp + r that its local gradients hold NaN or Inf (flags computed on
+    // the device at each launch): the iteration's one host read.
+    const int dp = comm_->size(), rank = comm_->rank();
     at::Tensor flags =
-        at::zeros({dp}, at::TensorOptions().dtype(at::kLong).device(params_[0].device()));
-    if (!err.empty()) flags[comm_->rank()].fill_(1);
+        at::zeros({2 * dp}, at::TensorOptions().dtype(at::kLong).device(params_[0].device()));
+    if (!err.empty()) flags.narrow(0, rank, 1).fill_(1);
+    if (opts_.check_for_nan_in_grad) {
+      std::vector<at::Tensor> nonfinite;
+      for (auto& g : groups_) {
+        g.flag_local_nonfinite();  // a no-op for launched groups: flagged before their pre-scale
+        nonfinite.push_back(g.nonfinite_flags());
+      }
+      flags.narrow(0, dp + rank, 1).copy_(at::cat(nonfinite).any().reshape({1}));
+    }
     comm_->all_reduce({flags}, ReduceOp::kSum)->wait();
     at::Tensor cpu = flags.cpu();
+    comm_->check_for_errors();  // an aborted collective unblocks the copy with garbage: raise first
+    const int64_t* f = cpu.const_data_ptr<int64_t>();
     std::vector<std::string> failed;
     for (int r = 0; r < dp; ++r)
-      if (cpu.const_data_ptr<int64_t>()[r]) failed.push_back(std::to_string(r));
+      if (f[r] || f[dp + r]) failed.push_back(std::to_string(r));
     if (!failed.empty()) {
+      std::string msg = err;
+      if (f[dp + rank]) {
+        std::vector<std::string> bad;
+        for (auto& g : groups_)
+          for (const auto& n : g.nonfinite_names()) bad.push_back("'" + n + "'");
+        msg += (msg.empty() ? "" : "\n") + std::string("check_for_nan_in_grad: rank ") +
+               std::to_string(rank) + " has NaN or Inf in the local gradients of " + join(bad);
+      }
       abandon_iteration();
-      FP8DP_CHECK(false, err.empty() ? "finish_grad_sync: rank(s) " + join(failed) +
+      FP8DP_CHECK(false, msg.empty() ? "finish_grad_sync: rank(s) " + join(failed) +
                                            " found errors (see their messages); main_grad is "
                                            "not reduced"
-                                     : err);
+                                     : msg);
     }
   } else if (!err.empty()) {
     abandon_iteration();
@@ -257,6 +275,7 @@ void GradSync::scale_gradients(double factor) {
 
 void GradSync::broadcast_params(int root) {
   std::lock_guard<std::mutex> lock(mu_);
+  finish_param_sync_locked(-1);  // an all-gather in flight would overwrite what arrives here
   std::vector<at::Tensor> data;
   for (auto& b : buffers_) data.push_back(b.param_data);
   comm_->broadcast(data, root)->wait();
@@ -281,19 +300,55 @@ at::Tensor GradSync::param_shard(const OwnedShard& s) const {
   return buffers_.at(s.buffer).param_data.narrow(0, s.buffer_offset, s.numel);
 }
 
-void GradSync::copy_shards_and_sync_params(const std::vector<at::Tensor>& masters) {
+void GradSync::copy_shards(const std::vector<at::Tensor>& masters) {
   const auto shards = owned_shards();
   FP8DP_CHECK_ARG(masters.size() == shards.size(), "masters: expected ", shards.size(),
                   " shards, got ", masters.size());
-  std::lock_guard<std::mutex> lock(mu_);
-  // param_data is plain storage (no autograd history), so the copies need no grad-mode guard.
-  for (size_t k = 0; k < shards.size(); ++k) {
+  for (size_t k = 0; k < shards.size(); ++k)
     FP8DP_CHECK_ARG(masters[k].numel() == shards[k].numel, "masters[", k, "]: expected ",
                     shards[k].numel, " elements, got ", masters[k].numel());
+  std::lock_guard<std::mutex> lock(mu_);
+  finish_param_sync_locked(-1);  // a step without a forward in between: the last gather writes here
+  // param_data is plain storage (no autograd history), so the copies need no grad-mode guard.
+  for (size_t k = 0; k < shards.size(); ++k)
     param_shard(shards[k]).copy_(masters[k].detach().reshape({-1}));
+}
+
+void GradSync::start_param_sync() {
+  FP8DP_CHECK(opts_.use_distributed_optimizer,
+              "start_param_sync: the buffers were built without use_distributed_optimizer");
+  std::lock_guard<std::mutex> lock(mu_);
+  finish_param_sync_locked(-1);
+  for (int64_t g : param_sync_order_) {
+    groups_[g].start_param_sync(*comm_);
+    ++param_syncs_in_flight_;
   }
-  for (auto& g : groups_) g.start_param_sync(*comm_);
-  for (auto& g : groups_) g.finish_param_sync();
+}
+
+void GradSync::finish_param_sync_locked(int64_t group) {
+  FP8DP_CHECK_ARG(group >= -1 && group < static_cast<int64_t>(groups_.size()),
+                  "group: expected -1 (all) or a bucket group in [0, ", groups_.size(), "), got ",
+                  group);
+  if (param_syncs_in_flight_ == 0) return;
+  for (int64_t g : param_sync_order_) {
+    if (group != -1 && g != group) continue;
+    if (!groups_[g].param_sync_in_flight()) continue;
+    --param_syncs_in_flight_;  // counted first: a failed wait is reported once, not again
+    groups_[g].finish_param_sync();
+  }
+}
+
+void GradSync::finish_param_sync(int64_t group) {
+  std::lock_guard<std::mutex> lock(mu_);
+  finish_param_sync_locked(group);
+}
+
+bool GradSync::param_sync_pending() const { return param_syncs_in_flight_ > 0; }
+
+void GradSync::copy_shards_and_sync_params(const std::vector<at::Tensor>& masters) {
+  copy_shards(masters);
+  start_param_sync();
+  finish_param_sync(-1);
 }
 
 }  // namespace fp8dp

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -65,19 +66,34 @@ class GradSync {
   // Launches every bucket group not launched yet.
   void start_grad_sync();
   // Checks readiness (and the ledger and NaN check when enabled; then every rank agrees on the
-  // outcome first, so all raise together), launches what is left, waits. Idempotent until the next
-  // gradient arrives.
+  // outcome first, so all raise together: one tiny all-reduce and the iteration's only host read),
+  // launches what is left, waits (stream-ordered on CUDA). Idempotent until the next gradient
+  // arrives.
   void finish_grad_sync();
-  // Waits for anything in flight, zeroes every buffer and forgets this iteration's counts.
+  // Waits for any gradient collective in flight, zeroes every grad buffer and forgets this
+  // iteration's counts.
   void zero_grad_buffer();
   void scale_gradients(double factor);
+  // Finishes any parameter all-gather in flight, then broadcasts every param buffer from root.
   void broadcast_params(int root);
 
   // Distributed optimizer: this rank's shards, their views, and the parameter all-gather.
   std::vector<OwnedShard> owned_shards() const;
   at::Tensor grad_shard(const OwnedShard& s) const;
   at::Tensor param_shard(const OwnedShard& s) const;
-  // Copies each master shard (any float dtype) into its param_shard, then all-gathers every bucket.
+  // Copies each master shard (any float dtype) into its param_shard, first finishing any parameter
+  // all-gather still in flight (it writes the same storage).
+  void copy_shards(const std::vector<at::Tensor>& masters);
+  // Launches every bucket group's parameter all-gather, asynchronously, in forward order: the group
+  // holding the earliest-registered parameter first, so the first layers' parameters arrive first
+  // (overlap_param_gather: the next forward waits for each group just before it needs it).
+  void start_param_sync();
+  // Waits for bucket group `group`'s all-gather (stream-ordered on CUDA: the current stream waits;
+  // blocking on the CPU), or for every group's with group = -1. A no-op when none is in flight.
+  void finish_param_sync(int64_t group = -1);
+  // True while any group's parameter all-gather was started and not finished.
+  bool param_sync_pending() const;
+  // copy_shards(), start_param_sync(), finish_param_sync(): the non-overlapped step.
   void copy_shards_and_sync_params(const std::vector<at::Tensor>& masters);
 
   int rank() const { return comm_->rank(); }
@@ -93,6 +109,7 @@ class GradSync {
   void check_same_layout_on_all_ranks();
   std::string local_errors();
   void abandon_iteration();
+  void finish_param_sync_locked(int64_t group);
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -103,6 +120,8 @@ class GradSync {
   std::vector<std::pair<int64_t, int64_t>> where_;  // param -> (buffer, local index)
   std::vector<BucketGroup> groups_;
   std::vector<int64_t> group_of_param_;
+  std::vector<int64_t> param_sync_order_;  // group indices by their earliest parameter
+  std::atomic<int64_t> param_syncs_in_flight_{0};  // read without mu_ by param_sync_pending()
   std::unique_ptr<Readiness> readiness_;
   std::unique_ptr<Ledger> ledger_;
   bool sync_enabled_ = true;

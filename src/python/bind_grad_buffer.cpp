@@ -22,7 +22,10 @@ void bind_grad_buffer(py::module_& m) {
           [](Communicator& c, double seconds) {
             c.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
           },
-          py::arg("seconds"));
+          py::arg("seconds"))
+      .def_property("blocking_wait", &Communicator::blocking_wait, &Communicator::set_blocking_wait)
+      .def("check_for_errors", &Communicator::check_for_errors,
+           py::call_guard<py::gil_scoped_release>());
   py::enum_<ReduceOp>(m, "ReduceOp").value("SUM", ReduceOp::kSum).value("AVG", ReduceOp::kAvg);
   py::class_<CommWork, std::shared_ptr<CommWork>>(m, "CommWork")
       .def("wait", &CommWork::wait, py::call_guard<py::gil_scoped_release>())
@@ -109,6 +112,13 @@ void bind_grad_buffer(py::module_& m) {
       .def("param_shard", &GradSync::param_shard, py::arg("shard"))
       .def("copy_shards_and_sync_params", &GradSync::copy_shards_and_sync_params,
            py::arg("masters"), py::call_guard<py::gil_scoped_release>())
+      .def("copy_shards", &GradSync::copy_shards, py::arg("masters"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("start_param_sync", &GradSync::start_param_sync,
+           py::call_guard<py::gil_scoped_release>())
+      .def("finish_param_sync", &GradSync::finish_param_sync, py::arg("group") = -1,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("param_sync_pending", &GradSync::param_sync_pending)
       .def_property_readonly("rank", &GradSync::rank)
       .def_property_readonly("world_size", &GradSync::world_size)
       .def_property_readonly("num_bucket_groups", &GradSync::num_bucket_groups)

@@ -20,6 +20,14 @@ class DoneWork : public CommWork {
   bool is_completed() override { return true; }
 };
 
+// A work that counts its waits (the parameter all-gathers: which ones were waited for, and when).
+class CountingWork : public CommWork {
+ public:
+  void wait() override { ++waits; }
+  bool is_completed() override { return waits > 0; }
+  int waits = 0;
+};
+
 class SoloCommunicator : public Communicator {
  public:
   int rank() const override { return 0; }
@@ -48,8 +56,16 @@ class SoloCommunicator : public Communicator {
                                           const std::vector<at::Tensor>& out) override {
     for (size_t i = 0; i < in.size(); ++i)
       if (in[i].data_ptr() != out[i].data_ptr()) out[i].copy_(in[i]);
-    return std::make_shared<DoneWork>();
+    if (in[0].scalar_type() == at::kLong) return std::make_shared<DoneWork>();  // layout check
+    gathers.emplace_back(out[0].data_ptr(), std::make_shared<CountingWork>());
+    return gathers.back().second;
   }
+
+ public:
+  // Parameter all-gathers in launch order: (first output buffer, its work).
+  std::vector<std::pair<void*, std::shared_ptr<CountingWork>>> gathers;
+
+ protected:
   std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>&, int) override {
     return std::make_shared<DoneWork>();
   }
@@ -200,6 +216,44 @@ TEST(GradSync, DistributedOptimizerShardsCoverEveryParameterOnce) {
   for (const auto& s : shards) masters.push_back(at::full({s.numel}, 7.0f));
   f.sync->copy_shards_and_sync_params(masters);
   for (const auto& p : f.params) EXPECT_TRUE(at::equal(p, at::full_like(p, 7.0f)));
+}
+
+TEST(GradSync, ParamSyncLaunchesInForwardOrderAndWaitsPerGroup) {
+  GradSyncOptions o = overlap();
+  o.use_distributed_optimizer = true;
+  Fixture f(o);
+  // Layout (reverse order): group 0 = {c, b}, group 1 = {a}. Forward reads a (parameter 0) first,
+  // so group 1's all-gather must be launched first.
+  const int64_t ga = f.sync->group_of_param(0), gc = f.sync->group_of_param(2);
+  ASSERT_NE(ga, gc);
+  std::vector<at::Tensor> masters;
+  for (const auto& s : f.sync->owned_shards()) masters.push_back(at::full({s.numel}, 3.0f));
+  f.sync->copy_shards(masters);
+  EXPECT_FALSE(f.sync->param_sync_pending());
+  f.sync->start_param_sync();
+  EXPECT_TRUE(f.sync->param_sync_pending());
+  auto& g = f.comm->gathers;
+  ASSERT_EQ(g.size(), 2u);
+  const auto& bucket_of_a = f.sync->buffers()[0].buckets[1];
+  EXPECT_EQ(g[0].first, bucket_of_a.param.data_ptr());  // a's group first
+  // Waiting for a's group waits for that all-gather only.
+  f.sync->finish_param_sync(ga);
+  EXPECT_EQ(g[0].second->waits, 1);
+  EXPECT_EQ(g[1].second->waits, 0);
+  EXPECT_TRUE(f.sync->param_sync_pending());
+  f.sync->finish_param_sync(ga);  // a second wait is a no-op
+  EXPECT_EQ(g[0].second->waits, 1);
+  // copy_shards (the next step without a forward) first finishes what is still in flight.
+  f.sync->copy_shards(masters);
+  EXPECT_EQ(g[1].second->waits, 1);
+  EXPECT_FALSE(f.sync->param_sync_pending());
+  f.sync->start_param_sync();
+  f.sync->finish_param_sync(-1);
+  EXPECT_EQ(g[2].second->waits + g[3].second->waits, 2);
+  EXPECT_FALSE(f.sync->param_sync_pending());
+  EXPECT_NE(error_of([&] { f.sync->finish_param_sync(2); })
+                .find("group: expected -1 (all) or a bucket group in [0, 2), got 2"),
+            std::string::npos);
 }
 
 }  // namespace

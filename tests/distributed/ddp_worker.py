@@ -638,6 +638,101 @@ def bad_input(rank, ws, kind):
         )
 
 
+# -- overlap_param_gather (issue 5): the all-gather after the step overlaps the next forward ------
+def _dist_opt_pair(overlap_param_gather_a, seed=0):
+    """Two identical models, each under DistributedDataParallel + DistributedOptimizer(AdamW),
+    differing only in overlap_param_gather (bucket_size=150: several bucket groups)."""
+    out = []
+    for opg in (overlap_param_gather_a, False):
+        model = mlp(seed)
+        ddp = fp8dp.DistributedDataParallel(
+            model,
+            cfg(overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=150,
+                overlap_param_gather=opg),
+        )
+        out.append((model, ddp, fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)))
+    return out
+
+
+@case(n_mb=[1, 2])
+def overlap_param_gather_is_bit_identical(rank, ws, n_mb):
+    """Several AdamW steps with the all-gather left in flight for the next forward give exactly the
+    losses and parameters of the non-overlapped step (the same collectives, only the wait moves),
+    and the gather really is left in flight after step() (else nothing would overlap)."""
+    (model, ddp, opt), (ref_model, ref_ddp, ref_opt) = _dist_opt_pair(True)
+    assert ddp.overlap_param_gather and not ref_ddp.overlap_param_gather
+    assert ddp._sync.num_bucket_groups > 1
+    for step in range(4):
+        x, y = data(step, ws, n_mb)
+        losses = []
+        for d, o in ((ddp, opt), (ref_ddp, ref_opt)):
+            o.zero_grad()
+            total = 0.0
+            for k in range(n_mb):
+                ctx = d.no_sync() if k < n_mb - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = mse(d(micro(x, rank, k, n_mb)), micro(y, rank, k, n_mb)) / n_mb
+                    loss.backward()
+                total += loss.item()
+            o.step()
+            losses.append(total)
+        assert ddp._sync.param_sync_pending and not ref_ddp._sync.param_sync_pending
+        assert losses[0] == losses[1], (step, losses)
+    opt.finish_param_sync()
+    assert not ddp._sync.param_sync_pending
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), (name, (p - q).abs().max())
+
+
+@case(
+    reader=[
+        "forward", "module_forward", "state_dict", "module_state_dict", "load_state_dict",
+        "finish_param_sync", "broadcast_params",
+    ]
+)
+def param_reads_wait_for_the_gather(rank, ws, reader):
+    """The last rank joins the parameter all-gather 0.5 s late, so on every other rank the gather
+    is certainly still in flight right after step(). Each way of reading the parameters must wait
+    for it and see exactly the gathered values of the non-overlapped twin; without the wait (e.g.
+    no forward pre-hook) the chunks of the other ranks would still hold the old parameters."""
+    import time
+
+    (model, ddp, opt), (ref_model, ref_ddp, ref_opt) = _dist_opt_pair(True)
+    initial = copy.deepcopy(model.state_dict())
+    x, y = data(0, ws, 1)
+    for d, o in ((ddp, opt), (ref_ddp, ref_opt)):
+        o.zero_grad()
+        mse(d(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
+    ref_opt.step()  # blocking gather: every rank leaves it together
+    if rank == ws - 1:
+        time.sleep(0.5)
+    opt.step()
+    xin = micro(x, rank, 0, 1)
+    if reader in ("forward", "module_forward"):  # the bare module's submodules wait as well
+        out = ddp(xin) if reader == "forward" else model(xin)
+        assert torch.equal(out, ref_model(xin))
+    elif reader in ("state_dict", "module_state_dict"):  # a checkpoint right after step()
+        mine = ddp.state_dict() if reader == "state_dict" else model.state_dict()
+        ref = ref_model.state_dict()
+        for k in ref:
+            assert torch.equal(mine[k], ref[k]), k
+    elif reader == "load_state_dict":  # a gather finishing after the load would overwrite it
+        model.load_state_dict(initial)
+        opt.finish_param_sync()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, initial[k]), k
+    elif reader == "finish_param_sync":
+        opt.finish_param_sync()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(p, q)
+    else:  # broadcast_params writes every parameter: an unfinished gather would overwrite it
+        ddp.broadcast_params(0)
+        ref_ddp.broadcast_params(0)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(p, q)
+    assert not ddp._sync.param_sync_pending
+
+
 def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, ws = dist.get_rank(), dist.get_world_size()

@@ -126,38 +126,83 @@ def auto_picks_nccl_and_optimizer_stays_in_sync(rank, ws):
         assert torch.equal(g, gathered[0])
 
 
-@case(skipper=[1])
-def skipped_collective_times_out(rank, ws, skipper):
+@case(skipper=[1], blocking=[True, False])
+def skipped_collective_times_out(rank, ws, skipper, blocking):
     """One rank skips the gradient all-reduce: the others get an fp8dp error naming the collective
     within the (2 s) timeout instead of hanging, their communicator is aborted, and later calls say
-    so."""
+    so. blocking=True (nccl_blocking_wait): finish_grad_sync() itself raises. blocking=False (the
+    default, stream-ordered): finish_grad_sync() returns at once, the watchdog aborts the stuck
+    all-reduce after 2 s, which releases the compute stream (so a host sync returns instead of
+    hanging), and the next collective raises with the reason."""
     # Overlap off: the all-reduce is launched by finish_grad_sync(), which the skipper never calls.
-    ddp = fp8dp.DistributedDataParallel(mlp().to(dev()),
-                                        cfg(comm_backend="nccl", overlap_grad_reduce=False))
+    ddp = fp8dp.DistributedDataParallel(
+        mlp().to(dev()),
+        cfg(comm_backend="nccl", overlap_grad_reduce=False, nccl_blocking_wait=blocking),
+    )
+    comm = ddp._sync.communicator()
+    assert comm.blocking_wait == blocking
     x, y = (t.to(dev()) for t in data(0, ws, 1))
     iteration(ddp, x, y, rank, 1)  # a healthy step first
-    comm = ddp._sync.communicator()
     comm.set_timeout(2.0)
     ddp.zero_grad_buffer()
     mse(ddp(micro(x, rank, 0, 1)), micro(y, rank, 0, 1)).backward()
     if rank != skipper:
         t0 = time.monotonic()
-        try:
-            ddp.finish_grad_sync()
-        except RuntimeError as e:
-            msg = str(e)
-            assert "nccl all_reduce" in msg and "did not finish within 2000 ms" in msg, msg
+        if blocking:
+            try:
+                ddp.finish_grad_sync()
+            except RuntimeError as e:
+                msg = str(e)
+                assert "nccl all_reduce" in msg and "did not finish within 2000 ms" in msg, msg
+            else:
+                raise AssertionError("a rank that skipped the collective went unnoticed")
         else:
-            raise AssertionError("a rank that skipped the collective went unnoticed")
+            ddp.finish_grad_sync()
+            assert time.monotonic() - t0 < 1.0, "a stream-ordered wait blocked the host"
+            torch.cuda.synchronize()  # returns once the watchdog aborted the stuck all-reduce
         elapsed = time.monotonic() - t0
         assert 2.0 <= elapsed < 15.0, elapsed
         try:
             comm.all_reduce([torch.zeros(4, device=dev())], fp8dp._C.ReduceOp.SUM).wait()
         except RuntimeError as e:
-            assert "aborted" in str(e), str(e)
+            msg = str(e)
+            assert "aborted" in msg and "did not finish within 2000 ms" in msg, msg
         else:
             raise AssertionError("an aborted communicator accepted a collective")
     dist.barrier()  # gloo: independent of the aborted NCCL communicator
+
+
+@case()
+def overlap_param_gather_on_nccl(rank, ws):
+    """overlap_param_gather with the native communicator: the last rank joins each step's
+    parameter all-gather 0.3 s late, so the other ranks' next forward must wait for it on the
+    device (forward pre-hooks, stream-ordered); 3 steps give exactly the losses and parameters
+    of the non-overlapped twin."""
+    models = []
+    for opg in (True, False):
+        model = mlp().to(dev())
+        ddp = fp8dp.DistributedDataParallel(
+            model, cfg(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=150,
+                       comm_backend="nccl", overlap_param_gather=opg))
+        models.append((model, ddp, fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)))
+    (model, ddp, opt), (ref_model, ref_ddp, ref_opt) = models
+    assert ddp._sync.num_bucket_groups > 1
+    for step in range(3):
+        x, y = (t.to(dev()) for t in data(step, ws, 1))
+        losses = []
+        for d, o in ((ddp, opt), (ref_ddp, ref_opt)):
+            o.zero_grad()
+            loss = mse(d(micro(x, rank, 0, 1)), micro(y, rank, 0, 1))
+            loss.backward()
+            losses.append(loss.item())
+            if d is ddp and rank == ws - 1:
+                time.sleep(0.3)
+            o.step()
+        assert ddp._sync.param_sync_pending
+        assert losses[0] == losses[1], (step, losses)
+    opt.finish_param_sync()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
 
 
 def main():

@@ -17,6 +17,9 @@ from fp8dp import _C
         ("comm_backend", "mpi", "comm_backend: expected one of"),
         ("overlap_grad_reduce", 1, "overlap_grad_reduce: expected a bool, got 1"),
         ("grad_ledger", "yes", "grad_ledger: expected a bool"),
+        ("nccl_blocking_wait", 0, "nccl_blocking_wait: expected a bool, got 0"),
+        ("overlap_param_gather", 1, "overlap_param_gather: expected a bool, got 1"),
+        ("overlap_param_gather", True, "overlap_param_gather: True needs use_distributed_optim"),
     ],
 )
 def test_config_rejects_bad_fields(field, value, message):

@@ -1,6 +1,7 @@
 // The native NCCL communicator: unique-id exchange through the c10d group, one ncclGroupStart/End
-// per call on a dedicated stream, event ordering both ways, async-error polling and a wait() that
-// aborts the communicator after the timeout instead of hanging.
+// per call on a dedicated stream, event ordering both ways (wait() is a device-side event wait),
+// and every collective handed to the state's watchdog, which aborts the communicator when one
+// fails or outlives the timeout instead of hanging.
 #include "comm/cuda/nccl_communicator.h"
 
 #include <ATen/ATen.h>
@@ -50,33 +51,42 @@ void check_in_place(const at::Tensor& big, const at::Tensor& small, int rank, co
 class NcclWork : public CommWork {
  public:
   NcclWork(std::string what, std::shared_ptr<NcclCommState> state,
-           std::chrono::milliseconds timeout)
-      : what_(std::move(what)), state_(std::move(state)), timeout_(timeout) {
-    FP8DP_CHECK_CUDA(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming));
-    FP8DP_CHECK_CUDA(cudaEventCreateWithFlags(&end_, cudaEventDisableTiming));
-  }
-  ~NcclWork() override {
-    cudaEventDestroy(start_);  // no throw from a destructor; an error here leaks two events at most
-    cudaEventDestroy(end_);
-  }
+           std::shared_ptr<NcclEvents> events, std::chrono::milliseconds timeout, bool blocking)
+      : what_(std::move(what)),
+        state_(std::move(state)),
+        events_(std::move(events)),
+        timeout_(timeout),
+        blocking_(blocking) {}
 
-  cudaEvent_t start() const { return start_; }
-  cudaEvent_t end() const { return end_; }
-
-  // The host polls the end event (and NCCL's async error) until the timeout: a collective that a
-  // peer never joins would otherwise block the caller's stream, and the next host sync, forever.
-  // Then the caller's current stream waits on the end event (a device-side wait).
+  // Stream-ordered: the caller's current stream waits on the end event on the device and the
+  // host returns at once ("by using an event instead of a host sync we can enqueue new work right
+  // away"); the watchdog turns a collective that never ends into an abort, which unblocks that
+  // stream, and an error on the next call. Blocking mode polls the end event on the host first.
   void wait() override {
     if (done_) return;
     done_ = true;  // a failure is reported once; a second wait() returns at once
+    if (blocking_) wait_on_host();
+    state_->throw_if_aborted(what_);
+    c10::cuda::CUDAGuard guard(state_->device);
+    FP8DP_CHECK_CUDA(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(state_->device).stream(),
+                                         events_->end, 0));
+  }
+
+  bool is_completed() override { return done_ || cudaEventQuery(events_->end) == cudaSuccess; }
+
+ private:
+  void wait_on_host() {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     for (int spins = 0;; ++spins) {
-      const cudaError_t e = cudaEventQuery(end_);
-      if (e == cudaSuccess) break;
+      const cudaError_t e = cudaEventQuery(events_->end);
+      if (e == cudaSuccess) return;
       if (e != cudaErrorNotReady) FP8DP_CHECK_CUDA(e);
-      poll_async_error();
+      state_->throw_if_aborted(what_);  // the watchdog may have given up first
+      const std::string async = state_->poll_async_error();
+      FP8DP_CHECK(async.empty(), what_, " failed: ", async);
       if (std::chrono::steady_clock::now() > deadline) {
-        const std::string reason = concat_reason(" did not finish within ");
+        const std::string reason =
+            detail::concat(what_, " did not finish within ", timeout_.count(), " ms");
         state_->abort(reason);
         FP8DP_CHECK(false, reason, "; the NCCL communicator is aborted (a rank skipped or is "
                     "stuck in this collective)");
@@ -84,41 +94,13 @@ class NcclWork : public CommWork {
       // Spin briefly for the common short wait, then sleep so that a long wait costs no core.
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    c10::cuda::CUDAGuard guard(state_->device);
-    FP8DP_CHECK_CUDA(
-        cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(state_->device).stream(), end_, 0));
-  }
-
-  bool is_completed() override { return done_ || cudaEventQuery(end_) == cudaSuccess; }
-
- private:
-  std::string concat_reason(const char* middle) const {
-    return detail::concat(what_, middle, timeout_.count(), " ms");
-  }
-
-  void poll_async_error() {
-    ncclResult_t r = ncclSuccess;
-    {
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      if (state_->aborted) {
-        FP8DP_CHECK(false, what_, " failed: the NCCL communicator was aborted earlier (",
-                    state_->abort_reason, ")");
-      }
-      FP8DP_CHECK_NCCL(ncclCommGetAsyncError(state_->comm, &r), state_->comm, what_);
-    }
-    if (r != ncclSuccess && r != ncclInProgress) {
-      const std::string reason =
-          detail::concat(what_, " failed asynchronously: ", detail::nccl_error_text(r, nullptr));
-      state_->abort(reason);
-      FP8DP_CHECK(false, reason);
-    }
   }
 
   std::string what_;
   std::shared_ptr<NcclCommState> state_;
+  std::shared_ptr<NcclEvents> events_;
   std::chrono::milliseconds timeout_;
-  cudaEvent_t start_ = nullptr;
-  cudaEvent_t end_ = nullptr;
+  bool blocking_ = false;
   bool done_ = false;
 };
 
@@ -143,27 +125,6 @@ ncclUniqueId exchange_unique_id(c10d::ProcessGroup& group, int device) {
 
 }  // namespace
 
-void NcclCommState::abort(const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mutex);
-  if (aborted) return;
-  aborted = true;
-  abort_reason = reason;
-  if (comm != nullptr) {
-    ncclCommAbort(comm);  // its own result cannot improve on the error we are about to raise
-    comm = nullptr;
-  }
-}
-
-NcclCommState::~NcclCommState() {
-  if (comm == nullptr) return;
-  // ncclCommAbort, not ncclCommDestroy: Destroy is an intra-node collective in current NCCL, so a
-  // peer that aborted, exited, or destroys its communicators in another order would hang us. Abort
-  // is local and, on an idle stream, just frees the resources. When the CUDA runtime is already
-  // unloading (interpreter exit) the communicator is left to the process teardown instead.
-  const cudaError_t e = stream ? cudaStreamQuery(stream) : cudaSuccess;
-  if (e == cudaSuccess || e == cudaErrorNotReady) ncclCommAbort(comm);
-}
-
 NcclCommunicator::NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group)
     : group_(std::move(group)),
       state_(std::make_shared<NcclCommState>()),
@@ -177,23 +138,13 @@ NcclCommunicator::NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group)
   const ncclUniqueId id = exchange_unique_id(*group_, state_->device);
   FP8DP_CHECK_NCCL(ncclCommInitRank(&state_->comm, size_, id, rank_), nullptr,
                    "ncclCommInitRank (rank ", rank_, " of ", size_, ", cuda:", state_->device, ")");
+  state_->start_watchdog();
 }
 
 void NcclCommunicator::check_for_errors() {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  FP8DP_CHECK(!state_->aborted, "nccl: the communicator was aborted after an earlier failure (",
-              state_->abort_reason, "); build a new DistributedDataParallel to continue");
-  ncclResult_t r = ncclSuccess;
-  FP8DP_CHECK_NCCL(ncclCommGetAsyncError(state_->comm, &r), state_->comm, "ncclCommGetAsyncError");
-  if (r != ncclSuccess && r != ncclInProgress) {
-    const std::string reason =
-        detail::concat("nccl: asynchronous error: ", detail::nccl_error_text(r, state_->comm));
-    ncclCommAbort(state_->comm);
-    state_->comm = nullptr;
-    state_->aborted = true;
-    state_->abort_reason = reason;
-    FP8DP_CHECK(false, reason);
-  }
+  state_->throw_if_aborted("nccl");
+  const std::string async = state_->poll_async_error();
+  FP8DP_CHECK(async.empty(), async);
 }
 
 void NcclCommunicator::check_device(const std::vector<at::Tensor>& tensors,
@@ -213,13 +164,14 @@ std::shared_ptr<CommWork> NcclCommunicator::launch(const std::string& what,
                                                    Body&& body) {
   c10::cuda::CUDAGuard guard(state_->device);
   const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(state_->device).stream();
-  auto work = std::make_shared<NcclWork>(what, state_, timeout());
-  FP8DP_CHECK_CUDA(cudaEventRecord(work->start(), compute));
-  FP8DP_CHECK_CUDA(cudaStreamWaitEvent(stream_.stream(), work->start(), 0));
+  state_->throw_if_aborted(what);
+  auto events = std::make_shared<NcclEvents>();
+  FP8DP_CHECK_CUDA(cudaEventRecord(events->start, compute));
+  FP8DP_CHECK_CUDA(cudaStreamWaitEvent(stream_.stream(), events->start, 0));
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    FP8DP_CHECK(!state_->aborted, what, ": the NCCL communicator was aborted (",
-                state_->abort_reason, ")");
+    FP8DP_CHECK(state_->comm != nullptr, what,
+                ": the NCCL communicator was aborted (see the earlier error)");
     ncclComm_t comm = state_->comm;
     FP8DP_CHECK_NCCL(ncclGroupStart(), comm, what);
     ncclResult_t r = ncclSuccess;
@@ -236,8 +188,9 @@ std::shared_ptr<CommWork> NcclCommunicator::launch(const std::string& what,
   // The caching allocator must not hand these blocks out again before the comm stream is done.
   for (const auto& t : tensors)
     c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
-  FP8DP_CHECK_CUDA(cudaEventRecord(work->end(), stream_.stream()));
-  return work;
+  FP8DP_CHECK_CUDA(cudaEventRecord(events->end, stream_.stream()));
+  state_->watch(events, what, timeout());
+  return std::make_shared<NcclWork>(what, state_, std::move(events), timeout(), blocking_wait());
 }
 
 std::shared_ptr<CommWork> NcclCommunicator::do_all_reduce(const std::vector<at::Tensor>& buffers,

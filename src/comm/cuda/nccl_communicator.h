@@ -1,7 +1,9 @@
 // NcclCommunicator: the Communicator over its own ncclComm_t (CUDA builds only). Collectives run on
 // a dedicated high-priority stream, ordered after the caller's current stream by an event; the
-// returned work orders the caller's stream after the collective's end event. A stuck or failed
-// collective aborts the communicator and raises on wait() instead of hanging.
+// returned work orders the caller's stream after the collective's end event (no host wait). A
+// watchdog thread watches every collective in flight: a stuck or failed one aborts the
+// communicator (which unblocks the streams waiting on it) and every later call raises instead of
+// hanging.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,27 +13,13 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
-#include <mutex>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
+#include "comm/cuda/nccl_comm_state.h"
 
 namespace fp8dp {
-
-// The NCCL communicator and its state, shared by the communicator and every work it returned, so
-// that a work can abort it (timeout) and later calls see the abort.
-struct NcclCommState {
-  ncclComm_t comm = nullptr;
-  int device = 0;
-  bool aborted = false;
-  std::string abort_reason;  // why it was aborted: every later call repeats it
-  std::mutex mutex;
-  cudaStream_t stream = nullptr;  // the comm stream (the destructor checks it is idle)
-
-  // Aborts the communicator once (frees it; in-flight kernels are torn down) and remembers why.
-  void abort(const std::string& reason);
-  ~NcclCommState();
-};
 
 class NcclCommunicator : public Communicator {
  public:
@@ -42,7 +30,8 @@ class NcclCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "nccl"; }
-  // Polls ncclCommGetAsyncError; an error aborts the communicator and throws fp8dp::Error.
+  // Throws fp8dp::Error when the communicator was aborted (by the watchdog, a timed-out blocking
+  // wait or an async error) or when ncclCommGetAsyncError reports an error (which aborts it).
   void check_for_errors() override;
 
  protected:
