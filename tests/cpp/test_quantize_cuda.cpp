@@ -325,7 +325,7 @@ TEST_P(CastTransposeVariantTest, MatchesCpu) {
 std::vector<VariantCase> variant_cases() {
   // Tiles are 128 rows (bf16) or 64 rows (f32) by 64 columns. Shapes: one row; one column tile
   // (narrower than a tile, and exactly one); row-tile counts that are not multiples of 2, 3 or 4
-  // tiles per block (7 and 17 bf16 tiles, 9 and 33 f32 tiles); ragged last column tiles; more
+  // tiles per block (5, 8 and 17 bf16 tiles; 9 and 33 f32 tiles); ragged last column tiles; more
   // strips than the finalize's 4 x 8 loads in flight (33 f32 tiles with one tile per block).
   const int64_t shapes[][2] = {{1, 200}, {1000, 40}, {128, 64}, {2053, 130}, {576, 72}, {2100, 65}};
   const CastTransposeConfig cfgs[] = {
