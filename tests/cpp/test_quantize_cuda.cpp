@@ -308,16 +308,17 @@ class CastTransposeVariantTest : public testing::TestWithParam<VariantCase> {};
 
 // Every reduction x tiles per block x grid order x amax reset gives the CPU's bytes and amax (which
 // starts at 1e30 in device memory: it must be overwritten) and a dbias within the summation bound,
-// with and without the transposed output, with NaN / Inf, misaligned.
+// with and without the transposed output, with NaN, misaligned.
 TEST_P(CastTransposeVariantTest, MatchesCpu) {
   SKIP_WITHOUT_GPU();
   const VariantCase& v = GetParam();
   for (Mode m : {Mode::kTransposeDbias, Mode::kDbiasOnly, Mode::kTranspose}) {
     SCOPED_TRACE(mode_name(m));
     const Case c{v.dtype, Format::kE4M3, v.rows, v.cols, m};
+    // (Inf inputs take no path of their own here; MatchesCpu above covers them per shape. Fewer
+    // cases keep the compute-sanitizer run of this binary short.)
     check_case(c, Special::kNone, 1.0f, 0, 21, v.cfg);
     check_case(c, Special::kNaN, 0.5f, 0, 22, v.cfg);
-    check_case(c, Special::kInf, 2.0f, 0, 23, v.cfg);
     check_case(c, Special::kNone, 3.0f, 1, 24, v.cfg);  // misaligned: the element-wise kernel
   }
 }
