@@ -1,8 +1,8 @@
 // CUDA FP8 cast entry point and the flat kernel: quantize (+ amax) in one pass over the flat
-// tensor; with a transposed output or dbias the tiled kernel of cast_transpose.cu runs instead. Same bytes
-// and amax as quantize_cpu (C7): the scale is applied with an unfused multiply, the bf16/fp16 ->
-// float widening is exact, and the conversion is either the hardware's saturating RNE or, around
-// NaNs, quantize_one itself (quantize_scaled).
+// tensor; with a transposed output or dbias the tiled kernel of cast_transpose.cu runs instead.
+// Same bytes and amax as quantize_cpu (C7): the scale is applied with an unfused multiply, the
+// bf16/fp16 -> float widening is exact, and the conversion is either the hardware's saturating RNE
+// or, around NaNs, quantize_one itself (quantize_scaled).
 #include <cuda_runtime.h>
 
 #include <algorithm>
