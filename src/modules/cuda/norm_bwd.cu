@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(kMaxBlock) norm_bwd_kernel(const BwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kN = kInRegs ? kNV : 1;
-  __shared__ float red[2][32];
+  __shared__ float red[2][2][32];  // group_sum buffers, used alternately
+  int phase = 0;
   const int tpr = a.tpr;
   const int rpb = blockDim.x / tpr;
   const int t = threadIdx.x % tpr;
@@ -126,7 +127,8 @@ __global__ void __launch_bounds__(kMaxBlock) norm_bwd_kernel(const BwdArgs a) {
         }
       }
     }
-    group_sum(s, tpr, red);
+    group_sum(s, tpr, red[phase]);
+    phase ^= 1;
     const float m1 = a.rms ? 0.0f : s[0] / n;
     const float m2 = s[1] / n;
     if (!live) continue;  // uniform per group; no barrier follows in this iteration

@@ -91,7 +91,9 @@ __device__ __forceinline__ bool in_row(int64_t vi, int j, int64_t nvec, int64_t 
 // than 32 threads is the whole block). Every thread of the block must call it, with the same tpr.
 // The xor butterfly hands every lane the same bits (each step adds the same two numbers on both
 // sides, and float addition is commutative); the warps of a group are then added in index order.
-// `smem` holds one float per warp (per summed value); it is free again when the call returns.
+// `smem` holds one float per warp (per summed value). It may be written again only after the next
+// __syncthreads of the block: callers alternate between two buffers (the next call's barrier then
+// orders this call's reads before any new writes), which saves a barrier per call.
 template <int kN>
 __device__ __forceinline__ void group_sum(float (&v)[kN], int tpr, float (*smem)[32]) {
   const int width = tpr < kWarp ? tpr : kWarp;
@@ -112,7 +114,6 @@ __device__ __forceinline__ void group_sum(float (&v)[kN], int tpr, float (*smem)
     for (int w = 0; w < tpr / kWarp; ++w) s += smem[k][w];
     v[k] = s;
   }
-  __syncthreads();  // every warp has read smem before anyone writes it again
 }
 
 // Threads per row: the smallest power of two that leaves each thread at most `target` vectors of

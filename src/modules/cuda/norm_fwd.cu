@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(kMaxBlock) norm_fwd_kernel(const FwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kMaxVec = kInRegs ? kNV : 1;
-  __shared__ float red_mean[1][32], red_var[1][32];
+  __shared__ float red[2][1][32];  // group_sum buffers, used alternately
+  int phase = 0;
   const int tpr = a.tpr;
   const int rpb = blockDim.x / tpr;
   const int t = threadIdx.x % tpr;
@@ -143,7 +144,8 @@ __global__ void __launch_bounds__(kMaxBlock) norm_fwd_kernel(const FwdArgs a) {
           for (int j = 0; j < kV; ++j) s[0] += to_float(buf[0].t[j]);
         }
       }
-      group_sum(s, tpr, red_mean);
+      group_sum(s, tpr, red[phase]);
+      phase ^= 1;
       mu = s[0] / n;
     }
     float ss[1] = {0.0f};
@@ -167,7 +169,8 @@ __global__ void __launch_bounds__(kMaxBlock) norm_fwd_kernel(const FwdArgs a) {
         }
       }
     }
-    group_sum(ss, tpr, red_var);
+    group_sum(ss, tpr, red[phase]);
+    phase ^= 1;
     const float rs = 1.0f / sqrtf(ss[0] / n + a.eps);  // IEEE sqrt and division, as on the CPU
     if (live) {
       if (t == 0 && a.mu != nullptr) a.mu[row] = mu;
