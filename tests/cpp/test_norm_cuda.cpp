@@ -113,13 +113,14 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 }
 
 // Columns: 33 / 1027 (element-wise rows, several rows per block), 1024 and 8192 (16-byte vectors,
-// 4 per thread), 12288 fp32 (8 per thread forward, 6 backward), 40000 (rows from memory).
+// 4 per thread), 12288 fp32 (8 per thread forward, 6 backward), 20000 bf16 (8 per thread forward),
+// 40000 (rows from memory).
 INSTANTIATE_TEST_SUITE_P(Variants, NormCuda,
                          ::testing::Combine(::testing::Bool(),
                                             ::testing::Values(at::kFloat, at::kBFloat16),
                                             ::testing::Values<int64_t>(3, 130),
                                             ::testing::Values<int64_t>(33, 1024, 1027, 8192,
-                                                                       12288, 40000)),
+                                                                       12288, 20000, 40000)),
                          case_name);
 
 }  // namespace

@@ -39,10 +39,12 @@ FORMATS = {"E4M3": _C.Format.E4M3, "E5M2": _C.Format.E5M2}
 ULP = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 # Rows x cols: 1 and primes, cols that are not a multiple of the 16-byte vector (33, 1027),
 # rows that need the grid-stride loop (3000), the large hidden sizes (8192, 12288; 12288 fp32 fills
-# the 8-vector register kernel and the backward's 6-vector one), and rows longer than the register
-# kernels take (40000: three passes from memory; 40001 also not vectorised).
+# the 8-vector register kernel and the backward's 6-vector one; 20000 bf16 / fp16 the 8-vector
+# one), and rows longer than the register kernels take (40000: three passes from memory; 40001
+# also not vectorised).
 SHAPES = [
-    (1, 1), (5, 33), (37, 1027), (3000, 2048), (64, 8192), (24, 12288), (3, 40000), (2, 40001)
+    (1, 1), (5, 33), (37, 1027), (3000, 2048), (64, 8192), (24, 12288), (4, 20000), (3, 40000),
+    (2, 40001),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
