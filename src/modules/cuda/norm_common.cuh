@@ -87,10 +87,11 @@ __device__ __forceinline__ bool in_row(int64_t vi, int j, int64_t nvec, int64_t 
   }
 }
 
-// Sum of `v` over the `tpr` threads of this thread's row group (tpr a power of two; a group of more
-// than 32 threads is the whole block). Every thread of the block must call it, with the same tpr.
-// The xor butterfly hands every lane the same bits (each step adds the same two numbers on both
-// sides, and float addition is commutative); the warps of a group are then added in index order.
+// Sum of `v` over the `tpr` threads of this thread's row group (tpr a power of two; the groups
+// tile the block, so a group of more than 32 threads is whole warps). Every thread of the block
+// must call it, with the same tpr. The xor butterfly hands every lane the same bits (each step adds
+// the same two numbers on both sides, and float addition is commutative); the warps of a group are
+// then added in index order.
 // `smem` holds one float per warp (per summed value). It may be written again only after the next
 // __syncthreads of the block: callers alternate between two buffers (the next call's barrier then
 // orders this call's reads before any new writes), which saves a barrier per call.
@@ -111,7 +112,8 @@ __device__ __forceinline__ void group_sum(float (&v)[kN], int tpr, float (*smem)
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
     float s = 0.0f;
-    for (int w = 0; w < tpr / kWarp; ++w) s += smem[k][w];
+    const int first = threadIdx.x / tpr * (tpr / kWarp);  // the group's first warp
+    for (int w = 0; w < tpr / kWarp; ++w) s += smem[k][first + w];
     v[k] = s;
   }
 }
