@@ -76,6 +76,13 @@ if want distributed; then
 fi
 if true; then
   wantb bench_kernels && run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
+  if wantb bench_ct_variants; then
+    # Cast + transpose (+ dbias) kernel variants against a copy (torch-free; prints the fastest).
+    run_step bench_ct_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
+      -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
+      -o $BUILD/ct_variants bench/cast_transpose_variants.cu src/fp8/cuda/quantize.cu \
+      src/fp8/cuda/cast_workspace.cu && $BUILD/ct_variants"
+  fi
   wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
   wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
   if [ "$NGPU" -ge 2 ]; then
@@ -106,7 +113,7 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear \
+  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_gemm bench_linear \
            bench_reduce_scatter bench_ddp matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
