@@ -44,7 +44,10 @@ from _linear_cases import (
 )
 
 OK, REASON = fp8dp.cuda_available(return_reason=True)
-pytestmark = pytest.mark.skipif(not OK, reason=REASON)
+pytestmark = [
+    pytest.mark.skipif(not OK, reason=REASON),
+    pytest.mark.usefixtures("fp8_states_released"),  # conftest.py: after a failure too
+]
 
 STEPS, MBS = 2, 2
 ROUND = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
