@@ -54,9 +54,11 @@ def use_backend(backend):
         # FP32 GEMMs stay FP32 (TF32 would round the inputs to 10 mantissa bits).
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        # The bound above holds for any summation order, but cuBLAS's GEMMs on the GPU also
-        # reorder within each micro-batch (split-K, tree reductions) and the NCCL ring adds
-        # the ranks' partial sums in yet another order: both round again, up to 4x the terms.
+        # The bound above covers any order of the per-sample sum (the NCCL ring's included: with
+        # 2 ranks it adds the two partial sums once). On the GPU the per-sample terms themselves
+        # differ too: cuBLAS picks other kernels for the micro-batch and the global-batch shapes,
+        # which sum each backprop GEMM's k <= 24 products in another order (<= 24 2^-24 relative
+        # per layer, three layers). 4x the CPU bound covers both (as in nccl_worker.py).
         FP32 = dict(rtol=4e-5, atol=4 * 64 * 2.0**-23)
     elif backend != "gloo":
         raise ValueError(f"FP8DP_DDP_BACKEND: expected 'gloo' or 'nccl', got {backend!r}")
