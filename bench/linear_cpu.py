@@ -18,24 +18,11 @@ import time
 
 import torch
 
+from linear_step import make_step
 from machine import cpu_name
 
 import fp8dp
 
-
-
-def make_step(module, x, dy, recipe):
-    def step():
-        xa = x.detach().requires_grad_(True)
-        if recipe is None:
-            y = module(xa)
-        else:
-            with fp8dp.fp8_autocast(fp8_recipe=recipe):
-                y = module(xa)
-        y.backward(dy)
-        module.zero_grad(set_to_none=True)
-
-    return step
 
 
 def main() -> None:

@@ -17,30 +17,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cuda_timing import device_info, print_table, time_interleaved, write_json  # noqa: E402
+from linear_step import make_step  # noqa: E402
 
 import fp8dp  # noqa: E402
 
 _C = fp8dp._C
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 14336), (16384, 4096, 4096)]  # tokens, in, out
 TARGETS = {(8192, 8192, 8192): 1.5, (4096, 4096, 14336): 1.3}
-
-
-def make_step(module, x, dy, recipe):
-    def step():
-        xa = x.detach().requires_grad_(True)
-        if recipe is None:
-            y = module(xa)
-        else:
-            with fp8dp.fp8_autocast(fp8_recipe=recipe):
-                y = module(xa)
-        y.backward(dy)
-        module.weight.grad = None
-        if module.bias is not None:
-            module.bias.grad = None
-        if recipe is not None:
-            fp8dp.update_fp8_scales()
-
-    return step
 
 
 def gemms_alone(t, k, n):
@@ -79,7 +62,7 @@ def bench_shape(t, k, n, rounds):
     ours = fp8dp.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
     ours.load_state_dict(ref.state_dict())
     bf16 = make_step(ref, x, dy, None)
-    fp8 = make_step(ours, x, dy, fp8dp.DelayedScaling())
+    fp8 = make_step(ours, x, dy, fp8dp.DelayedScaling(), update_scales=True)
     gemm = gemms_alone(t, k, n)
     ms = time_interleaved({"bf16": bf16, "fp8": fp8, "gemm": gemm}, warmup=3, rounds=rounds)
     mem_bf16, mem_fp8 = peak_step_mib(bf16), peak_step_mib(fp8)

@@ -5,7 +5,8 @@
 # earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
 # Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
 # bench_kernels.json, bench_gemm.json, bench_linear.json, and with 2 GPUs bench_reduce_scatter.json,
-# bench_ddp.json; summary.txt. The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
+# bench_ddp.json; summary.txt. Not in the default STEPS (they take minutes): "matrix" (the full NCCL
+# test matrix: matrix.log, matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
 # DDP benchmarks) run under torchrun --nproc_per_node=2 when two GPUs are visible.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 PY=${PY:-$(command -v python3)}
 BUILD=build/gpu
 JOBS=${JOBS:-$(nproc)}
-STEPS=${STEPS:-build ctest pytest distributed bench sanitizer}
+STEPS=${STEPS:-build ctest pytest distributed bench sanitizer}  # also: matrix demo
 
 declare -A RC
 run_step() {  # run_step NAME LOG TIMEOUT_S CMD...
@@ -87,16 +88,27 @@ if true; then
     echo "=== [bench 2-GPU] skipped: $NGPU GPU(s) visible" | tee -a "$OUT/bench.log"
   fi
 fi
+if want matrix; then
+  # The whole product of the test matrix on NCCL (cells above the visible GPU count are skipped).
+  run_step matrix "$OUT/matrix.log" "${MATRIX_TIMEOUT:-420}" "$PY" -m fp8dp.testing.matrix --backend nccl \
+    --full --json "$OUT/matrix_nccl.json"
+fi
+if want demo; then
+  # The training demo on every visible GPU (configs/gpu.yaml), with the BF16 comparison run.
+  run_step demo "$OUT/demo.log" "${DEMO_TIMEOUT:-300}" "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node="$NGPU" -m fp8dp.train --config configs/gpu.yaml --compare-bf16 --no-progress \
+    --set out.dir="$OUT/demo"
+fi
 if want sanitizer; then
   # Kernel gtest under memcheck; one cast per parametrised case is plenty for out-of-bounds checks.
-  run_step sanitizer "$OUT/sanitizer.log" 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  run_step sanitizer "$OUT/sanitizer.log" "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     --leak-check no "$BUILD/test_quantize_cuda" --gtest_brief=1
 fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear \
-           bench_reduce_scatter bench_ddp sanitizer; do
+           bench_reduce_scatter bench_ddp matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8

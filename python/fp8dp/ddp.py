@@ -3,13 +3,29 @@ GradSync (src/grad_buffer), which holds the buffers, readiness, collectives, led
 """
 
 import contextlib
-import functools
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from . import _C
 from .ddp_config import DistributedDataParallelConfig
+
+
+class _GradHook:
+    """The hook a parameter (or its module's delayed-wgrad path) calls when its gradient is ready.
+    It holds the DDP weakly: a module keeps its wgrad hooks in C++, where Python's cycle collector
+    cannot see them, so a strong reference would keep every DDP (and its buffers and NCCL
+    communicator) alive for good once the model is dropped."""
+
+    def __init__(self, ddp, i: int):
+        self._ddp = weakref.ref(ddp)
+        self._i = i
+
+    def __call__(self, *_param) -> None:
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp._on_grad(self._i)
 
 
 def _owners(module: torch.nn.Module) -> dict:
@@ -86,22 +102,15 @@ class DistributedDataParallel(torch.nn.Module):
             p.main_grad = self._sync.main_grad(i)
             p.grad_added_to_main_grad = False
             if id(p) in delayed:
-                delayed[id(p)].register_wgrad_accumulation_and_reduce_hooks(
-                    functools.partial(self._on_grad, i)
-                )
+                delayed[id(p)].register_wgrad_accumulation_and_reduce_hooks(_GradHook(self, i))
             else:
-                self._hook_handles.append(
-                    p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_hook, i))
-                )
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(_GradHook(self, i)))
 
     # -- hooks: C2 (a)/(b); the accumulate / count / launch logic is GradSync.param_ready --------
     def _on_grad(self, i: int) -> None:
         p = self._params[i]
         self._sync.param_ready(i, p.grad, bool(getattr(p, "grad_added_to_main_grad", False)))
         p.grad = None
-
-    def _on_grad_hook(self, i: int, _param) -> None:
-        self._on_grad(i)
 
     def _check_parameters(self) -> None:
         for name, p in self.module.named_parameters():
