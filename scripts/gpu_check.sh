@@ -66,9 +66,10 @@ if want pytest; then
 fi
 if want distributed; then
   if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
-    # The NCCL cases (torchrun, 2 GPUs); the gloo DDP cases run in CPU CI.
-    run_step distributed "$OUT/tests.log" 300 "$PY" -m pytest -q -rs \
-      tests/distributed/test_nccl_distributed.py
+    # The NCCL cases (torchrun, 2 GPUs): the native communicator's own worker and the DDP cases
+    # that CPU CI runs on gloo, here on NCCL. DIST_TESTS narrows it (a pytest node id).
+    run_step distributed "$OUT/tests.log" 480 "$PY" -m pytest -q -rs \
+      ${DIST_TESTS:-tests/distributed/test_nccl_distributed.py}
     [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
   else
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
