@@ -107,9 +107,15 @@ if want demo; then
     --set out.dir="$OUT/demo"
 fi
 if want sanitizer; then
-  # Kernel gtest under memcheck; one cast per parametrised case is plenty for out-of-bounds checks.
-  run_step sanitizer "$OUT/sanitizer.log" "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-    --leak-check no "$BUILD/test_quantize_cuda" --gtest_brief=1
+  # The kernel gtests under memcheck (out-of-bounds, misaligned and racy-initialisation reads).
+  src=0
+  for t in test_quantize_cuda test_norm_cuda; do
+    [ -x "$BUILD/$t" ] || continue
+    run_step sanitizer "$OUT/sanitizer.log" "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool memcheck \
+      --error-exitcode 9 --leak-check no "$BUILD/$t" --gtest_brief=1
+    [ "${RC[sanitizer]}" = 0 ] || src=${RC[sanitizer]}
+  done
+  RC[sanitizer]=$src
 fi
 
 {
