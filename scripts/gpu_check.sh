@@ -59,7 +59,7 @@ if want pytest; then
   # One process per file: a crash in one file must not hide the results of the others.
   prc=0
   for f in ${PYTEST_FILES:-tests/python/test_*.py}; do
-    run_step "pytest" "$OUT/tests.log" 300 "$PY" -m pytest -q -rs "$f"
+    run_step "pytest" "$OUT/tests.log" "${PYTEST_TIMEOUT:-300}" "$PY" -m pytest -q -rs "$f"
     [ "${RC[pytest]}" = 0 ] || [ "${RC[pytest]}" = 5 ] || prc=${RC[pytest]}
   done
   RC[pytest]=$prc
@@ -68,7 +68,7 @@ if want distributed; then
   if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
     # The NCCL cases (torchrun, 2 GPUs): the native communicator's own worker and the DDP cases
     # that CPU CI runs on gloo, here on NCCL. DIST_TESTS narrows it (a pytest node id).
-    run_step distributed "$OUT/tests.log" 480 "$PY" -m pytest -q -rs \
+    run_step distributed "$OUT/tests.log" "${DIST_TIMEOUT:-480}" "$PY" -m pytest -q -rs \
       ${DIST_TESTS:-tests/distributed/test_nccl_distributed.py}
     [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
   else
