@@ -58,6 +58,11 @@ ScalingState::~ScalingState() {
 }
 
 void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
+  if (unplaced_ && amax_history_.device() != device) {
+    // A checkpoint loaded into a module that had not cast yet (e.g. resuming on a GPU).
+    for (at::Tensor* t : {&amax_history_, &scale_, &scale_inv_, &fp8_max_}) *t = t->to(device);
+  }
+  unplaced_ = false;
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t len = recipe.amax_history_len;
   if (!amax_history_.defined()) {
@@ -149,6 +154,7 @@ void ScalingState::restore(const Snapshot& s) {
                     ": scale, scale_inv, fp8_max and initialized need ", kNumRoles, " elements");
   }
   // Keep the current device when the state already lives somewhere; else the saved one (CPU).
+  unplaced_ = !allocated() || unplaced_;
   const at::Device dev = allocated() ? amax_history_.device() : at::Device(at::kCPU);
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
   amax_history_ = s.amax_history.to(f32, false, true).contiguous();
@@ -162,6 +168,7 @@ void ScalingState::restore(const Snapshot& s) {
 }
 
 void ScalingState::reset() {
+  unplaced_ = false;
   amax_history_ = at::Tensor();
   scale_ = scale_inv_ = fp8_max_ = at::Tensor();
   initialized_.fill(false);

@@ -67,6 +67,9 @@ class ScalingState {
   int64_t id_;
   at::Tensor amax_history_, scale_, scale_inv_, fp8_max_;
   std::array<bool, kNumRoles> initialized_{};
+  // Restored from a checkpoint into a state that had no device yet: the tensors sit on the CPU
+  // (where checkpoints keep them) only until the first cast says which device the module is on.
+  bool unplaced_ = false;
   AmaxAlgo algo_ = AmaxAlgo::kMax;
   float margin_ = 0.0f;
 };
