@@ -1,4 +1,5 @@
-"""FP8 cast kernels on the GPU vs the device copy bandwidth and a naive torch quantize.
+"""FP8 cast kernels on the GPU vs the device copy bandwidth and a naive torch quantize; the fused
+LayerNorm / RMSNorm (+ FP8 cast) forward and backward vs torch's layer_norm / rms_norm.
 
 Usage: python3 bench/kernels_cuda.py [--json out.json]
 Bandwidth counts the fewest bytes each op must move: the input read once plus every output written
@@ -79,6 +80,78 @@ def bench_one(rows, cols, dtype):
             "matches_cpu": matches, "ops": res}
 
 
+def bench_norm(rows, cols, dtype, rms):
+    """LayerNorm / RMSNorm (+ FP8 cast) forward and backward against torch's own kernels (and the
+    naive quantize after them). Bytes: the forward reads x (gamma / beta are negligible) and
+    writes the FP8 output and / or the dtype output (plus mu / rsigma); the backward reads dz and x
+    and writes dx."""
+    import torch.nn.functional as F
+
+    name = "rmsnorm" if rms else "layernorm"
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    gamma = torch.randn(cols, device="cuda", dtype=dtype) * 0.1 + 1
+    beta = None if rms else torch.randn(cols, device="cuda", dtype=dtype) * 0.1
+    dz = torch.randn_like(x)
+    scale = torch.tensor([2.0], device="cuda")
+    copy_dst = torch.empty_like(x)
+    n, es = x.numel(), x.element_size()
+    fwd = _C.norm_forward(x, gamma, beta, rms=rms)
+
+    def torch_fwd(inp):
+        if rms:
+            return F.rms_norm(inp, (cols,), gamma, eps=1e-5)
+        return F.layer_norm(inp, (cols,), gamma, beta, eps=1e-5)
+
+    xr = x.detach().requires_grad_(True)
+    params = [p.detach().requires_grad_(True) for p in ([gamma] if rms else [gamma, beta])]
+    if rms:
+        y_t = F.rms_norm(xr, (cols,), params[0], eps=1e-5)
+    else:
+        y_t = F.layer_norm(xr, (cols,), params[0], params[1], eps=1e-5)
+    ops = {
+        "copy": (lambda: copy_dst.copy_(x), 2 * n * es),
+        f"{name}_fp8": (lambda: _C.norm_forward(x, gamma, beta, rms=rms, want_out=False,
+                                                scale=scale), n * es + n + 8 * rows),
+        f"{name}_out": (lambda: _C.norm_forward(x, gamma, beta, rms=rms), 2 * n * es + 8 * rows),
+        f"{name}_out_fp8": (lambda: _C.norm_forward(x, gamma, beta, rms=rms, scale=scale),
+                            2 * n * es + n + 8 * rows),
+        f"torch_{name}": (lambda: torch_fwd(x), 2 * n * es),
+        f"torch_{name}+naive_quantize": (lambda: naive_quantize(torch_fwd(x), False), n * es + n),
+        f"{name}_bwd": (lambda: _C.norm_backward(dz, x, fwd.mu, fwd.rsigma, gamma,
+                                                 has_beta=not rms, rms=rms), 3 * n * es),
+        f"torch_{name}_bwd": (lambda: torch.autograd.grad(y_t, [xr] + params, dz,
+                                                          retain_graph=True), 3 * n * es),
+    }
+    ms = time_interleaved({k: v[0] for k, v in ops.items()})
+    # The timed shape's launch (rows per block, grid-stride loop) against quantize() of the
+    # kernel's own output: the fused cast must give the same bytes and amax.
+    r = _C.norm_forward(x, gamma, beta, rms=rms, scale=scale)
+    q = _C.quantize(r.out, scale, E4M3)
+    matches = torch.equal(r.out_fp8.view(torch.uint8), q.data.view(torch.uint8))
+    matches &= torch.equal(r.amax, q.amax)
+    if not matches:
+        print(f"MISMATCH between the fused {name} cast and quantize()", file=sys.stderr)
+    copy_bw = ops["copy"][1] / ms["copy"] / 1e9
+    res = []
+    for op, (_, nbytes) in ops.items():
+        bw = nbytes / ms[op] / 1e9
+        entry = {"op": op, "ms": ms[op], "TBps": bw, "frac_copy_bw": bw / copy_bw}
+        base = {f"{name}_fp8": f"torch_{name}+naive_quantize", f"{name}_out": f"torch_{name}",
+                f"{name}_bwd": f"torch_{name}_bwd"}.get(op)
+        if base:
+            entry["speedup_vs_torch"] = ms[base] / ms[op]
+        res.append(entry)
+    return {"shape": [rows, cols], "dtype": str(dtype), "input_MiB": n * es / 2**20,
+            "matches_cpu": bool(matches), "ops": res}
+
+
+def norm_results():
+    return [
+        bench_norm(16384, 8192, torch.bfloat16, rms=False),  # 256 MiB input
+        bench_norm(16384, 8192, torch.bfloat16, rms=True),
+    ]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -88,15 +161,16 @@ def main():
         bench_one(8192, 8192, torch.float32),  # 256 MiB input
         bench_one(4096, 8192, torch.bfloat16),  # 64 MiB input
     ]
+    results += norm_results()
     for r in results:
         rows = []
         for o in r["ops"]:
-            sp = o.get("speedup_vs_naive")
+            sp = o.get("speedup_vs_naive", o.get("speedup_vs_torch"))
             rows.append([o["op"], f"{o['ms'] * 1e3:.1f}", f"{o['TBps']:.2f}",
                          f"{100 * o['frac_copy_bw']:.0f}%", f"{sp:.1f}x" if sp else ""])
         print_table(f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB), "
                     f"matches CPU: {r['matches_cpu']}",
-                    ["op", "us", "TB/s", "of copy", "vs naive"], rows)
+                    ["op", "us", "TB/s", "of copy", "vs naive/torch"], rows)
     write_json(args.json, {"device": device_info(), "command": " ".join(sys.argv), "results": results})
     if not all(r["matches_cpu"] for r in results):
         sys.exit(1)

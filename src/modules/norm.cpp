@@ -1,4 +1,5 @@
-// Tensor-level LayerNorm / RMSNorm: checks, allocation, kernel dispatch; backward in FP32 ATen.
+// Tensor-level LayerNorm / RMSNorm: checks, allocation, kernel dispatch (CPU forward kernel, CUDA
+// forward and backward kernels; CPU backward in FP32 ATen).
 #include "modules/norm.h"
 
 #include <ATen/ATen.h>
@@ -6,6 +7,11 @@
 #include "common/check.h"
 #include "fp8/ops.h"
 #include "modules/norm_kernel.h"
+
+#if defined(FP8DP_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace fp8dp {
 namespace {
@@ -22,6 +28,22 @@ DType dtype_of(const at::Tensor& t) {
       FP8DP_CHECK_ARG(false, "norm: input must be float32, bfloat16 or float16, got ",
                       t.scalar_type());
   }
+}
+
+void check_device(const at::Tensor& t, const at::Tensor& x, const char* arg) {
+  FP8DP_CHECK_ARG(t.device() == x.device(), "norm: ", arg, " must be on the input's device ",
+                  x.device(), ", got ", t.device());
+}
+
+void check_device_supported(const at::Tensor& x) {
+#if defined(FP8DP_WITH_CUDA)
+  FP8DP_CHECK_ARG(x.is_cpu() || x.is_cuda(),
+                  "norm: input must be on the CPU or a CUDA device, got ", x.device());
+#else
+  FP8DP_CHECK_ARG(x.is_cpu(),
+                  "norm: input must be on the CPU (this build of fp8dp has no CUDA), got ",
+                  x.device());
+#endif
 }
 
 }  // namespace
@@ -53,6 +75,15 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
                          const at::Tensor& scale, Format format) {
   FP8DP_CHECK_ARG(x_in.dim() == 2, "norm: input must be [rows, cols], got ", x_in.sizes());
   const int64_t rows = x_in.size(0), cols = x_in.size(1);
+  FP8DP_CHECK_ARG(cols > 0, "norm: input must have at least one column, got ", x_in.sizes());
+  check_device_supported(x_in);
+  const DType dt = dtype_of(x_in);
+  check_device(gamma_in, x_in, "gamma");
+  if (beta_in.defined()) check_device(beta_in, x_in, "beta");
+  if (scale.defined()) {
+    check_device(scale, x_in, "scale");
+    FP8DP_CHECK_ARG(scale.numel() == 1, "norm: scale must have one element, got ", scale.sizes());
+  }
   FP8DP_CHECK_ARG(gamma_in.numel() == cols && gamma_in.scalar_type() == x_in.scalar_type(),
                   "norm: gamma must be [", cols, "] of ", x_in.scalar_type(), ", got ",
                   gamma_in.sizes(), " of ", gamma_in.scalar_type());
@@ -61,7 +92,6 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
                   "norm: beta must be [", cols, "] of ", x_in.scalar_type());
   const at::Tensor x = x_in.contiguous(), gamma = gamma_in.contiguous();
   const at::Tensor beta = beta_in.defined() ? beta_in.contiguous() : beta_in;
-  if (!x.is_cpu()) return norm_forward_aten(x, gamma, beta, cfg, scale, format);
   auto f32 = x.options().dtype(at::kFloat);
   NormForward r;
   r.mu = at::empty({rows}, f32);
@@ -75,7 +105,7 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   }
   NormFwdParams p;
   p.input = x.data_ptr();
-  p.dtype = dtype_of(x);
+  p.dtype = dt;
   p.rows = rows;
   p.cols = cols;
   p.gamma = gamma.data_ptr();
@@ -90,6 +120,13 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   p.amax = r.amax.data_ptr<float>();
   p.mu = r.mu.data_ptr<float>();
   p.rsigma = r.rsigma.data_ptr<float>();
+#if defined(FP8DP_WITH_CUDA)
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard guard(x.device());
+    norm_fwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+    return r;
+  }
+#endif
   norm_fwd_cpu(p);
   return r;
 }
@@ -97,12 +134,63 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
 NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const at::Tensor& mu,
                         const at::Tensor& rsigma, const at::Tensor& gamma, bool has_beta,
                         const NormConfig& cfg) {
+  FP8DP_CHECK_ARG(x_in.dim() == 2 && x_in.size(1) > 0,
+                  "norm_backward: x must be [rows, cols] with cols > 0, got ", x_in.sizes());
+  const int64_t rows = x_in.size(0), cols = x_in.size(1);
+  FP8DP_CHECK_ARG(dz_in.sizes() == x_in.sizes(), "norm_backward: dz must have x's shape ",
+                  x_in.sizes(), ", got ", dz_in.sizes());
+  FP8DP_CHECK_ARG(gamma.numel() == cols, "norm_backward: gamma must have ", cols,
+                  " elements, got ", gamma.sizes());
+  for (const at::Tensor* s : {&mu, &rsigma}) {
+    FP8DP_CHECK_ARG(s->numel() == rows && s->scalar_type() == at::kFloat,
+                    "norm_backward: mu and rsigma must be float32 [", rows, "], got ", s->sizes(),
+                    " of ", s->scalar_type());
+  }
+  check_device_supported(x_in);
+  check_device(dz_in, x_in, "dz");
+  check_device(gamma, x_in, "gamma");
+  check_device(mu, x_in, "mu");
+  check_device(rsigma, x_in, "rsigma");
+#if defined(FP8DP_WITH_CUDA)
+  // The kernel takes one dtype for dz, x and gamma (what LayerNormLinear passes); another mix
+  // takes the ATen formulation below.
+  if (x_in.is_cuda() && dz_in.scalar_type() == x_in.scalar_type() &&
+      gamma.scalar_type() == x_in.scalar_type()) {
+    const at::Tensor dz = dz_in.contiguous(), x = x_in.contiguous(), g = gamma.contiguous();
+    const at::Tensor m = mu.contiguous(), rs = rsigma.contiguous();
+    NormGrads gr;
+    gr.dx = at::empty_like(x);
+    gr.dgamma = at::empty({cols}, g.options());
+    if (has_beta) gr.dbeta = at::empty({cols}, g.options());
+    NormBwdParams p;
+    p.dz = dz.data_ptr();
+    p.x = x.data_ptr();
+    p.dtype = dtype_of(x);
+    p.rows = rows;
+    p.cols = cols;
+    p.mu = m.data_ptr<float>();
+    p.rsigma = rs.data_ptr<float>();
+    p.gamma = g.data_ptr();
+    p.rms = cfg.rms;
+    p.zero_centered_gamma = cfg.zero_centered_gamma;
+    p.dx = gr.dx.data_ptr();
+    p.dgamma = gr.dgamma.data_ptr();
+    p.dbeta = has_beta ? gr.dbeta.data_ptr() : nullptr;
+    c10::cuda::CUDAGuard guard(x.device());
+    norm_bwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+    gr.dgamma = gr.dgamma.view(gamma.sizes());
+    if (has_beta) gr.dbeta = gr.dbeta.view(gamma.sizes());
+    return gr;
+  }
+#endif
   // xhat = (x - mu) * rsigma, z = xhat * g + beta. With dxhat = dz * g:
   //   LayerNorm: dx = rsigma * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
   //   RMSNorm:   dx = rsigma * (dxhat - xhat * mean(dxhat * xhat))
   //   dgamma = sum_rows(dz * xhat), dbeta = sum_rows(dz)
   const at::Tensor dz = dz_in.to(at::kFloat);
-  const at::Tensor xhat = (x_in.to(at::kFloat) - mu.unsqueeze(1)) * rsigma.unsqueeze(1);
+  // RMSNorm: mu is ignored (taken as 0), as in the kernel.
+  const at::Tensor xf = x_in.to(at::kFloat);
+  const at::Tensor xhat = (cfg.rms ? xf : xf - mu.unsqueeze(1)) * rsigma.unsqueeze(1);
   at::Tensor g = gamma.to(at::kFloat);
   if (cfg.zero_centered_gamma) g = g + 1.0f;
   const at::Tensor dxhat = dz * g;

@@ -22,14 +22,18 @@ struct NormForward {
 };
 
 // x: [rows, cols]; gamma (and beta, undefined for RMSNorm) [cols], all of x's dtype and device.
-// With a defined `scale` (float32 [1]) the output is also cast to `format` in the same pass.
+// With a defined `scale` (float32 [1], on x's device) the output is also cast to `format` in the
+// same pass. CPU and CUDA tensors run the fused kernels of norm_kernel.h on the current stream;
+// both give the same FP8 bytes for the same rounded output (which itself may differ in the last
+// bits between the devices: FP32 row sums in another order).
+// Errors (ValueError) name the argument: not 2-D, no columns, dtype or device mismatches.
 NormForward norm_forward(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                          const NormConfig& cfg, bool want_out, const at::Tensor& scale,
                          Format format);
 
 // The same forward in ATen ops (FP32 statistics, output rounded to x's dtype, then one quantize):
-// used on devices without a fused kernel (CUDA until norm_fwd_cuda exists) and as the reference of
-// the kernel tests. Always returns `out`.
+// the independent reference of the kernel tests; no longer on a dispatch path (CPU and CUDA both
+// have a fused kernel). Always returns `out`.
 NormForward norm_forward_aten(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                               const NormConfig& cfg, const at::Tensor& scale, Format format);
 
@@ -37,7 +41,9 @@ struct NormGrads {
   at::Tensor dx, dgamma, dbeta;  // dbeta undefined without beta
 };
 
-// dz: gradient of the normalized output [rows, cols]. Computed in FP32 from the saved statistics.
+// dz: gradient of the normalized output [rows, cols]. Computed in FP32 from the saved statistics
+// (mu is ignored for RMSNorm). CUDA tensors with one dtype for dz, x and gamma run norm_bwd_cuda
+// (deterministic dgamma / dbeta); the CPU and other dtype mixes run the same formulas in ATen.
 NormGrads norm_backward(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mu,
                         const at::Tensor& rsigma, const at::Tensor& gamma, bool has_beta,
                         const NormConfig& cfg);

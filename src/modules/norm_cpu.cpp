@@ -97,7 +97,8 @@ void norm_dispatch_dtype(const NormFwdParams& p) {
 
 void norm_fwd_cpu(const NormFwdParams& p) {
   FP8DP_CHECK(p.rows >= 0 && p.cols > 0, "norm_fwd_cpu: bad shape [", p.rows, ", ", p.cols, "]");
-  FP8DP_CHECK(p.input != nullptr && p.gamma != nullptr, "norm_fwd_cpu: input or gamma is null");
+  FP8DP_CHECK(p.rows == 0 || (p.input != nullptr && p.gamma != nullptr),
+              "norm_fwd_cpu: input or gamma is null");
   FP8DP_CHECK(p.out_fp8 == nullptr || p.scale != nullptr, "norm_fwd_cpu: out_fp8 needs a scale");
   if (p.format == Format::kE4M3) {
     norm_dispatch_dtype<Format::kE4M3>(p);

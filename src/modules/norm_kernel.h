@@ -1,6 +1,7 @@
-// Raw-pointer LayerNorm / RMSNorm forward fused with the FP8 cast of its output: one pass over each
-// row reads x and writes the normalized row (high precision and/or FP8) and the row statistics.
-// One signature for the CPU and CUDA versions; src/modules/norm.h checks tensors above it.
+// Raw-pointer LayerNorm / RMSNorm kernels: the forward fused with the FP8 cast of its output (one
+// pass over each row reads x and writes the normalized row, high precision and/or FP8, and the row
+// statistics), and the backward (CUDA). One signature for the CPU and CUDA forwards;
+// src/modules/norm.h checks tensors above them.
 #pragma once
 
 #include <cstdint>
@@ -36,8 +37,32 @@ struct NormFwdParams {
 
 void norm_fwd_cpu(const NormFwdParams& p);
 
+// Backward from the statistics the forward saved, all arithmetic in FP32. With
+//   xhat = (x - mu) * rsigma, g = gamma (+ 1 with zero_centered_gamma), dxhat = dz * g:
+//   dx     = rsigma * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   (RMSNorm: no mean(dxhat))
+//   dgamma = sum over rows of dz * xhat,   dbeta = sum over rows of dz
+// dgamma / dbeta are summed in a fixed order (per row group in row order, then the groups in
+// order), so repeated calls on the same device and shape give the same bits.
+struct NormBwdParams {
+  const void* dz = nullptr;  // [rows, cols] in `dtype`
+  const void* x = nullptr;   // [rows, cols] in `dtype`
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const float* mu = nullptr;      // [rows]; ignored (taken as 0) for RMSNorm
+  const float* rsigma = nullptr;  // [rows]
+  const void* gamma = nullptr;    // [cols] in `dtype`
+  bool rms = false;
+  bool zero_centered_gamma = false;
+  void* dx = nullptr;      // [rows, cols] in `dtype`
+  void* dgamma = nullptr;  // [cols] in `dtype`
+  void* dbeta = nullptr;   // optional [cols] in `dtype`
+};
+
 #if defined(FP8DP_WITH_CUDA)
-void norm_fwd_cuda(const NormFwdParams& p, void* stream);  // stream: cudaStream_t
+// stream: a cudaStream_t (void* keeps this header free of CUDA headers).
+void norm_fwd_cuda(const NormFwdParams& p, void* stream);
+void norm_bwd_cuda(const NormBwdParams& p, void* stream);
 #endif
 
 }  // namespace fp8dp

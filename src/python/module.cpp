@@ -8,6 +8,7 @@ void bind_grad_buffer(pybind11::module_& m);
 void bind_modules(pybind11::module_& m);
 void bind_gemm(pybind11::module_& m);
 void bind_gemm_cuda(pybind11::module_& m);
+void bind_norm(pybind11::module_& m);
 }  // namespace fp8dp::python
 
 PYBIND11_MODULE(_C, m) {
@@ -18,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
   fp8dp::python::bind_modules(m);
   fp8dp::python::bind_gemm(m);
   fp8dp::python::bind_gemm_cuda(m);
+  fp8dp::python::bind_norm(m);
 }

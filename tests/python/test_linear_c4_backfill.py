@@ -27,6 +27,9 @@ Evidence that this test catches a broken guard (both runs on 2026-11-30, then re
        E   Mismatched elements: 48 / 48 (100.0%)
        E   Greatest relative difference: 1.0000065565109253 at index (43,) (up to 1e-05 allowed)
    i.e. the bias gradient counted twice.
+
+The test runs on every device (conftest.py `device`): on CUDA the same contract holds with the
+CUDA casts and cuBLASLt GEMMs, and the FP8 bounds add the GPU's accumulation error.
 """
 
 import pytest
@@ -37,6 +40,7 @@ from _linear_cases import (
     IN,
     OUT,
     batches,
+    cpu64,
     input_grad_bound,
     make_module,
     norm_stats,
@@ -54,15 +58,15 @@ def consume(p):
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("microbatches", [1, 3], ids=["1mb", "3mb"])
-def test_c4_external_consumer(kind, microbatches):
+def test_c4_external_consumer(kind, microbatches, device):
     recipe = fp8dp.DelayedScaling(amax_history_len=4, margin=1)
-    m = make_module(kind, bias=True, delay_wgrad_compute=True)
+    m = make_module(kind, bias=True, delay_wgrad_compute=True, device=device)
     randomize_(m, seed=3)
-    ref = make_module(kind, bias=True)  # the FP32 reference: same parameters, no FP8
+    ref = make_module(kind, bias=True)  # the FP32 CPU reference: same parameters, no FP8
     ref.load_state_dict(m.state_dict())
     params = list(m.parameters())
     for p in params:
-        p.main_grad = torch.zeros(p.shape)
+        p.main_grad = torch.zeros(p.shape, device=device)
         p.register_post_accumulate_grad_hook(consume)
     m.register_wgrad_accumulation_and_reduce_hooks(lambda: [consume(p) for p in params])
 
@@ -70,39 +74,41 @@ def test_c4_external_consumer(kind, microbatches):
     expected_bias = torch.zeros(OUT)
     dx_fp8, dx_ref = [], []
     for i, (x, dy) in enumerate(data):
-        xa = x.clone().requires_grad_(True)
+        xa = x.to(device, copy=True).requires_grad_(True)
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
             y = m(xa, is_first_microbatch=i == 0)
-        y.backward(dy)
+        y.backward(dy.to(device))
         assert m.bias.grad is None, "the consumer already took the eager bias gradient"
         m.backward_dw()  # must not crash on the missing bias gradient
         xr = x.clone().requires_grad_(True)
         ref(xr).backward(dy)
-        dx_fp8.append(xa.grad)
+        dx_fp8.append(xa.grad.cpu())
         dx_ref.append(xr.grad)
         expected_bias += dy.reshape(-1, OUT).sum(0)
 
     # Once: not zero, not twice. The FP8 bias gradient is the FP32 column sum of the unquantized
     # grad_output, so only the summation order differs from the reference.
-    torch.testing.assert_close(m.bias.main_grad, expected_bias, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(m.bias.main_grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+    bias_main_grad = m.bias.main_grad.cpu()
+    torch.testing.assert_close(bias_main_grad, expected_bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bias_main_grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
     for p in params:
         assert p.grad is None, "every gradient went to main_grad"
         assert torch.isfinite(p.main_grad).all()
 
     # Weight and input gradients against the FP32 reference within the FP8 error bound derived
     # in _linear_cases.product_bound, with the scales this step actually used (delayed scaling
-    # keeps them fixed within a step; margin=1 leaves room so later micro-batches do not saturate).
+    # keeps them fixed within a step; margin=1 leaves room so later micro-batches do not saturate),
+    # and the accumulation error of the device's GEMMs (dgrad and wgrad: split accumulator).
     s_in, s_w, s_go = (float(v) for v in m._core.scale)
     bound = torch.zeros(OUT, IN)
     for (x, dy), a, b in zip(data, dx_fp8, dx_ref):
         x2d, dy2d = x.reshape(-1, IN), dy.reshape(-1, OUT)
         x_in = x2d if kind == "Linear" else norm_stats(ref, x2d)[0]
-        bound += product_bound(dy2d.t(), x_in.t(), "E5M2", s_go, "E4M3", s_in)
-        e_dgrad = product_bound(dy2d, ref.weight.detach().t(), "E5M2", s_go, "E4M3", s_w)
+        bound += product_bound(dy2d.t(), x_in.t(), "E5M2", s_go, "E4M3", s_in, device)
+        e_dgrad = product_bound(dy2d, ref.weight.detach().t(), "E5M2", s_go, "E4M3", s_w, device)
         dx_bound = input_grad_bound(ref, x2d, e_dgrad) + 1e-5
         assert torch.isfinite(a).all()
         assert ((a - b).abs().reshape(-1, IN) <= dx_bound).all()
-    err = (m.weight.main_grad - ref.weight.grad).abs()
+    err = (cpu64(m.weight.main_grad) - ref.weight.grad.double()).abs().float()
     assert (err <= bound + 1e-5).all(), f"max excess {(err - bound).max()}"
     assert err.max() > 0  # FP8 really ran

@@ -1,4 +1,6 @@
-"""Test group 7: every error of the modules and the GEMM front end, asserted by its message."""
+"""Test group 7: every error of the modules and the GEMM front end, asserted by its message, on
+each device (conftest.py `device`) where the module or GEMM runs there; the constructor checks and
+the CPU GEMM's epilogues are device-independent or CPU-only."""
 
 import re
 
@@ -18,28 +20,35 @@ def fwd_bwd(m, x, recipe=None, **kw):
     y.sum().backward()
 
 
+def _other_device(device):
+    """A device the module's parameters are not on (CPU modules: meta, which allocates nothing)."""
+    return torch.device("cpu") if device.type == "cuda" else torch.device("meta")
+
+
 @pytest.mark.parametrize(
     "make_input,message",
     [
         (
-            lambda: torch.randn(16, IN + 1),
+            lambda dev: torch.randn(16, IN + 1, device=dev),
             rf"{NAME}: input must have in_features={IN} as its last dimension, "
             rf"got shape \[16, {IN + 1}\]",
         ),
         (
-            lambda: torch.randn(16, IN, dtype=torch.bfloat16),
+            lambda dev: torch.randn(16, IN, dtype=torch.bfloat16, device=dev),
             r"input has dtype BFloat16 but the parameters have dtype Float",
         ),
         (
-            lambda: torch.randn(16, IN, device="meta"),
-            r"input is on meta but the parameters are on cpu",
+            lambda dev: torch.randn(16, IN, device=_other_device(dev)),
+            r"input is on {other} but the parameters are on {dev}",
         ),
     ],
     ids=["width", "dtype", "device"],
 )
-def test_bad_input(make_input, message):
+def test_bad_input(make_input, message, device):
+    m = make_module("Linear", device=device)
+    message = message.format(other=_other_device(device), dev=m.weight.device)
     with pytest.raises(ValueError, match=message):
-        make_module("Linear")(make_input())
+        m(make_input(device))
 
 
 @pytest.mark.parametrize(
@@ -55,56 +64,56 @@ def test_bad_input(make_input, message):
     ],
     ids=["in_features", "out_features", "tokens"],
 )
-def test_fp8_shape_rules(shape, tokens_shape, message):
-    m = fp8dp.Linear(*shape)
+def test_fp8_shape_rules(shape, tokens_shape, message, device):
+    m = fp8dp.Linear(*shape, device=device)
     with pytest.raises(ValueError, match=message):
-        fwd_bwd(m, torch.randn(*tokens_shape), make_recipe("delayed"))
-    fwd_bwd(m, torch.randn(*tokens_shape))  # the same shapes are fine without FP8
+        fwd_bwd(m, torch.randn(*tokens_shape, device=device), make_recipe("delayed"))
+    fwd_bwd(m, torch.randn(*tokens_shape, device=device))  # the same shapes are fine without FP8
 
 
-def test_fp8_inference_allows_any_token_count():
-    m = fp8dp.Linear(32, 32)
+def test_fp8_inference_allows_any_token_count(device):
+    m = fp8dp.Linear(32, 32, device=device)
     with torch.no_grad(), autocast(make_recipe("current")):
-        assert m(torch.randn(3, 32)).shape == (3, 32)
+        assert m(torch.randn(3, 32, device=device)).shape == (3, 32)
 
 
-def test_missing_main_grad_names_parameter():
-    m = make_module("Linear", fuse_wgrad_accumulation=True)
+def test_missing_main_grad_names_parameter(device):
+    m = make_module("Linear", fuse_wgrad_accumulation=True, device=device)
     with pytest.raises(
         RuntimeError,
         match=rf"{NAME}: fuse_wgrad_accumulation=True needs 'main_grad' on parameter 'weight'",
     ):
-        fwd_bwd(m, torch.randn(16, IN))
+        fwd_bwd(m, torch.randn(16, IN, device=device))
 
 
-def test_wrong_main_grad_shape():
-    m = make_module("Linear", fuse_wgrad_accumulation=True)
-    m.weight.main_grad = torch.zeros(OUT)
+def test_wrong_main_grad_shape(device):
+    m = make_module("Linear", fuse_wgrad_accumulation=True, device=device)
+    m.weight.main_grad = torch.zeros(OUT, device=device)
     with pytest.raises(RuntimeError, match=r"parameter 'weight' has main_grad of shape \[48\]"):
-        fwd_bwd(m, torch.randn(16, IN))
+        fwd_bwd(m, torch.randn(16, IN, device=device))
 
 
-def test_backward_dw_nothing_queued_names_module():
-    m = make_module("Linear", delay_wgrad_compute=True)
+def test_backward_dw_nothing_queued_names_module(device):
+    m = make_module("Linear", delay_wgrad_compute=True, device=device)
     with pytest.raises(
         RuntimeError, match=rf"{NAME}.backward_dw\(\): no weight-gradient computation is queued"
     ):
         m.backward_dw()
-    fwd_bwd(m, torch.randn(16, IN))
+    fwd_bwd(m, torch.randn(16, IN, device=device))
     m.backward_dw()
     with pytest.raises(RuntimeError, match=rf"{NAME}.backward_dw\(\): no weight-gradient"):
         m.backward_dw()
 
 
-def test_backward_dw_without_delay():
-    m = make_module("Linear")
+def test_backward_dw_without_delay(device):
+    m = make_module("Linear", device=device)
     with pytest.raises(RuntimeError, match=r"built with delay_wgrad_compute=False"):
         m.backward_dw()
 
 
-def test_second_backward_is_an_error():
-    m = make_module("Linear")
-    y = m(torch.randn(16, IN, requires_grad=True))
+def test_second_backward_is_an_error(device):
+    m = make_module("Linear", device=device)
+    y = m(torch.randn(16, IN, requires_grad=True, device=device))
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match=r"backward through the same forward a second time"):
         y.sum().backward()
@@ -139,12 +148,12 @@ def test_constructor_arguments(kwargs, message):
         fp8dp.LayerNormLinear(**kwargs)
 
 
-def test_call_arguments():
-    m = make_module("Linear", delay_wgrad_compute=True)
+def test_call_arguments(device):
+    m = make_module("Linear", delay_wgrad_compute=True, device=device)
     with pytest.raises(
         ValueError, match=r"is_first_microbatch: expected None, True or False, got 1"
     ):
-        m(torch.randn(16, IN), is_first_microbatch=1)
+        m(torch.randn(16, IN, device=device), is_first_microbatch=1)
     with pytest.raises(ValueError, match=r"input: expected a torch.Tensor, got list"):
         m([1.0] * IN)
     with pytest.raises(ValueError, match=r"hook: expected a callable taking no arguments, got 5"):
@@ -207,9 +216,11 @@ def fp8(shape, fmt=torch.float8_e4m3fn):
     ],
     ids=["k16", "n16", "scale_inv", "k_mismatch", "layout", "accumulate", "bias", "out", "dtypes"],
 )
-def test_gemm_errors(args, message):
+def test_gemm_errors(args, message, device):
+    # .to() keeps strides, so the transposed operand stays non-contiguous on the device too.
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args().items()}
     with pytest.raises(ValueError, match=message):
-        _C.gemm(**args())
+        _C.gemm(**kw)
 
 
 def test_gemm_cpu_epilogues():

@@ -20,15 +20,15 @@ from _linear_cases import (
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_queued_backwards_fifo(kind, recipe_name, fuse):
+def test_queued_backwards_fifo(kind, recipe_name, fuse, device):
     """Three micro-batches forward+backward, then three backward_dw() calls. With fusion the
     first micro-batch (is_first_microbatch=True) overwrites main_grad, so popping in any other
     order than FIFO would drop the earlier micro-batches and break the equality."""
     recipe = make_recipe(recipe_name)
-    imm, dly = twin(kind, bias=True, fuse_wgrad_accumulation=fuse)
+    imm, dly = twin(kind, bias=True, fuse_wgrad_accumulation=fuse, device=device)
     for m in (imm, dly):
         attach_main_grad(m, fill=123.0)  # stale values: the first micro-batch must overwrite them
-    data = batches(3, torch.float32, seed=21)
+    data = batches(3, torch.float32, seed=21, device=device)
     for m in (imm, dly):
         for i, (x, dy) in enumerate(data):
             with autocast(recipe):
@@ -49,17 +49,17 @@ def test_queued_backwards_fifo(kind, recipe_name, fuse):
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)
-def test_tied_weight_accumulates_both(recipe_name):
+def test_tied_weight_accumulates_both(recipe_name, device):
     """Two Linear modules share one weight Parameter (both delayed); each backward_dw() adds its
     module's contribution to weight.grad, which equals the immediate modules' autograd sum."""
     recipe = make_recipe(recipe_name)
     grads = {}
     for delay in (False, True):
         torch.manual_seed(4)
-        a = make_module("Linear", bias=False, delay_wgrad_compute=delay)
-        b = make_module("Linear", bias=False, delay_wgrad_compute=delay)
+        a = make_module("Linear", bias=False, delay_wgrad_compute=delay, device=device)
+        b = make_module("Linear", bias=False, delay_wgrad_compute=delay, device=device)
         b.weight = a.weight
-        (x1, dy1), (x2, dy2) = batches(2, torch.float32, seed=22)
+        (x1, dy1), (x2, dy2) = batches(2, torch.float32, seed=22, device=device)
         with autocast(recipe):
             y1, y2 = a(x1), b(x2)
         torch.autograd.backward([y1, y2], [dy1, dy2])
@@ -73,11 +73,11 @@ def test_tied_weight_accumulates_both(recipe_name):
     torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
 
 
-def test_wgrad_hooks_run_after_each_backward_dw():
-    m = make_module("Linear", delay_wgrad_compute=True)
+def test_wgrad_hooks_run_after_each_backward_dw(device):
+    m = make_module("Linear", delay_wgrad_compute=True, device=device)
     seen = []
     m.register_wgrad_accumulation_and_reduce_hooks(lambda: seen.append(m.weight.grad is not None))
-    for x, dy in batches(2, torch.float32, seed=23):
+    for x, dy in batches(2, torch.float32, seed=23, device=device):
         m(x).backward(dy)
     m.backward_dw()
     m.backward_dw()

@@ -1,0 +1,294 @@
+// CUDA LayerNorm / RMSNorm backward (norm_kernel.h), FP32 arithmetic. One group of threads per row,
+// as in the forward: dz and x are read once into registers, the two row sums (of dxhat and of
+// dxhat * xhat) are reduced over the group, and dx is written from the registers. Each thread
+// always sees the same columns, so it keeps its share of dgamma / dbeta in registers across all
+// the rows of its group; at the end every group writes one partial row, and a second kernel adds
+// the partial rows per column in group order. No atomics: the result depends only on the shape and
+// the device's SM count (which fixes the grid), not on timing.
+// Rows too long for the registers re-read dz and x and accumulate their partial row in memory.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/cuda_check.h"
+#include "fp8/cuda/cast_common.cuh"
+#include "modules/cuda/norm_common.cuh"
+#include "modules/norm_kernel.h"
+
+namespace fp8dp {
+namespace cuda::norm {
+namespace {
+
+// Elements of its row a thread keeps in registers: dz, x and the two column accumulators make
+// 4 x 24 values, which fits the 128 registers of a 512-thread block without spilling.
+constexpr int kMaxElems = 24;
+
+struct BwdArgs {
+  const void* dz;
+  const void* x;
+  const float* mu;
+  const float* rsigma;
+  const void* gamma;
+  void* dx;
+  float* dgamma_part;  // [groups, cols]
+  float* dbeta_part;   // [groups, cols] or null
+  int64_t rows, cols;
+  float gshift;  // 1 with zero_centered_gamma, else 0
+  bool rms;
+  int tpr;  // threads per row
+};
+
+// The per-element terms of one vector: xhat, dxhat (out-of-row elements are zero in dz, so their
+// terms vanish from every sum).
+template <typename T>
+__device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv, const Vec<T>& gv,
+                                      float mu, float rs, float gshift, float (&xhat)[Vec<T>::kV],
+                                      float (&dxhat)[Vec<T>::kV]) {
+#pragma unroll
+  for (int j = 0; j < Vec<T>::kV; ++j) {
+    xhat[j] = (to_float(xv.t[j]) - mu) * rs;
+    dxhat[j] = to_float(dzv.t[j]) * (to_float(gv.t[j]) + gshift);
+  }
+}
+
+// kNV > 0: dz and x are held in registers, at most kNV vectors per thread; 0: re-read from memory.
+template <typename T, bool kVec, int kNV>
+__global__ void __launch_bounds__(kMaxBlock) norm_bwd_kernel(const BwdArgs a) {
+  constexpr int kV = Vec<T>::kV;
+  constexpr bool kInRegs = kNV > 0;
+  constexpr int kN = kInRegs ? kNV : 1;
+  __shared__ float red[2][2][32];  // group_sum buffers, used alternately
+  int phase = 0;
+  const int tpr = a.tpr;
+  const int rpb = blockDim.x / tpr;
+  const int t = threadIdx.x % tpr;
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * rpb + threadIdx.x / tpr;
+  const int64_t nvec = ceil_div(a.cols, kV);
+  const float n = static_cast<float>(a.cols);
+  const T* gamma = static_cast<const T*>(a.gamma);
+  float* dg_part = a.dgamma_part + group * a.cols;
+  float* db_part = a.dbeta_part != nullptr ? a.dbeta_part + group * a.cols : nullptr;
+  float dg[kN][kV], db[kN][kV];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+#pragma unroll
+    for (int j = 0; j < kV; ++j) dg[i][j] = db[i][j] = 0.0f;
+  }
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rpb; r0 < a.rows;
+       r0 += static_cast<int64_t>(gridDim.x) * rpb) {
+    const int64_t row = r0 + threadIdx.x / tpr;
+    const bool live = row < a.rows;
+    const int64_t off = (live ? row : 0) * a.cols;
+    const T* dzr = static_cast<const T*>(a.dz) + off;
+    const T* xr = static_cast<const T*>(a.x) + off;
+    const float mu = live && !a.rms ? a.mu[row] : 0.0f;
+    const float rs = live ? a.rsigma[row] : 0.0f;
+    Vec<T> dzb[kN], xb[kN];
+    float s[2] = {0.0f, 0.0f};  // sum of dxhat, sum of dxhat * xhat
+    if constexpr (kInRegs) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+        if (live && vi < nvec) {
+          load_vec<T, kVec, true>(dzb[i], dzr, vi, a.cols);
+          load_vec<T, kVec, true>(xb[i], xr, vi, a.cols);
+        } else {
+          dzb[i].u = xb[i].u = make_uint4(0, 0, 0, 0);  // zero bits are 0.0 in every dtype
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+        if (vi < nvec) {
+          Vec<T> g;
+          load_vec<T, kVec, false>(g, gamma, vi, a.cols);
+          float xhat[kV], dxhat[kV];
+          terms(dzb[i], xb[i], g, mu, rs, a.gshift, xhat, dxhat);
+#pragma unroll
+          for (int j = 0; j < kV; ++j) {
+            s[0] += dxhat[j];
+            s[1] += dxhat[j] * xhat[j];
+          }
+        }
+      }
+    } else {
+      for (int64_t vi = t; live && vi < nvec; vi += tpr) {
+        Vec<T> g;
+        load_vec<T, kVec, false>(dzb[0], dzr, vi, a.cols);
+        load_vec<T, kVec, false>(xb[0], xr, vi, a.cols);
+        load_vec<T, kVec, false>(g, gamma, vi, a.cols);
+        float xhat[kV], dxhat[kV];
+        terms(dzb[0], xb[0], g, mu, rs, a.gshift, xhat, dxhat);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          s[0] += dxhat[j];
+          s[1] += dxhat[j] * xhat[j];
+        }
+      }
+    }
+    group_sum(s, tpr, red[phase]);
+    phase ^= 1;
+    const float m1 = a.rms ? 0.0f : s[0] / n;
+    const float m2 = s[1] / n;
+    if (!live) continue;  // uniform per group; no barrier follows in this iteration
+    // dx of one vector and its contribution to the column sums.
+    auto finish = [&](const Vec<T>& dzv, const Vec<T>& xv, int64_t vi, float (&dgv)[kV],
+                      float (&dbv)[kV]) {
+      Vec<T> g, o;
+      load_vec<T, kVec, false>(g, gamma, vi, a.cols);
+      float xhat[kV], dxhat[kV];
+      terms(dzv, xv, g, mu, rs, a.gshift, xhat, dxhat);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        o.t[j] = from_float<T>(rs * (dxhat[j] - m1 - xhat[j] * m2));
+        const float dzf = to_float(dzv.t[j]);
+        dgv[j] += dzf * xhat[j];
+        dbv[j] += dzf;
+      }
+      store_vec<T, kVec>(o, static_cast<T*>(a.dx) + row * a.cols, vi, a.cols);
+    };
+    if constexpr (kInRegs) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+        if (vi < nvec) finish(dzb[i], xb[i], vi, dg[i], db[i]);
+      }
+    } else {
+      // One group per block here (rpb == 1), so each column of the partial row has one owner.
+      for (int64_t vi = t; vi < nvec; vi += tpr) {
+        load_vec<T, kVec, false>(dzb[0], dzr, vi, a.cols);
+        load_vec<T, kVec, false>(xb[0], xr, vi, a.cols);
+        float dgv[kV], dbv[kV];
+#pragma unroll
+        for (int j = 0; j < kV; ++j) dgv[j] = dbv[j] = 0.0f;
+        finish(dzb[0], xb[0], vi, dgv, dbv);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          const int64_t c = vi * kV + j;
+          if (c < a.cols) {
+            dg_part[c] += dgv[j];
+            if (db_part != nullptr) db_part[c] += dbv[j];
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kInRegs) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        const int64_t c = vi * kV + j;
+        if (vi < nvec && c < a.cols) {
+          dg_part[c] = dg[i][j];
+          if (db_part != nullptr) db_part[c] = db[i][j];
+        }
+      }
+    }
+  }
+}
+
+// out[c] = sum over groups of part[g][c], in group order, rounded once to T. blockIdx.y picks
+// dgamma (0) or dbeta (1).
+template <typename T>
+__global__ void column_sum_kernel(const float* __restrict__ dg_part,
+                                  const float* __restrict__ db_part, int64_t groups, int64_t cols,
+                                  T* __restrict__ dgamma, T* __restrict__ dbeta) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const float* part = blockIdx.y == 0 ? dg_part : db_part;
+  // Sixteen independent loads in flight per step; the adds stay in group order.
+  constexpr int kUnroll = 16;
+  float s = 0.0f;
+  for (int64_t g0 = 0; g0 < groups; g0 += kUnroll) {
+    float v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) v[k] = g0 + k < groups ? part[(g0 + k) * cols + c] : 0.0f;
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) s += v[k];
+  }
+  (blockIdx.y == 0 ? dgamma : dbeta)[c] = from_float<T>(s);
+}
+
+template <typename T, bool kVec, int kNV>
+void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
+  auto kernel = norm_bwd_kernel<T, kVec, kNV>;
+  // As many resident blocks as fit, and no more: the grid-stride loop covers the other rows, and
+  // every group costs a partial row of dgamma / dbeta to write and add up.
+  int per_sm = 0;
+  FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0));
+  const int64_t rpb = block / a.tpr;
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, rpb),
+                                             int64_t{sm_count()} * std::max(per_sm, 1)));
+  const int64_t groups = blocks * rpb;
+  const int64_t nparts = p.dbeta != nullptr ? 2 : 1;
+  const size_t part_bytes = static_cast<size_t>(groups * p.cols) * sizeof(float);
+  float* part = nullptr;
+  // Stream-ordered scratch, as the cast kernels' dbias partial sums.
+  FP8DP_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&part), nparts * part_bytes, st));
+  a.dgamma_part = part;
+  a.dbeta_part = p.dbeta != nullptr ? part + groups * p.cols : nullptr;
+  // The memory path adds into its partial rows; the register path writes them whole.
+  if (kNV == 0) FP8DP_CHECK_CUDA(cudaMemsetAsync(part, 0, nparts * part_bytes, st));
+  kernel<<<static_cast<unsigned>(blocks), block, 0, st>>>(a);
+  FP8DP_CHECK_CUDA(cudaGetLastError());
+  constexpr int kColThreads = 128;
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.cols, kColThreads)),
+                  static_cast<unsigned>(nparts));
+  column_sum_kernel<T><<<grid, kColThreads, 0, st>>>(a.dgamma_part, a.dbeta_part, groups, p.cols,
+                                                     static_cast<T*>(p.dgamma),
+                                                     static_cast<T*>(p.dbeta));
+  FP8DP_CHECK_CUDA(cudaGetLastError());
+  FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
+}
+
+template <typename T>
+void dispatch(const NormBwdParams& p, cudaStream_t st) {
+  constexpr int kV = Vec<T>::kV;
+  constexpr int kNV = kMaxElems / kV;  // 3 vectors of bf16 / fp16, 6 of fp32
+  BwdArgs a{p.dz, p.x, p.mu, p.rsigma, p.gamma, p.dx, nullptr, nullptr,
+            p.rows, p.cols, p.zero_centered_gamma ? 1.0f : 0.0f, p.rms, 1};
+  const int64_t nvec = ceil_div(p.cols, kV);
+  a.tpr = pick_tpr(nvec, kNV);
+  const bool in_regs = ceil_div(nvec, a.tpr) <= kNV;
+  const int block = block_for(a.tpr);
+  const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
+                   aligned(p.gamma, 16) && aligned(p.dx, 16);
+  if (vec) {
+    in_regs ? launch<T, true, kNV>(p, a, block, st) : launch<T, true, 0>(p, a, block, st);
+  } else {
+    in_regs ? launch<T, false, kNV>(p, a, block, st) : launch<T, false, 0>(p, a, block, st);
+  }
+}
+
+}  // namespace
+}  // namespace cuda::norm
+
+void norm_bwd_cuda(const NormBwdParams& p, void* stream) {
+  FP8DP_CHECK(p.rows >= 0 && p.cols > 0, "norm_bwd_cuda: bad shape [", p.rows, ", ", p.cols, "]");
+  FP8DP_CHECK(p.gamma != nullptr && p.dgamma != nullptr, "norm_bwd_cuda: gamma or dgamma is null");
+  FP8DP_CHECK(p.rows == 0 || (p.dz != nullptr && p.x != nullptr && p.rsigma != nullptr &&
+                              p.dx != nullptr && (p.rms || p.mu != nullptr)),
+              "norm_bwd_cuda: dz, x, rsigma, dx or (LayerNorm) mu is null");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.rows == 0) {  // sums over no rows; zero bits are 0.0 in every dtype
+    const size_t bytes = static_cast<size_t>(p.cols) * (p.dtype == DType::kFloat32 ? 4 : 2);
+    FP8DP_CHECK_CUDA(cudaMemsetAsync(p.dgamma, 0, bytes, st));
+    if (p.dbeta != nullptr) FP8DP_CHECK_CUDA(cudaMemsetAsync(p.dbeta, 0, bytes, st));
+    return;
+  }
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return cuda::norm::dispatch<float>(p, st);
+    case DType::kBFloat16:
+      return cuda::norm::dispatch<__nv_bfloat16>(p, st);
+    case DType::kFloat16:
+      return cuda::norm::dispatch<__half>(p, st);
+  }
+  FP8DP_CHECK(false, "norm_bwd_cuda: unknown dtype ", static_cast<int>(p.dtype));
+}
+
+}  // namespace fp8dp

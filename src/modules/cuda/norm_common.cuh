@@ -1,0 +1,146 @@
+// Device helpers shared by the CUDA LayerNorm / RMSNorm kernels (norm_fwd.cu, norm_bwd.cu): 16-byte
+// row vectors, sums over the threads of one row, and the launch geometry. Torch-free.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fp8/cuda/cast_common.cuh"
+
+namespace fp8dp::cuda::norm {
+
+// Blocks have at most 512 threads, so the register-resident kernels get 128 registers per thread.
+constexpr int kMaxBlock = 512;
+// Blocks smaller than this hold several rows (one group of `tpr` threads per row).
+constexpr int kMinBlock = 256;
+
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline bool aligned(const void* p, uintptr_t n) {
+  return p == nullptr || (reinterpret_cast<uintptr_t>(p) % n) == 0;
+}
+
+// One 16-byte piece of a row: 4 fp32 or 8 bf16 / fp16 elements.
+template <typename T>
+union Vec {
+  static constexpr int kV = 16 / sizeof(T);
+  uint4 u;
+  T t[kV];
+};
+
+// Element `c` of a row, exactly widened to float (cast_common's to_float keeps a half NaN's sign).
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// Vector `vi` of a row: one 16-byte load when kVec (row start and cols aligned), else element-wise
+// with zeros past the row end. kStream: the data is read once, so keep it out of the caches' way.
+template <typename T, bool kVec, bool kStream>
+__device__ __forceinline__ void load_vec(Vec<T>& v, const T* row, int64_t vi, int64_t cols) {
+  constexpr int kV = Vec<T>::kV;
+  if constexpr (kVec) {
+    const uint4* p = reinterpret_cast<const uint4*>(row + vi * kV);
+    v.u = kStream ? __ldcs(p) : __ldg(p);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      const int64_t c = vi * kV + j;
+      v.t[j] = c < cols ? row[c] : from_float<T>(0.0f);
+    }
+  }
+}
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void store_vec(const Vec<T>& v, T* row, int64_t vi, int64_t cols) {
+  constexpr int kV = Vec<T>::kV;
+  if constexpr (kVec) {
+    *reinterpret_cast<uint4*>(row + vi * kV) = v.u;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      if (vi * kV + j < cols) row[vi * kV + j] = v.t[j];
+    }
+  }
+}
+
+// Whether element j of vector vi lies inside the row (always, for a vector that exists, when kVec).
+template <typename T, bool kVec>
+__device__ __forceinline__ bool in_row(int64_t vi, int j, int64_t nvec, int64_t cols) {
+  if constexpr (kVec) {
+    return vi < nvec;
+  } else {
+    return vi * Vec<T>::kV + j < cols;
+  }
+}
+
+// Sum of `v` over the `tpr` threads of this thread's row group (tpr a power of two; the groups
+// tile the block, so a group of more than 32 threads is whole warps). Every thread of the block
+// must call it, with the same tpr. The xor butterfly hands every lane the same bits (each step adds
+// the same two numbers on both sides, and float addition is commutative); the warps of a group are
+// then added in index order.
+// `smem` holds one float per warp (per summed value). It may be written again only after the next
+// __syncthreads of the block: callers alternate between two buffers (the next call's barrier then
+// orders this call's reads before any new writes), which saves a barrier per call.
+template <int kN>
+__device__ __forceinline__ void group_sum(float (&v)[kN], int tpr, float (*smem)[32]) {
+  const int width = tpr < kWarp ? tpr : kWarp;
+  for (int o = 1; o < width; o *= 2) {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[k] += __shfl_xor_sync(0xFFFFFFFFu, v[k], o);
+  }
+  if (tpr <= kWarp) return;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) smem[k][warp] = v[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    float s = 0.0f;
+    const int first = threadIdx.x / tpr * (tpr / kWarp);  // the group's first warp
+    for (int w = 0; w < tpr / kWarp; ++w) s += smem[k][first + w];
+    v[k] = s;
+  }
+}
+
+// Threads per row: the smallest power of two that leaves each thread at most `target` vectors of
+// the row (at most kMaxBlock). Several rows share a block when a row needs fewer than kMinBlock.
+inline int pick_tpr(int64_t nvec, int target) {
+  int tpr = 1;
+  while (tpr < kMaxBlock && ceil_div(nvec, tpr) > target) tpr *= 2;
+  return tpr;
+}
+
+// cast_common's block_amax_commit for a block of any multiple of 32 threads (up to 1024): the
+// block's max of the amax bits, then one atomicMax into *amax_bits. Every thread must call it.
+__device__ __forceinline__ void block_amax_commit_any(uint32_t bits, unsigned int* amax_bits) {
+  __shared__ uint32_t warp_res[32];
+  bits = warp_max(bits);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) warp_res[warp] = bits;
+  __syncthreads();
+  if (warp == 0) {
+    bits = lane < static_cast<int>(blockDim.x) / kWarp ? warp_res[lane] : 0u;
+    bits = warp_max(bits);
+    if (lane == 0 && amax_bits != nullptr && bits != 0u) atomicMax(amax_bits, bits);
+  }
+}
+
+inline int block_for(int tpr) { return tpr > kMinBlock ? tpr : kMinBlock; }
+
+}  // namespace fp8dp::cuda::norm

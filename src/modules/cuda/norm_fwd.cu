@@ -1,0 +1,266 @@
+// CUDA LayerNorm / RMSNorm forward fused with the FP8 cast (norm_kernel.h). One group of threads
+// per row (a part of a warp up to a 512-thread block, chosen from cols). The row is read once into
+// registers as 16-byte vectors; the mean and then the variance are taken from those registers
+// (two passes over the registers: no cancellation of E[x^2] - E[x]^2, exact enough for any offset);
+// the output pass writes z in the activation dtype and / or its FP8 bytes. Rows too long for the
+// registers (more than 512 x 8 vectors) take the same three passes from global memory instead.
+//
+// Same FP8 bytes as norm_fwd_cpu for the same z: z is rounded to the activation dtype first (RNE,
+// as c10's conversions), the scale is applied with an unfused multiply and the conversion is the
+// hardware's saturating RNE or, around NaNs, quantize_one itself (cast_common's quantize_scaled).
+// z itself can differ from the CPU's in the last bits: the row sums are added in another order.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/cuda_check.h"
+#include "fp8/cuda/cast_common.cuh"
+#include "modules/cuda/norm_common.cuh"
+#include "modules/norm_kernel.h"
+
+namespace fp8dp {
+namespace cuda::norm {
+namespace {
+
+// Vectors of its row a thread holds in registers: kernels exist for up to 4 (short rows) and up
+// to 8; longer rows are read from global memory three times (kNV = 0). The launch aims at 8
+// vectors per thread: the 4-vector kernel already needs ~100 registers (2 blocks of 256 threads
+// per SM), the 8-vector one ~128 at the same residency, so 8 vectors keep twice the bytes in
+// flight (64 KiB per SM), and fewer threads per row make the row reductions cheaper.
+constexpr int kTargetVec = 8;
+
+struct FwdArgs {
+  const void* x;
+  const void* gamma;
+  const void* beta;  // or null
+  void* out;         // or null
+  uint8_t* out_fp8;  // or null
+  const float* scale;
+  unsigned int* amax_bits;  // or null; zeroed before the launch
+  float* mu;                // or null
+  float* rsigma;            // or null
+  int64_t rows, cols;
+  float eps;
+  float gshift;  // 1 with zero_centered_gamma, else 0
+  bool rms;
+  Format format;
+  int tpr;  // threads per row
+};
+
+// z of the elements of one vector, rounded to T; writes out / out_fp8 and folds |z| into amax.
+template <typename T, bool kVec>
+__device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, int64_t row, int64_t vi,
+                                     int64_t nvec, float mu, float rs, float scale,
+                                     uint32_t& am) {
+  constexpr int kV = Vec<T>::kV;
+  Vec<T> g, b, o;
+  load_vec<T, kVec, false>(g, static_cast<const T*>(a.gamma), vi, a.cols);
+  if (a.beta != nullptr) load_vec<T, kVec, false>(b, static_cast<const T*>(a.beta), vi, a.cols);
+  float zr[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    // The CPU kernel's expression, in its order.
+    float z = (to_float(xv.t[j]) - mu) * rs * (to_float(g.t[j]) + a.gshift);
+    if (a.beta != nullptr) z += to_float(b.t[j]);
+    o.t[j] = from_float<T>(z);
+    zr[j] = to_float(o.t[j]);
+    if (in_row<T, kVec>(vi, j, nvec, a.cols)) am = max(am, abs_bits(zr[j]));
+  }
+  if (a.out != nullptr) store_vec<T, kVec>(o, static_cast<T*>(a.out) + row * a.cols, vi, a.cols);
+  if (a.out_fp8 != nullptr) {
+    union {
+      uint8_t b[kV];
+      uint32_t w[kV / 4];
+    } q;
+    if (a.format == Format::kE4M3) {
+      quantize_scaled<Format::kE4M3, kV>(zr, scale, am == kQuietNaNBits, q.b);
+    } else {
+      quantize_scaled<Format::kE5M2, kV>(zr, scale, am == kQuietNaNBits, q.b);
+    }
+    uint8_t* dst = a.out_fp8 + row * a.cols + vi * kV;
+    if constexpr (kVec) {
+      if constexpr (kV == 4) {
+        *reinterpret_cast<uint32_t*>(dst) = q.w[0];
+      } else {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(q.w[0], q.w[1]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        if (vi * kV + j < a.cols) dst[j] = q.b[j];
+      }
+    }
+  }
+}
+
+// kVec: every row pointer is 16-byte aligned and cols a multiple of the vector width.
+// kNV > 0: the row is held in registers, at most kNV vectors per thread; 0: re-read from memory.
+template <typename T, bool kVec, int kNV>
+__global__ void __launch_bounds__(kMaxBlock) norm_fwd_kernel(const FwdArgs a) {
+  constexpr int kV = Vec<T>::kV;
+  constexpr bool kInRegs = kNV > 0;
+  constexpr int kMaxVec = kInRegs ? kNV : 1;
+  __shared__ float red[2][1][32];  // group_sum buffers, used alternately
+  int phase = 0;
+  const int tpr = a.tpr;
+  const int rpb = blockDim.x / tpr;
+  const int t = threadIdx.x % tpr;
+  const int64_t nvec = ceil_div(a.cols, kV);
+  const float scale = a.out_fp8 != nullptr ? *a.scale : 1.0f;
+  const float n = static_cast<float>(a.cols);
+  uint32_t am = 0;
+  // Grid-stride over groups of rpb rows; the trip count is uniform across the block, which the
+  // __syncthreads inside group_sum needs.
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rpb; r0 < a.rows;
+       r0 += static_cast<int64_t>(gridDim.x) * rpb) {
+    const int64_t row = r0 + threadIdx.x / tpr;
+    const bool live = row < a.rows;
+    const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
+    Vec<T> buf[kMaxVec];
+    float s[1] = {0.0f};
+    if constexpr (kInRegs) {
+#pragma unroll
+      for (int i = 0; i < kMaxVec; ++i) {
+        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+        if (live && vi < nvec) {
+          load_vec<T, kVec, true>(buf[i], xr, vi, a.cols);
+        } else {
+          buf[i].u = make_uint4(0, 0, 0, 0);  // zero bits are 0.0 in all three dtypes
+        }
+      }
+    }
+    float mu = 0.0f;
+    if (!a.rms) {
+      if constexpr (kInRegs) {
+#pragma unroll
+        for (int i = 0; i < kMaxVec; ++i) {
+#pragma unroll
+          for (int j = 0; j < kV; ++j) s[0] += to_float(buf[i].t[j]);  // zeros past the end
+        }
+      } else {
+        for (int64_t vi = t; live && vi < nvec; vi += tpr) {
+          load_vec<T, kVec, false>(buf[0], xr, vi, a.cols);
+#pragma unroll
+          for (int j = 0; j < kV; ++j) s[0] += to_float(buf[0].t[j]);
+        }
+      }
+      group_sum(s, tpr, red[phase]);
+      phase ^= 1;
+      mu = s[0] / n;
+    }
+    float ss[1] = {0.0f};
+    if constexpr (kInRegs) {
+#pragma unroll
+      for (int i = 0; i < kMaxVec; ++i) {
+        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          const float d = to_float(buf[i].t[j]) - mu;
+          if (in_row<T, kVec>(vi, j, nvec, a.cols)) ss[0] += d * d;
+        }
+      }
+    } else {
+      for (int64_t vi = t; live && vi < nvec; vi += tpr) {
+        load_vec<T, kVec, false>(buf[0], xr, vi, a.cols);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          const float d = to_float(buf[0].t[j]) - mu;
+          if (in_row<T, kVec>(vi, j, nvec, a.cols)) ss[0] += d * d;
+        }
+      }
+    }
+    group_sum(ss, tpr, red[phase]);
+    phase ^= 1;
+    const float rs = 1.0f / sqrtf(ss[0] / n + a.eps);  // IEEE sqrt and division, as on the CPU
+    if (live) {
+      if (t == 0 && a.mu != nullptr) a.mu[row] = mu;
+      if (t == 0 && a.rsigma != nullptr) a.rsigma[row] = rs;
+      if constexpr (kInRegs) {
+#pragma unroll
+        for (int i = 0; i < kMaxVec; ++i) {
+          const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+          if (vi < nvec) emit<T, kVec>(a, buf[i], row, vi, nvec, mu, rs, scale, am);
+        }
+      } else {
+        for (int64_t vi = t; vi < nvec; vi += tpr) {
+          load_vec<T, kVec, false>(buf[0], xr, vi, a.cols);
+          emit<T, kVec>(a, buf[0], row, vi, nvec, mu, rs, scale, am);
+        }
+      }
+    }
+  }
+  block_amax_commit_any(am, a.amax_bits);
+}
+
+template <typename T, bool kVec, int kNV>
+void launch(const FwdArgs& a, int block, cudaStream_t st) {
+  auto kernel = norm_fwd_kernel<T, kVec, kNV>;
+  // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
+  // and fewer blocks mean fewer amax atomics.
+  int per_sm = 0;
+  FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0));
+  const int64_t rpb = block / a.tpr;
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>(ceil_div(a.rows, rpb),
+                                             int64_t{sm_count()} * std::max(per_sm, 1)));
+  kernel<<<static_cast<unsigned>(blocks), block, 0, st>>>(a);
+  FP8DP_CHECK_CUDA(cudaGetLastError());
+}
+
+template <typename T, bool kVec>
+void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st) {
+  if (per_thread <= 4) return launch<T, kVec, 4>(a, block, st);
+  if (per_thread <= 8) return launch<T, kVec, 8>(a, block, st);
+  launch<T, kVec, 0>(a, block, st);
+}
+
+template <typename T>
+void dispatch(const NormFwdParams& p, cudaStream_t st) {
+  constexpr int kV = Vec<T>::kV;
+  FwdArgs a{p.input, p.gamma, p.beta, p.out, p.out_fp8, p.scale,
+            reinterpret_cast<unsigned int*>(p.amax), p.mu, p.rsigma, p.rows, p.cols, p.eps,
+            p.zero_centered_gamma ? 1.0f : 0.0f, p.rms, p.format, 1};
+  const int64_t nvec = ceil_div(p.cols, kV);
+  a.tpr = pick_tpr(nvec, kTargetVec);
+  const int block = block_for(a.tpr);
+  // 16-byte vectors need every row to start on a 16-byte boundary (cols % kV == 0 and aligned base
+  // pointers); the FP8 row then starts on a kV-byte boundary, the width of its stores.
+  const bool vec = p.cols % kV == 0 && aligned(p.input, 16) && aligned(p.gamma, 16) &&
+                   aligned(p.beta, 16) && aligned(p.out, 16) && aligned(p.out_fp8, kV);
+  const int64_t per_thread = ceil_div(nvec, a.tpr);
+  if (vec) {
+    launch_nv<T, true>(a, per_thread, block, st);
+  } else {
+    launch_nv<T, false>(a, per_thread, block, st);
+  }
+}
+
+void dispatch_dtype(const NormFwdParams& p, cudaStream_t st) {
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return dispatch<float>(p, st);
+    case DType::kBFloat16:
+      return dispatch<__nv_bfloat16>(p, st);
+    case DType::kFloat16:
+      return dispatch<__half>(p, st);
+  }
+  FP8DP_CHECK(false, "norm_fwd_cuda: unknown dtype ", static_cast<int>(p.dtype));
+}
+
+}  // namespace
+}  // namespace cuda::norm
+
+void norm_fwd_cuda(const NormFwdParams& p, void* stream) {
+  FP8DP_CHECK(p.rows >= 0 && p.cols > 0, "norm_fwd_cuda: bad shape [", p.rows, ", ", p.cols, "]");
+  FP8DP_CHECK(p.rows == 0 || (p.input != nullptr && p.gamma != nullptr),
+              "norm_fwd_cuda: input or gamma is null");
+  FP8DP_CHECK(p.out_fp8 == nullptr || p.scale != nullptr, "norm_fwd_cuda: out_fp8 needs a scale");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  // Blocks merge their amax with atomicMax on the bits, so it starts at 0 (the amax of no rows).
+  if (p.amax != nullptr) FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
+  if (p.rows == 0) return;
+  cuda::norm::dispatch_dtype(p, st);
+}
+
+}  // namespace fp8dp

@@ -1,0 +1,44 @@
+"""Shared pytest fixtures of the single-process tests.
+
+`device`: every module test group runs once on the CPU (FP8 emulated, FP32 GEMMs) and once on
+CUDA (CUDA kernels, cuBLASLt). The CUDA runs skip at once, with the reason from
+fp8dp.cuda_available(return_reason=True), where the build has no CUDA or torch sees no GPU, so CI
+on a CPU machine pays nothing for them.
+
+`fp8_states_released`: after the test, nothing keeps its FP8 modules alive.
+"""
+
+import gc
+import sys
+
+import pytest
+import torch
+
+import fp8dp
+
+CUDA_OK, CUDA_REASON = fp8dp.cuda_available(return_reason=True)
+
+
+def _release_fp8_states():
+    # fp8dp.update_fp8_scales() walks every live FP8 scaling state of the process and refuses
+    # states on two devices at once, so a test's modules must be gone before a test on another
+    # device runs. pytest keeps the last failure's traceback for post-mortem debugging
+    # (sys.last_traceback and friends), and with it the failed test's modules: drop that too, or
+    # one failure on one device would fail every later update_fp8_scales() on the other.
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+
+
+@pytest.fixture
+def fp8_states_released():
+    yield
+    _release_fp8_states()
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request, fp8_states_released):
+    if request.param == "cuda" and not CUDA_OK:
+        pytest.skip(CUDA_REASON)
+    return torch.device(request.param)
