@@ -203,10 +203,10 @@ class DistributedDataParallel(torch.nn.Module):
         """Copy the parameters of group rank `src` to every rank (one collective per buffer)."""
         self._sync.broadcast_params(int(src))
 
+    # With overlap_param_gather the owners' state_dict / load_state_dict pre-hooks wait for the
+    # all-gathers still in flight (a half-gathered save, or a load a late gather overwrites).
     def state_dict(self, *args, **kwargs):
-        self.finish_param_sync()  # never save half-gathered parameters
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        self.finish_param_sync()  # an all-gather still in flight would overwrite what is loaded
         return self.module.load_state_dict(state_dict, strict=strict)

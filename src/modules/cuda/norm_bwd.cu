@@ -53,8 +53,10 @@ __device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv, const
 }
 
 // kNV > 0: dz and x are held in registers, at most kNV vectors per thread; 0: re-read from memory.
-template <typename T, bool kVec, int kNV>
-__global__ void __launch_bounds__(kMaxBlock) norm_bwd_kernel(const BwdArgs a) {
+// kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
+// timed by bench/norm_variants.cu).
+template <typename T, bool kVec, int kNV, int kMinBlocks>
+__global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const BwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kN = kInRegs ? kNV : 1;
@@ -212,9 +214,9 @@ __global__ void column_sum_kernel(const float* __restrict__ dg_part,
   (blockIdx.y == 0 ? dgamma : dbeta)[c] = from_float<T>(s);
 }
 
-template <typename T, bool kVec, int kNV>
+template <typename T, bool kVec, int kNV, int kMinBlocks>
 void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
-  auto kernel = norm_bwd_kernel<T, kVec, kNV>;
+  auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks>;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the other rows, and
   // every group costs a partial row of dgamma / dbeta to write and add up.
   int per_sm = 0;
@@ -245,7 +247,8 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
 }
 
-template <typename T>
+// kMinBlocks exists for the tuning benchmark; the library launches 1.
+template <typename T, int kMinBlocks = 1>
 void dispatch(const NormBwdParams& p, cudaStream_t st) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;  // 3 vectors of bf16 / fp16, 6 of fp32
@@ -258,9 +261,11 @@ void dispatch(const NormBwdParams& p, cudaStream_t st) {
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
                    aligned(p.gamma, 16) && aligned(p.dx, 16);
   if (vec) {
-    in_regs ? launch<T, true, kNV>(p, a, block, st) : launch<T, true, 0>(p, a, block, st);
+    in_regs ? launch<T, true, kNV, kMinBlocks>(p, a, block, st)
+            : launch<T, true, 0, kMinBlocks>(p, a, block, st);
   } else {
-    in_regs ? launch<T, false, kNV>(p, a, block, st) : launch<T, false, 0>(p, a, block, st);
+    in_regs ? launch<T, false, kNV, kMinBlocks>(p, a, block, st)
+            : launch<T, false, 0, kMinBlocks>(p, a, block, st);
   }
 }
 

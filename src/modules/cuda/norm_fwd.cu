@@ -96,8 +96,10 @@ __device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, int64_t
 
 // kVec: every row pointer is 16-byte aligned and cols a multiple of the vector width.
 // kNV > 0: the row is held in registers, at most kNV vectors per thread; 0: re-read from memory.
-template <typename T, bool kVec, int kNV>
-__global__ void __launch_bounds__(kMaxBlock) norm_fwd_kernel(const FwdArgs a) {
+// kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
+// timed by bench/norm_variants.cu).
+template <typename T, bool kVec, int kNV, int kMinBlocks>
+__global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const FwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kMaxVec = kInRegs ? kNV : 1;
@@ -193,9 +195,9 @@ __global__ void __launch_bounds__(kMaxBlock) norm_fwd_kernel(const FwdArgs a) {
   block_amax_commit_any(am, a.amax_bits);
 }
 
-template <typename T, bool kVec, int kNV>
+template <typename T, bool kVec, int kNV, int kMinBlocks>
 void launch(const FwdArgs& a, int block, cudaStream_t st) {
-  auto kernel = norm_fwd_kernel<T, kVec, kNV>;
+  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks>;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
   // and fewer blocks mean fewer amax atomics.
   int per_sm = 0;
@@ -208,21 +210,23 @@ void launch(const FwdArgs& a, int block, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-template <typename T, bool kVec>
+template <typename T, bool kVec, int kMinBlocks>
 void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st) {
-  if (per_thread <= 4) return launch<T, kVec, 4>(a, block, st);
-  if (per_thread <= 8) return launch<T, kVec, 8>(a, block, st);
-  launch<T, kVec, 0>(a, block, st);
+  if (per_thread <= 4) return launch<T, kVec, 4, kMinBlocks>(a, block, st);
+  if (per_thread <= 8) return launch<T, kVec, 8, kMinBlocks>(a, block, st);
+  launch<T, kVec, 0, kMinBlocks>(a, block, st);
 }
 
-template <typename T>
-void dispatch(const NormFwdParams& p, cudaStream_t st) {
+// The library's choices: 8 vectors per thread, no residency target (the 8-vector kernel needs
+// ~128 registers). `target` and kMinBlocks exist for the tuning benchmark.
+template <typename T, int kMinBlocks = 1>
+void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) {
   constexpr int kV = Vec<T>::kV;
   FwdArgs a{p.input, p.gamma, p.beta, p.out, p.out_fp8, p.scale,
             reinterpret_cast<unsigned int*>(p.amax), p.mu, p.rsigma, p.rows, p.cols, p.eps,
             p.zero_centered_gamma ? 1.0f : 0.0f, p.rms, p.format, 1};
   const int64_t nvec = ceil_div(p.cols, kV);
-  a.tpr = pick_tpr(nvec, kTargetVec);
+  a.tpr = pick_tpr(nvec, target);
   const int block = block_for(a.tpr);
   // 16-byte vectors need every row to start on a 16-byte boundary (cols % kV == 0 and aligned base
   // pointers); the FP8 row then starts on a kV-byte boundary, the width of its stores.
@@ -230,9 +234,9 @@ void dispatch(const NormFwdParams& p, cudaStream_t st) {
                    aligned(p.beta, 16) && aligned(p.out, 16) && aligned(p.out_fp8, kV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
   if (vec) {
-    launch_nv<T, true>(a, per_thread, block, st);
+    launch_nv<T, true, kMinBlocks>(a, per_thread, block, st);
   } else {
-    launch_nv<T, false>(a, per_thread, block, st);
+    launch_nv<T, false, kMinBlocks>(a, per_thread, block, st);
   }
 }
 

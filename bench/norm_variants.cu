@@ -1,0 +1,170 @@
+// Tuning benchmark of the LayerNorm / RMSNorm kernels (src/modules/cuda/norm_*.cu): times their
+// launch choices against each other and against a device-to-device copy of the input, interleaved
+// (A B C ... A B C ..., median of 20), on random bf16 16384 x 8192 (256 MiB) and 4096 x 8192.
+//   forward (LayerNorm, E4M3 output only): vectors of the row per thread (2, 4, 8: threads per row
+//     follow) x register budget for 1 or 2 resident 512-thread blocks per SM;
+//   backward (LayerNorm, dx + dgamma + dbeta): register budget for 1 or 2 blocks.
+// Bandwidth counts the bytes each op must move (forward: x read, FP8 written; backward: dz and x
+// read, dx written). The library launches the first variant of each table; a faster one there is
+// the next change to make.
+// Build (no torch needed):
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//        -DFP8DP_WITH_CUDA=1 -I src -o build/norm_variants bench/norm_variants.cu \
+//        src/fp8/cuda/quantize.cu src/fp8/cuda/cast_transpose.cu src/fp8/cuda/cast_workspace.cu
+// Run: build/norm_variants
+#include "modules/cuda/norm_bwd.cu"
+#include "modules/cuda/norm_fwd.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <initializer_list>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace fp8dp::cuda::norm {
+namespace {
+
+#define CK(x) FP8DP_CHECK_CUDA(x)
+
+struct Variant {
+  std::string name;
+  double bytes;
+  std::function<void()> run;
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void time_table(const char* title, std::vector<Variant>& vs, cudaStream_t st) {
+  constexpr int kRounds = 20;
+  for (auto& v : vs) {
+    for (int i = 0; i < 3; ++i) v.run();
+  }
+  CK(cudaStreamSynchronize(st));
+  std::vector<std::vector<float>> ms(vs.size());
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int r = 0; r < kRounds; ++r) {
+    for (size_t i = 0; i < vs.size(); ++i) {
+      CK(cudaEventRecord(e0, st));
+      vs[i].run();
+      CK(cudaEventRecord(e1, st));
+      CK(cudaEventSynchronize(e1));
+      float t = 0;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      ms[i].push_back(t);
+    }
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  const double copy_tbps = vs[0].bytes / (median(ms[0]) * 1e-3) / 1e12;
+  std::printf("\n%s\n%-40s %9s %7s %8s\n", title, "variant", "us", "TB/s", "of copy");
+  for (size_t i = 0; i < vs.size(); ++i) {
+    const double m = median(ms[i]);
+    const double tbps = vs[i].bytes / (m * 1e-3) / 1e12;
+    std::printf("%-40s %9.1f %7.2f %7.0f%%\n", vs[i].name.c_str(), m * 1e3, tbps,
+                100.0 * tbps / copy_tbps);
+  }
+}
+
+void fill_random_bf16(__nv_bfloat16* dev, size_t n, float mean, float stddev, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(mean, stddev);
+  std::vector<__nv_bfloat16> h(n);
+  for (auto& v : h) v = __float2bfloat16(d(gen));
+  CK(cudaMemcpy(dev, h.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
+}
+
+void run_shape(int64_t rows, int64_t cols, cudaStream_t st) {
+  using T = __nv_bfloat16;
+  const size_t n = static_cast<size_t>(rows * cols);
+  T *x, *dz, *dx, *gamma, *beta, *dgamma, *dbeta, *copy;
+  uint8_t* fp8;
+  float *scale, *amax, *mu, *rsigma;
+  CK(cudaMalloc(&x, n * 2));
+  CK(cudaMalloc(&dz, n * 2));
+  CK(cudaMalloc(&dx, n * 2));
+  CK(cudaMalloc(&copy, n * 2));
+  CK(cudaMalloc(&fp8, n));
+  CK(cudaMalloc(&gamma, cols * 2));
+  CK(cudaMalloc(&beta, cols * 2));
+  CK(cudaMalloc(&dgamma, cols * 2));
+  CK(cudaMalloc(&dbeta, cols * 2));
+  CK(cudaMalloc(&scale, 4));
+  CK(cudaMalloc(&amax, 4));
+  CK(cudaMalloc(&mu, rows * 4));
+  CK(cudaMalloc(&rsigma, rows * 4));
+  fill_random_bf16(x, n, 0.5f, 2.0f, 1);
+  fill_random_bf16(dz, n, 0.0f, 1.0f, 2);
+  fill_random_bf16(gamma, cols, 1.0f, 0.1f, 3);
+  fill_random_bf16(beta, cols, 0.0f, 0.1f, 4);
+  const float two = 2.0f;
+  CK(cudaMemcpy(scale, &two, 4, cudaMemcpyHostToDevice));
+
+  NormFwdParams f;
+  f.input = x;
+  f.dtype = DType::kBFloat16;
+  f.rows = rows;
+  f.cols = cols;
+  f.gamma = gamma;
+  f.beta = beta;
+  f.out_fp8 = fp8;
+  f.scale = scale;
+  f.amax = amax;
+  f.mu = mu;
+  f.rsigma = rsigma;
+  NormBwdParams b;
+  b.dz = dz;
+  b.x = x;
+  b.dtype = DType::kBFloat16;
+  b.rows = rows;
+  b.cols = cols;
+  b.mu = mu;
+  b.rsigma = rsigma;
+  b.gamma = gamma;
+  b.dx = dx;
+  b.dgamma = dgamma;
+  b.dbeta = dbeta;
+
+  const double copy_bytes = 2.0 * n * 2;
+  const double fwd_bytes = n * 2.0 + n;
+  const double bwd_bytes = 3.0 * n * 2;
+  auto copy_op = [=] { CK(cudaMemcpyAsync(copy, x, n * 2, cudaMemcpyDeviceToDevice, st)); };
+  std::vector<Variant> fwd = {{"copy", copy_bytes, copy_op}};
+  for (int target : {8, 4, 2}) {
+    fwd.push_back({std::to_string(target) + " vectors/thread, 1 block/SM budget", fwd_bytes,
+                   [=] { dispatch<T, 1>(f, st, target); }});
+    fwd.push_back({std::to_string(target) + " vectors/thread, 2 blocks/SM budget", fwd_bytes,
+                   [=] { dispatch<T, 2>(f, st, target); }});
+  }
+  std::vector<Variant> bwd = {{"copy", copy_bytes, copy_op},
+                              {"1 block/SM budget", bwd_bytes, [=] { dispatch<T, 1>(b, st); }},
+                              {"2 blocks/SM budget", bwd_bytes, [=] { dispatch<T, 2>(b, st); }}};
+  char title[128];
+  std::snprintf(title, sizeof title, "LayerNorm + E4M3 cast forward, bf16 %ldx%ld", (long)rows,
+                (long)cols);
+  time_table(title, fwd, st);
+  std::snprintf(title, sizeof title, "LayerNorm backward, bf16 %ldx%ld", (long)rows, (long)cols);
+  time_table(title, bwd, st);
+  for (void* p : std::initializer_list<void*>{x, dz, dx, copy, fp8, gamma, beta, dgamma, dbeta,
+                                              scale, amax, mu, rsigma}) {
+    CK(cudaFree(p));
+  }
+}
+
+}  // namespace
+}  // namespace fp8dp::cuda::norm
+
+int main() {
+  cudaStream_t st;
+  FP8DP_CHECK_CUDA(cudaStreamCreate(&st));
+  fp8dp::cuda::norm::run_shape(16384, 8192, st);
+  fp8dp::cuda::norm::run_shape(4096, 8192, st);
+  FP8DP_CHECK_CUDA(cudaStreamDestroy(st));
+  return 0;
+}
