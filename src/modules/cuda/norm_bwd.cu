@@ -219,8 +219,8 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks>;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the other rows, and
   // every group costs a partial row of dgamma / dbeta to write and add up.
-  int per_sm = 0;
-  FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0));
+  static OccupancyCache cache;  // static storage: zero-initialised
+  const int per_sm = resident_blocks(kernel, block, cache);
   const int64_t rpb = block / a.tpr;
   const int64_t blocks =
       std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, rpb),

@@ -6,8 +6,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
+#include "common/cuda_check.h"
 #include "fp8/cuda/cast_common.cuh"
 
 namespace fp8dp::cuda::norm {
@@ -139,6 +141,23 @@ __device__ __forceinline__ void block_amax_commit_any(uint32_t bits, unsigned in
     bits = warp_max(bits);
     if (lane == 0 && amax_bits != nullptr && bits != 0u) atomicMax(amax_bits, bits);
   }
+}
+
+// Per-kernel cache of resident_blocks: one per launch-function instantiation (a static there).
+using OccupancyCache = std::atomic<int>[kMaxBlock / kWarp + 1];
+
+// Resident blocks per SM of `kernel` at `block` threads, asked once per kernel and block size
+// (`cache` belongs to this kernel): it depends only on the kernel's resources and the
+// architecture (one per process).
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int block, OccupancyCache& cache) {
+  std::atomic<int>& c = cache[block / kWarp];
+  int n = c.load(std::memory_order_relaxed);
+  if (n == 0) {
+    FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, 0));
+    c.store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 inline int block_for(int tpr) { return tpr > kMinBlock ? tpr : kMinBlock; }

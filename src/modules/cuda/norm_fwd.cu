@@ -23,12 +23,17 @@ namespace fp8dp {
 namespace cuda::norm {
 namespace {
 
-// Vectors of its row a thread holds in registers: kernels exist for up to 4 (short rows) and up
-// to 8; longer rows are read from global memory three times (kNV = 0). The launch aims at 8
-// vectors per thread: the 4-vector kernel already needs ~100 registers (2 blocks of 256 threads
-// per SM), the 8-vector one ~128 at the same residency, so 8 vectors keep twice the bytes in
-// flight (64 KiB per SM), and fewer threads per row make the row reductions cheaper.
-constexpr int kTargetVec = 8;
+// Vectors of its row a thread holds in registers: kernels exist for up to 4 and up to 8; longer
+// rows are read from global memory three times (kNV = 0). The launch aims at 4 vectors per thread
+// and gives the 4-vector kernel a register budget for 2 resident 512-thread blocks per SM (64
+// registers; ptxas spills under 50 bytes for bf16 / fp32). Measured on the H200 at 08:48 with the
+// earlier choice, 8 vectors per thread at ~128 registers (two 256-thread blocks per SM): the LN
+// forward + FP8 cast of bf16 16384 x 8192 ran at 40% of the copy bandwidth, no faster than with a
+// bf16 output (more bytes), i.e. bound by the latency of each row's load -> reduce -> write chain
+// with only 16 warps per SM, not by memory. Twice the resident warps overlap more rows' chains.
+// Not yet measured; bench/norm_variants.cu times both choices (and 2 vectors per thread).
+constexpr int kTargetVec = 4;
+constexpr int kMinBlocks4 = 2;
 
 struct FwdArgs {
   const void* x;
@@ -199,9 +204,10 @@ template <typename T, bool kVec, int kNV, int kMinBlocks>
 void launch(const FwdArgs& a, int block, cudaStream_t st) {
   auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks>;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
-  // and fewer blocks mean fewer amax atomics.
-  int per_sm = 0;
-  FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0));
+  // and fewer blocks mean fewer amax atomics. The occupancy answer is cached per block size (it
+  // depends on the kernel's registers and the architecture only; one architecture per process).
+  static OccupancyCache cache;  // static storage: zero-initialised
+  const int per_sm = resident_blocks(kernel, block, cache);
   const int64_t rpb = block / a.tpr;
   const int64_t blocks =
       std::max<int64_t>(1, std::min<int64_t>(ceil_div(a.rows, rpb),
@@ -210,16 +216,17 @@ void launch(const FwdArgs& a, int block, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
+// kMinBlocks is the 4-vector kernel's budget; the 8-vector kernel keeps 128 registers (it would
+// spill hundreds of bytes at 64), the memory path 1 block.
 template <typename T, bool kVec, int kMinBlocks>
 void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st) {
   if (per_thread <= 4) return launch<T, kVec, 4, kMinBlocks>(a, block, st);
-  if (per_thread <= 8) return launch<T, kVec, 8, kMinBlocks>(a, block, st);
-  launch<T, kVec, 0, kMinBlocks>(a, block, st);
+  if (per_thread <= 8) return launch<T, kVec, 8, 1>(a, block, st);
+  launch<T, kVec, 0, 1>(a, block, st);
 }
 
-// The library's choices: 8 vectors per thread, no residency target (the 8-vector kernel needs
-// ~128 registers). `target` and kMinBlocks exist for the tuning benchmark.
-template <typename T, int kMinBlocks = 1>
+// The library launches the defaults; `target` and kMinBlocks exist for the tuning benchmark.
+template <typename T, int kMinBlocks = kMinBlocks4>
 void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) {
   constexpr int kV = Vec<T>::kV;
   FwdArgs a{p.input, p.gamma, p.beta, p.out, p.out_fp8, p.scale,
