@@ -118,7 +118,8 @@ def run_config(args, bucket_size, rank, ws):
     # is one more pass over the whole FP32 gradient buffer on the compute stream.
     cfg = fp8dp.DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True,
-        average_in_collective=not args.prescale, bucket_size=bucket_size, comm_backend="nccl")
+        average_in_collective=not args.prescale, bucket_size=bucket_size, comm_backend="nccl",
+        grad_reduce_in_fp32=args.grad_dtype == "fp32")
     ddp = fp8dp.DistributedDataParallel(model, cfg)
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-5)
     recipe = fp8dp.DelayedScaling()
@@ -208,6 +209,7 @@ def run_config(args, bucket_size, rank, ws):
         "communicator": sync.communicator().name,
         "bucket_groups": sync.num_bucket_groups, "bucket_size": cfg.resolved_bucket_size(ws),
         "average_in_collective": cfg.average_in_collective,
+        "grad_dtype": args.grad_dtype,
         "overlap_param_gather": ddp.overlap_param_gather,
         "full_step_ms": med["full"], "compute_only_step_ms": comp,
         "full_no_param_overlap_step_ms": med["full_no_param_overlap"],
@@ -222,7 +224,8 @@ def run_config(args, bucket_size, rank, ws):
         print_table(f"DDP step, {args.layers} x fp8dp.Linear({h}), {args.tokens} tokens/GPU, "
                     f"{ws} GPUs, bucket_size {result['bucket_size']} = "
                     f"{sync.num_bucket_groups} bucket groups, "
-                    f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'} "
+                    f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'}, "
+                    f"{args.grad_dtype} grads "
                     "(target ratio <= 1.05; slowest rank)",
                     ["variant", "step ms", "ratio", "exposed comm ms"],
                     [[n, f"{med[n]:.2f}", f"{med[n] / comp:.3f}x", f"{med[n] - comp:.2f}"]
@@ -250,6 +253,9 @@ def main():
                          "('default': DDP's; 16000000: one layer per bucket at hidden 4096)")
     ap.add_argument("--prescale", action="store_true",
                     help="pre-scale buckets by 1/dp (average_in_collective=False) instead of AVG")
+    ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="main_grad and reduce-scatter dtype (grad_reduce_in_fp32); bf16 halves "
+                         "the bytes the collectives move")
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", timeout=timedelta(seconds=180),
@@ -261,7 +267,7 @@ def main():
         gc.collect()  # the model, its buffers and its NCCL communicator, before the next one
         torch.cuda.empty_cache()
     if rank == 0:
-        cmd = "torchrun --standalone --nproc_per_node=2 bench/ddp_gpu.py"
+        cmd = "torchrun --standalone --nproc_per_node=2 bench/ddp_gpu.py " + " ".join(sys.argv[1:])
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         write_json(args.json, {"benchmark": "ddp_gpu", **device_info(), "command": cmd,
                                "nccl_env": env, "result": results[0],
