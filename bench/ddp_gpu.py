@@ -129,7 +129,8 @@ def run_config(args, bucket_size, rank, ws):
     cfg = fp8dp.DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True,
         average_in_collective=not args.prescale, bucket_size=bucket_size, comm_backend="nccl",
-        grad_reduce_in_fp32=args.grad_dtype == "fp32")
+        grad_reduce_in_fp32=args.grad_dtype == "fp32",
+        nccl_high_priority_stream=not args.nccl_low_priority)
     ddp = fp8dp.DistributedDataParallel(model, cfg)
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-5)
     recipe = fp8dp.DelayedScaling()
@@ -228,6 +229,7 @@ def run_config(args, bucket_size, rank, ws):
         "bucket_groups": sync.num_bucket_groups, "bucket_size": cfg.resolved_bucket_size(ws),
         "average_in_collective": cfg.average_in_collective,
         "grad_dtype": args.grad_dtype,
+        "nccl_high_priority_stream": cfg.nccl_high_priority_stream,
         "overlap_param_gather": ddp.overlap_param_gather,
         "full_step_ms": med["full"], "compute_only_step_ms": comp,
         "full_no_param_overlap_step_ms": med["full_no_param_overlap"],
@@ -245,7 +247,8 @@ def run_config(args, bucket_size, rank, ws):
                     f"{ws} GPUs, bucket_size {result['bucket_size']} = "
                     f"{sync.num_bucket_groups} bucket groups, "
                     f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'}, "
-                    f"{args.grad_dtype} grads "
+                    f"{args.grad_dtype} grads, NCCL stream "
+                    f"{'high' if cfg.nccl_high_priority_stream else 'normal'} priority "
                     "(target ratio <= 1.05; slowest rank)",
                     ["variant", "step ms", "ratio", "exposed comm ms"],
                     [[n, f"{med[n]:.2f}", f"{med[n] / comp:.3f}x", f"{med[n] - comp:.2f}"]
@@ -279,6 +282,9 @@ def main():
                          "('default': DDP's; 16000000: one layer per bucket at hidden 4096)")
     ap.add_argument("--prescale", action="store_true",
                     help="pre-scale buckets by 1/dp (average_in_collective=False) instead of AVG")
+    ap.add_argument("--nccl-low-priority", action="store_true",
+                    help="the NCCL stream at normal priority (nccl_high_priority_stream=False): "
+                         "compute takes SMs first")
     ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="main_grad and reduce-scatter dtype (grad_reduce_in_fp32); bf16 halves "
                          "the bytes the collectives move")
