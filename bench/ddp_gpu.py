@@ -35,6 +35,7 @@ import gc
 import os
 import statistics
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -49,9 +50,13 @@ PHASES = ["zero", "forward", "backward", "grad_sync", "optimizer"]
 
 
 def timed_steps(step, steps, rounds, drain):
-    """Median ms per step and per phase over rounds x steps steady-state steps. step(ev) runs one
-    training step and records len(PHASES) events into ev, the first one at its start."""
+    """Median ms per step and per phase over rounds x steps steady-state steps, on the GPU (CUDA
+    events) and on the host (time the Python thread spent enqueueing). step(ev) runs one training
+    step and appends len(PHASES) (event, host time) marks to ev, the first one at its start. A
+    host time close to (or above) the GPU time means the step is launch-bound: the GPU waits for
+    the host, and host work added by communication shows up as GPU time."""
     per_step, per_phase = [], {p: [] for p in PHASES}
+    host_step, host_phase = [], {p: [] for p in PHASES}
     for _ in range(rounds):
         step([])  # untimed: leaves the steady state (e.g. an all-gather in flight) behind it
         marks = []
@@ -61,15 +66,20 @@ def timed_steps(step, steps, rounds, drain):
             marks.append(ev)
         tail = torch.cuda.Event(enable_timing=True)
         tail.record()
+        tail_host = time.perf_counter()
         drain()
         torch.cuda.synchronize()
-        starts = [m[0] for m in marks] + [tail]
+        starts = [m[0] for m in marks] + [(tail, tail_host)]
         for i, ev in enumerate(marks):
-            per_step.append(starts[i].elapsed_time(starts[i + 1]))
+            per_step.append(starts[i][0].elapsed_time(starts[i + 1][0]))
+            host_step.append(1e3 * (starts[i + 1][1] - starts[i][1]))
             bounds = ev + [starts[i + 1]]
             for k, p in enumerate(PHASES):
-                per_phase[p].append(bounds[k].elapsed_time(bounds[k + 1]))
-    return statistics.median(per_step), {p: statistics.median(v) for p, v in per_phase.items()}
+                per_phase[p].append(bounds[k][0].elapsed_time(bounds[k + 1][0]))
+                host_phase[p].append(1e3 * (bounds[k + 1][1] - bounds[k][1]))
+    med = statistics.median
+    return (med(per_step), {p: med(v) for p, v in per_phase.items()},
+            med(host_step), {p: med(v) for p, v in host_phase.items()})
 
 
 def comm_alone(sync, grad_dtype, param_dtype, rounds):
@@ -118,7 +128,9 @@ def run_config(args, bucket_size, rank, ws):
     # is one more pass over the whole FP32 gradient buffer on the compute stream.
     cfg = fp8dp.DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True,
-        average_in_collective=not args.prescale, bucket_size=bucket_size, comm_backend="nccl")
+        average_in_collective=not args.prescale, bucket_size=bucket_size, comm_backend="nccl",
+        grad_reduce_in_fp32=args.grad_dtype == "fp32",
+        nccl_high_priority_stream=not args.nccl_low_priority)
     ddp = fp8dp.DistributedDataParallel(model, cfg)
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-5)
     recipe = fp8dp.DelayedScaling()
@@ -130,7 +142,7 @@ def run_config(args, bucket_size, rank, ws):
     def mark(ev):
         e = torch.cuda.Event(enable_timing=True)
         e.record()
-        ev.append(e)
+        ev.append((e, time.perf_counter()))
 
     def full(ev, overlap=True):
         mark(ev)
@@ -178,14 +190,22 @@ def run_config(args, bucket_size, rank, ws):
     # Interleaved: one sample of each variant per round, so clock drift hits all alike.
     step_ms = {n: [] for n in variants}
     phase_ms = {n: {p: [] for p in PHASES} for n in variants}
+    host_ms = {n: [] for n in variants}
+    host_phase_ms = {n: {p: [] for p in PHASES} for n in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
-            s, ph = timed_steps(fn, args.steps, 1, opt.finish_param_sync)
+            s, ph, hs, hph = timed_steps(fn, args.steps, 1, opt.finish_param_sync)
             step_ms[name].append(s)
+            host_ms[name].append(hs)
             for p in PHASES:
                 phase_ms[name][p].append(ph[p])
+                host_phase_ms[name][p].append(hph[p])
     med = {n: statistics.median(v) for n, v in step_ms.items()}
     ph_med = {n: {p: statistics.median(v) for p, v in d.items()} for n, d in phase_ms.items()}
+    # The host's enqueue times: rank 0's (the ranks run the same Python).
+    host_med = {n: statistics.median(v) for n, v in host_ms.items()}
+    host_ph = {n: {p: statistics.median(v) for p, v in d.items()}
+               for n, d in host_phase_ms.items()}
     alone = comm_alone(sync, ddp._params[0].main_grad.dtype, ddp._params[0].dtype, 5)
 
     # Every rank's numbers; the slowest rank's are reported.
@@ -208,12 +228,16 @@ def run_config(args, bucket_size, rank, ws):
         "communicator": sync.communicator().name,
         "bucket_groups": sync.num_bucket_groups, "bucket_size": cfg.resolved_bucket_size(ws),
         "average_in_collective": cfg.average_in_collective,
+        "grad_dtype": args.grad_dtype,
+        "nccl_high_priority_stream": cfg.nccl_high_priority_stream,
         "overlap_param_gather": ddp.overlap_param_gather,
         "full_step_ms": med["full"], "compute_only_step_ms": comp,
         "full_no_param_overlap_step_ms": med["full_no_param_overlap"],
         "ratio": med["full"] / comp, "exposed_comm_ms": med["full"] - comp,
         "ratio_no_param_overlap": med["full_no_param_overlap"] / comp,
         "phase_ms": ph_med,
+        "host_step_ms": host_med,
+        "host_phase_ms": host_ph,
         "comm_alone_ms": alone,
         "per_rank_step_ms": [e[:k].tolist() for e in every],
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -222,7 +246,9 @@ def run_config(args, bucket_size, rank, ws):
         print_table(f"DDP step, {args.layers} x fp8dp.Linear({h}), {args.tokens} tokens/GPU, "
                     f"{ws} GPUs, bucket_size {result['bucket_size']} = "
                     f"{sync.num_bucket_groups} bucket groups, "
-                    f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'} "
+                    f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'}, "
+                    f"{args.grad_dtype} grads, NCCL stream "
+                    f"{'high' if cfg.nccl_high_priority_stream else 'normal'} priority "
                     "(target ratio <= 1.05; slowest rank)",
                     ["variant", "step ms", "ratio", "exposed comm ms"],
                     [[n, f"{med[n]:.2f}", f"{med[n] / comp:.3f}x", f"{med[n] - comp:.2f}"]
@@ -231,6 +257,12 @@ def run_config(args, bucket_size, rank, ws):
                     ["phase"] + names + ["delta"],
                     [[p] + [f"{ph_med[n][p]:.2f}" for n in names]
                      + [f"{ph_med['full'][p] - ph_med['compute_only'][p]:+.2f}"] for p in PHASES])
+        print_table("Host (rank 0): ms spent enqueueing each phase (GPU ms in brackets); host "
+                    "close to GPU = launch-bound",
+                    ["phase"] + names,
+                    [[p] + [f"{host_ph[n][p]:.2f} ({ph_med[n][p]:.2f})" for n in names]
+                     for p in PHASES]
+                    + [["step"] + [f"{host_med[n]:.2f} ({med[n]:.2f})" for n in names]])
         print(f"collectives alone (no compute): reduce-scatter of every bucket "
               f"{alone['reduce_scatter_ms']:.2f} ms, all-gather {alone['all_gather_ms']:.2f} ms",
               flush=True)
@@ -250,6 +282,12 @@ def main():
                          "('default': DDP's; 16000000: one layer per bucket at hidden 4096)")
     ap.add_argument("--prescale", action="store_true",
                     help="pre-scale buckets by 1/dp (average_in_collective=False) instead of AVG")
+    ap.add_argument("--nccl-low-priority", action="store_true",
+                    help="the NCCL stream at normal priority (nccl_high_priority_stream=False): "
+                         "compute takes SMs first")
+    ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="main_grad and reduce-scatter dtype (grad_reduce_in_fp32); bf16 halves "
+                         "the bytes the collectives move")
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", timeout=timedelta(seconds=180),
@@ -261,7 +299,7 @@ def main():
         gc.collect()  # the model, its buffers and its NCCL communicator, before the next one
         torch.cuda.empty_cache()
     if rank == 0:
-        cmd = "torchrun --standalone --nproc_per_node=2 bench/ddp_gpu.py"
+        cmd = "torchrun --standalone --nproc_per_node=2 bench/ddp_gpu.py " + " ".join(sys.argv[1:])
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         write_json(args.json, {"benchmark": "ddp_gpu", **device_info(), "command": cmd,
                                "nccl_env": env, "result": results[0],

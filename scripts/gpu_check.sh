@@ -98,7 +98,7 @@ fi
 if want matrix; then
   # The whole product of the test matrix on NCCL (cells above the visible GPU count are skipped).
   run_step matrix "$OUT/matrix.log" "${MATRIX_TIMEOUT:-420}" "$PY" -m fp8dp.testing.matrix --backend nccl \
-    --full --json "$OUT/matrix_nccl.json"
+    --full --jobs "${MATRIX_JOBS:-4}" --json "$OUT/matrix_nccl.json"
 fi
 if want demo; then
   # The training demo on every visible GPU (configs/gpu.yaml), with the BF16 comparison run.

@@ -108,7 +108,9 @@ class DistributedDataParallel(torch.nn.Module):
         opts.pad_buckets_for_high_nccl_busbw = config.pad_buckets_for_high_nccl_busbw
         opts.grad_ledger = config.grad_ledger
         is_cuda = bool(named) and named[0][1].is_cuda
-        comm = _C.make_communicator(config.comm_backend, process_group, is_cuda)
+        comm = _C.make_communicator(
+            config.comm_backend, process_group, is_cuda, config.nccl_high_priority_stream
+        )
         comm.blocking_wait = config.nccl_blocking_wait
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]

@@ -76,6 +76,13 @@ class DistributedDataParallelConfig:
     costs the overlap of host and device). Ignored by the process-group communicator (gloo waits
     on the host anyway)."""
 
+    nccl_high_priority_stream: bool = True
+    """Default True: the native NCCL communicator's stream has high priority, so a bucket's
+    collective gets SMs as soon as it is launched instead of queueing behind the backward's GEMMs
+    (the last bucket, which nothing can hide, finishes earliest). False gives compute the SMs
+    first (torch's ProcessGroupNCCL default): the collectives may slow the kernels they overlap
+    with less, and may start later. Ignored by the process-group communicator."""
+
     comm_backend: str = "auto"
     """Default "auto": fp8dp's native NCCL communicator for CUDA parameters when the build has it,
     the process group's own collectives otherwise. "nccl" insists on the native one (an error when

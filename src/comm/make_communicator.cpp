@@ -12,7 +12,8 @@
 namespace fp8dp {
 
 #if defined(FP8DP_HAVE_NCCL_COMMUNICATOR)
-std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group);
+std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                     bool high_priority_stream);
 bool native_nccl_available() { return true; }
 #else
 bool native_nccl_available() { return false; }
@@ -20,7 +21,7 @@ bool native_nccl_available() { return false; }
 
 std::shared_ptr<Communicator> make_communicator(const std::string& backend,
                                                 c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                                bool cuda) {
+                                                bool cuda, bool high_priority_stream) {
   FP8DP_CHECK_ARG(backend == "auto" || backend == "nccl" || backend == "process_group",
                   "comm_backend: expected 'auto', 'nccl' or 'process_group', got '", backend, "'");
   FP8DP_CHECK_ARG(group, "process_group: expected a live c10d ProcessGroup, got None");
@@ -33,7 +34,9 @@ std::shared_ptr<Communicator> make_communicator(const std::string& backend,
                     "comm_backend: 'nccl' needs the parameters on a CUDA device, they are on "
                     "the CPU");
 #if defined(FP8DP_HAVE_NCCL_COMMUNICATOR)
-    return make_nccl_communicator(std::move(group));
+    return make_nccl_communicator(std::move(group), high_priority_stream);
+#else
+    (void)high_priority_stream;
 #endif
   }
   return std::make_shared<ProcessGroupCommunicator>(std::move(group));

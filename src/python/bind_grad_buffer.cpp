@@ -47,7 +47,8 @@ void bind_grad_buffer(py::module_& m) {
   // Without the GIL: the NCCL communicator's unique-id broadcast runs on the group (gloo's workers
   // take the GIL).
   m.def("make_communicator", &make_communicator, py::arg("backend"), py::arg("process_group"),
-        py::arg("cuda"), py::call_guard<py::gil_scoped_release>());
+        py::arg("cuda"), py::arg("high_priority_stream") = true,
+        py::call_guard<py::gil_scoped_release>());
   m.def("native_nccl_available", &native_nccl_available);
 
   py::class_<LayoutOptions>(m, "LayoutOptions")

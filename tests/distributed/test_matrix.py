@@ -46,8 +46,10 @@ def test_a_miscounted_microbatch_fails_its_cells(tmp_path, inject):
     raw["problem"]["steps"] = 1
     config = tmp_path / "m.yaml"
     config.write_text(yaml.safe_dump(raw))
-    p, report = run_matrix(tmp_path, config, "--inject", inject)
+    # --jobs 2: two concurrent launches of two cells each, merged into one report
+    p, report = run_matrix(tmp_path, config, "--inject", inject, "--jobs", "2")
     assert p.returncode == 1, p.stdout[-4000:]
+    assert p.stdout.count("cell(s) in one torchrun launch (part ") == 2, p.stdout[-4000:]
     assert [c["status"] for c in report["cells"]] == ["FAIL"] * 4, report["cells"]
     # one micro-batch of 3 x 2 ranks out of place is far outside the bounds, not at their edge
     assert min(max(c["grad_ratio"], c["param_ratio"]) for c in report["cells"]) > 3

@@ -18,6 +18,7 @@ from fp8dp import _C
         ("overlap_grad_reduce", 1, "overlap_grad_reduce: expected a bool, got 1"),
         ("grad_ledger", "yes", "grad_ledger: expected a bool"),
         ("nccl_blocking_wait", 0, "nccl_blocking_wait: expected a bool, got 0"),
+        ("nccl_high_priority_stream", "no", "nccl_high_priority_stream: expected a bool"),
         ("overlap_param_gather", 1, "overlap_param_gather: expected a bool, got 1"),
         ("overlap_param_gather", True, "overlap_param_gather: True needs use_distributed_optim"),
     ],

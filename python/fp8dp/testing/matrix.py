@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
@@ -100,24 +101,29 @@ def gpu_count() -> tuple:
 
 
 def _launch(cells: list, world: int, prob: Problem, backend: str, workdir: str, timeout: float,
-            log, inject: str) -> dict:
+            log, inject: str, chunk=None, devices: str = "") -> dict:
     """Run cells in torchrun launches of `world` ranks until each has a result; returns id ->
-    result. A launch that dies blames the first cell without a result and resumes after it."""
+    result. A launch that dies blames the first cell without a result and resumes after it.
+    chunk (None: the only launch of this world size) names this launch's files; devices, if given, becomes
+    CUDA_VISIBLE_DEVICES."""
     results, pending, attempt = {}, list(cells), 0
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = devices
     while pending:
         attempt += 1
-        job = os.path.join(workdir, f"ws{world}-{attempt}.json")
-        out = os.path.join(workdir, f"ws{world}-{attempt}.jsonl")
+        job = os.path.join(workdir, f"ws{world}-{chunk or 0}-{attempt}.json")
+        out = os.path.join(workdir, f"ws{world}-{chunk or 0}-{attempt}.jsonl")
         with open(job, "w") as f:
             json.dump({"backend": backend, "problem": prob.__dict__, "cells": pending,
                        "inject": inject}, f)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world}", "-m", "fp8dp.testing.matrix_worker", job, out]
-        log(f"[matrix] world size {world}: {len(pending)} cell(s) in one torchrun launch")
+        log(f"[matrix] world size {world}: {len(pending)} cell(s) in one torchrun launch"
+            + (f" (part {chunk + 1})" if chunk is not None else ""))
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
@@ -169,9 +175,13 @@ def print_table(cells: list, results: dict, out=sys.stdout) -> None:
 
 
 def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: float,
-               log=print, inject: str = "") -> dict:
+               log=print, inject: str = "", jobs: int = 1) -> dict:
     """Run the matrix; ``inject`` ("double" / "skip", see cell.run_cell) is for the matrix's own
-    tests, which check that a miscounted micro-batch fails its cell."""
+    tests, which check that a miscounted micro-batch fails its cell. ``jobs`` > 1 splits the cells
+    of each world size into that many parts and runs every part's launch at once (cells are
+    independent; on nccl, world-size-1 parts go round-robin over the GPUs)."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs: expected an integer >= 1, got {jobs!r}")
     axes, prob = load_matrix(config)
     cells = make_cells(axes, backend, full)
     t0 = time.perf_counter()
@@ -187,13 +197,21 @@ def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: f
             results[c["id"]] = {"id": c["id"], "status": "skipped", "reason": reason}
         else:
             runnable.append(c)
+    launches = []  # (cells, world, part, CUDA_VISIBLE_DEVICES)
+    for world in sorted({c["world_size"] for c in runnable}):
+        group = [c for c in runnable if c["world_size"] == world]
+        for part in range(min(jobs, len(group))):
+            devices = str(part % gpus) if gpus and world == 1 and jobs > 1 else ""
+            launches.append((group[part::jobs], world, part, devices))
     with tempfile.TemporaryDirectory(prefix="fp8dp-matrix-") as workdir:
-        for world in sorted({c["world_size"] for c in runnable}):
-            group = [c for c in runnable if c["world_size"] == world]
-            launched = _launch(group, world, prob, backend, workdir, timeout, log, inject)
-            for rid, r in launched.items():
-                r["status"] = "pass" if r["ok"] else ("error" if "error" in r else "FAIL")
-                results[rid] = r
+        with ThreadPoolExecutor(max_workers=len(launches) if jobs > 1 else 1) as pool:
+            futures = [pool.submit(_launch, part_cells, world, prob, backend, workdir, timeout,
+                                   log, inject, part if jobs > 1 else None, devices)
+                       for part_cells, world, part, devices in launches]
+            for fut in futures:
+                for rid, r in fut.result().items():
+                    r["status"] = "pass" if r["ok"] else ("error" if "error" in r else "FAIL")
+                    results[rid] = r
     elapsed = time.perf_counter() - t0
     counts = {s: sum(1 for r in results.values() if r["status"] == s)
               for s in ("pass", "FAIL", "error", "skipped")}
@@ -218,12 +236,15 @@ def main(argv=None) -> int:
                    help="report path (default runs/test_matrix_<backend>.json)")
     p.add_argument("--launch-timeout", type=float, default=1800.0,
                    help="seconds one torchrun launch may take (default %(default)s)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="split each world size's cells into this many torchrun launches that run "
+                        "at once (default %(default)s)")
     p.add_argument("--inject", default="", choices=["", "double", "skip"],
                    help=argparse.SUPPRESS)  # fault injection for the matrix's own tests
     args = p.parse_args(argv)
     json_path = args.json or f"runs/test_matrix_{args.backend}.json"
     report = run_matrix(args.backend, args.full, args.config, json_path, args.launch_timeout,
-                        inject=args.inject)
+                        inject=args.inject, jobs=args.jobs)
     by_id = {c["id"]: c for c in report["cells"]}
     print_table(report["cells"], by_id)
     for c in report["cells"]:

@@ -125,10 +125,11 @@ ncclUniqueId exchange_unique_id(c10d::ProcessGroup& group, int device) {
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group)
+NcclCommunicator::NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                   bool high_priority_stream)
     : group_(std::move(group)),
       state_(std::make_shared<NcclCommState>()),
-      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, c10::cuda::current_device())) {
+      stream_(c10::cuda::getStreamFromPool(high_priority_stream, c10::cuda::current_device())) {
   FP8DP_CHECK_ARG(group_, "process_group: expected a live c10d ProcessGroup, got None");
   rank_ = group_->getRank();
   size_ = group_->getSize();
@@ -264,8 +265,9 @@ std::shared_ptr<CommWork> NcclCommunicator::do_broadcast(const std::vector<at::T
   });
 }
 
-std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  return std::make_shared<NcclCommunicator>(std::move(group));
+std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                     bool high_priority_stream) {
+  return std::make_shared<NcclCommunicator>(std::move(group), high_priority_stream);
 }
 
 }  // namespace fp8dp

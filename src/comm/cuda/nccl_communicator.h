@@ -24,8 +24,9 @@ namespace fp8dp {
 class NcclCommunicator : public Communicator {
  public:
   // Creates the ncclComm_t on the current CUDA device: rank 0 of `group` generates the unique id
-  // and broadcasts it through the group. Collective over `group`.
-  explicit NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  // and broadcasts it through the group. Collective over `group`. high_priority_stream: whether
+  // the comm stream's kernels take SMs ahead of the compute stream's.
+  NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group, bool high_priority_stream);
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -61,6 +62,7 @@ class NcclCommunicator : public Communicator {
 };
 
 // The factory hook make_communicator() calls for "nccl" / "auto" on CUDA tensors.
-std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group);
+std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                     bool high_priority_stream);
 
 }  // namespace fp8dp
