@@ -57,9 +57,10 @@ if want ctest; then
 fi
 if want pytest; then
   # One process per file: a crash in one file must not hide the results of the others.
+  # (PYTEST_FILE_TIMEOUT, not PYTEST_TIMEOUT: pytest-timeout reads that one as a per-test limit.)
   prc=0
   for f in ${PYTEST_FILES:-tests/python/test_*.py}; do
-    run_step "pytest" "$OUT/tests.log" "${PYTEST_TIMEOUT:-300}" "$PY" -m pytest -q -rs "$f"
+    run_step "pytest" "$OUT/tests.log" "${PYTEST_FILE_TIMEOUT:-300}" "$PY" -m pytest -q -rs "$f"
     [ "${RC[pytest]}" = 0 ] || [ "${RC[pytest]}" = 5 ] || prc=${RC[pytest]}
   done
   RC[pytest]=$prc
@@ -81,8 +82,7 @@ if true; then
     # Cast + transpose (+ dbias) kernel variants against a copy (torch-free; prints the fastest).
     run_step bench_ct_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
       -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
-      -o $BUILD/ct_variants bench/cast_transpose_variants.cu src/fp8/cuda/quantize.cu \
-      src/fp8/cuda/cast_workspace.cu && $BUILD/ct_variants"
+      -o $BUILD/ct_variants bench/cast_transpose_variants.cu && $BUILD/ct_variants"
   fi
   wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
   wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"

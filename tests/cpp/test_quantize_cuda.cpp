@@ -14,7 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "fp8/cuda/cast_transpose.h"
 #include "fp8/quantize.h"
 #include "fp8/scaling.h"
 
@@ -30,13 +29,6 @@ bool have_gpu() {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible"
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
-// CK inside functions that return a value.
-#define CKV(x, ret) \
-  do {                                                   \
-    cudaError_t _e = (x);                                \
-    EXPECT_EQ(_e, cudaSuccess) << #x;                    \
-    if (_e != cudaSuccess) return ret;                   \
-  } while (0)
 
 // Device buffer with `pad` bytes in front, so tests can hand the kernels misaligned pointers.
 struct DevBuf {
@@ -150,12 +142,9 @@ std::string name_of(const testing::TestParamInfo<Case>& i) {
 
 class QuantizeCudaTest : public testing::TestWithParam<Case> {};
 
-// Runs CPU and CUDA (launch choices `cfg`, on `stream`) on the same input / scale (input and
-// outputs offset by `pad` bytes on the device) and compares everything bit for bit, dbias within
-// the summation bound. Returns the CUDA dbias (empty without dbias or after a failure).
-std::vector<float> check_case(const Case& c, Special special, float scale, size_t pad,
-                              uint32_t seed, const CastTransposeConfig& cfg = {},
-                              cudaStream_t stream = nullptr) {
+// Runs CPU and CUDA on the same input / scale (input and outputs offset by `pad` bytes on the
+// device) and compares everything bit for bit, dbias within the summation bound.
+void check_case(const Case& c, Special special, float scale, size_t pad, uint32_t seed) {
   const int64_t n = c.rows * c.cols;
   const Input in = make_input(c.dtype, n, seed, special);
   const bool want_out = c.mode == Mode::kFlat || c.mode == Mode::kTranspose || c.mode == Mode::kTransposeDbias;
@@ -181,12 +170,11 @@ std::vector<float> check_case(const Case& c, Special special, float scale, size_
 
   DevBuf d_in(in.bytes.size(), pad * dtype_size(c.dtype)), d_out(n, pad), d_out_t(n, pad);
   DevBuf d_db(c.cols * 4), d_scalars(16);
-  CKV(cudaMemset(d_db.get(), 0xFF, c.cols * 4), {});  // NaN: a dbias column never written fails
-  CKV(cudaMemcpy(d_in.get(), in.bytes.data(), in.bytes.size(), cudaMemcpyHostToDevice), {});
+  CK(cudaMemcpy(d_in.get(), in.bytes.data(), in.bytes.size(), cudaMemcpyHostToDevice));
   float* d_scale = d_scalars.get<float>();
   const float big = 1e30f;  // amax must be overwritten, not max-accumulated with this
-  CKV(cudaMemcpy(d_scale, &scale, 4, cudaMemcpyHostToDevice), {});
-  CKV(cudaMemcpy(d_scale + 1, &big, 4, cudaMemcpyHostToDevice), {});
+  CK(cudaMemcpy(d_scale, &scale, 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_scale + 1, &big, 4, cudaMemcpyHostToDevice));
   QuantizeParams g = p;
   g.input = d_in.get();
   g.scale = d_scale;
@@ -195,12 +183,12 @@ std::vector<float> check_case(const Case& c, Special special, float scale, size_
   g.amax = d_scale + 1;
   g.scale_inv = d_scale + 2;
   g.dbias = want_db ? d_db.get<float>() : nullptr;
-  quantize_cuda_with(g, stream, cfg);
-  CKV(cudaDeviceSynchronize(), {});
+  quantize_cuda(g, nullptr);
+  CK(cudaDeviceSynchronize());
 
   float g_amax, g_scale_inv;
-  CKV(cudaMemcpy(&g_amax, d_scale + 1, 4, cudaMemcpyDeviceToHost), {});
-  CKV(cudaMemcpy(&g_scale_inv, d_scale + 2, 4, cudaMemcpyDeviceToHost), {});
+  CK(cudaMemcpy(&g_amax, d_scale + 1, 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&g_scale_inv, d_scale + 2, 4, cudaMemcpyDeviceToHost));
   EXPECT_EQ(bits(g_amax), bits(amax)) << "amax gpu=" << g_amax << " cpu=" << amax;
   EXPECT_EQ(bits(g_scale_inv), bits(scale_inv));
   if (special == Special::kNaN && n > 0) {
@@ -211,25 +199,19 @@ std::vector<float> check_case(const Case& c, Special special, float scale, size_
   }
   if (want_out) {
     std::vector<uint8_t> got(n);
-    CKV(cudaMemcpy(got.data(), d_out.get(), n, cudaMemcpyDeviceToHost), {});
+    CK(cudaMemcpy(got.data(), d_out.get(), n, cudaMemcpyDeviceToHost));
     for (int64_t i = 0; i < n; ++i) {
-      EXPECT_EQ(got[i], out[i]) << "byte " << i << " of " << n << ", x=" << in.values[i];
-      if (got[i] != out[i]) return {};
+      ASSERT_EQ(got[i], out[i]) << "byte " << i << " of " << n << ", x=" << in.values[i];
     }
   }
   if (want_t) {
     std::vector<uint8_t> got(n);
-    CKV(cudaMemcpy(got.data(), d_out_t.get(), n, cudaMemcpyDeviceToHost), {});
-    for (int64_t i = 0; i < n; ++i) {
-      EXPECT_EQ(got[i], out_t[i]) << "transposed byte " << i;
-      if (got[i] != out_t[i]) return {};
-    }
+    CK(cudaMemcpy(got.data(), d_out_t.get(), n, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], out_t[i]) << "transposed byte " << i;
   }
-  std::vector<float> got_db;
   if (want_db) {
-    std::vector<float>& got = got_db;
-    got.resize(c.cols);
-    CKV(cudaMemcpy(got.data(), d_db.get(), c.cols * 4, cudaMemcpyDeviceToHost), {});
+    std::vector<float> got(c.cols);
+    CK(cudaMemcpy(got.data(), d_db.get(), c.cols * 4, cudaMemcpyDeviceToHost));
     for (int64_t j = 0; j < c.cols; ++j) {
       // Both sides sum `rows` FP32 terms, in different orders; each differs from the exact sum by
       // at most (rows - 1) * 2^-24 * sum|x|, so the two differ by at most twice that.
@@ -243,7 +225,6 @@ std::vector<float> check_case(const Case& c, Special special, float scale, size_
       EXPECT_LE(std::fabs(double(got[j]) - double(dbias[j])), tol) << "dbias column " << j;
     }
   }
-  return got_db;
 }
 
 // One test per (dtype, format, shape); every output combination and input kind inside it, so the
@@ -286,115 +267,6 @@ TEST(QuantizeCuda, EmptyInput) {
   SKIP_WITHOUT_GPU();
   check_case({DType::kFloat32, Format::kE4M3, 0, 8, Mode::kTransposeDbias}, Special::kNone, 2.0f, 0, 8);
   check_case({DType::kFloat32, Format::kE4M3, 0, 0, Mode::kFlat}, Special::kNone, 2.0f, 0, 9);
-}
-
-// ---- launch choices of the cast + transpose + dbias path (cast_transpose.h) ----
-struct VariantCase {
-  DType dtype;
-  int64_t rows, cols;
-  CastTransposeConfig cfg;
-};
-
-std::string variant_name(const testing::TestParamInfo<VariantCase>& i) {
-  const VariantCase& v = i.param;
-  const char* red[] = {"last", "twopass", "twopassalloc"};
-  return std::string(v.dtype == DType::kFloat32 ? "f32_" : "bf16_") + std::to_string(v.rows) + "x" +
-         std::to_string(v.cols) + "_" + red[static_cast<int>(v.cfg.dbias_reduce)] + "_strip" +
-         std::to_string(v.cfg.strip_tiles) + (v.cfg.rows_fastest ? "_rowsfirst" : "_colsfirst") +
-         (v.cfg.fused_amax_reset ? "" : "_amaxmemset");
-}
-
-class CastTransposeVariantTest : public testing::TestWithParam<VariantCase> {};
-
-// Every reduction x tiles per block x grid order x amax reset gives the CPU's bytes and amax (which
-// starts at 1e30 in device memory: it must be overwritten) and a dbias within the summation bound,
-// with and without the transposed output, with NaN, misaligned.
-TEST_P(CastTransposeVariantTest, MatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  const VariantCase& v = GetParam();
-  for (Mode m : {Mode::kTransposeDbias, Mode::kDbiasOnly, Mode::kTranspose}) {
-    SCOPED_TRACE(mode_name(m));
-    const Case c{v.dtype, Format::kE4M3, v.rows, v.cols, m};
-    // (Inf inputs take no path of their own here; MatchesCpu above covers them per shape. Fewer
-    // cases keep the compute-sanitizer run of this binary short.)
-    check_case(c, Special::kNone, 1.0f, 0, 21, v.cfg);
-    check_case(c, Special::kNaN, 0.5f, 0, 22, v.cfg);
-    check_case(c, Special::kNone, 3.0f, 1, 24, v.cfg);  // misaligned: the element-wise kernel
-  }
-}
-
-std::vector<VariantCase> variant_cases() {
-  // Tiles are 128 rows (bf16) or 64 rows (f32) by 64 columns. Shapes: one row; one column tile
-  // (narrower than a tile, and exactly one); row-tile counts that are not multiples of 2, 3 or 4
-  // tiles per block (5, 8 and 17 bf16 tiles; 9 and 33 f32 tiles); ragged last column tiles; more
-  // strips than the finalize's 4 x 8 loads in flight (33 f32 tiles with one tile per block).
-  const int64_t shapes[][2] = {{1, 200}, {1000, 40}, {128, 64}, {2053, 130}, {576, 72}, {2100, 65}};
-  const CastTransposeConfig cfgs[] = {
-      {DbiasReduce::kLastBlock, 0, false}, {DbiasReduce::kLastBlock, 1, false},
-      {DbiasReduce::kLastBlock, 3, false}, {DbiasReduce::kLastBlock, 1, true},
-      {DbiasReduce::kLastBlock, 4, true},  {DbiasReduce::kTwoPass, 0, false},
-      {DbiasReduce::kTwoPass, 3, true},    {DbiasReduce::kTwoPassAlloc, 2, false},
-      // amax zeroed by a memset instead of the kernel's own reset
-      {DbiasReduce::kLastBlock, 2, false, false}, {DbiasReduce::kTwoPassAlloc, 0, true, false},
-  };
-  std::vector<VariantCase> v;
-  for (DType d : {DType::kBFloat16, DType::kFloat32})
-    for (auto& s : shapes)
-      for (const auto& cfg : cfgs) v.push_back({d, s[0], s[1], cfg});
-  return v;
-}
-
-INSTANTIATE_TEST_SUITE_P(All, CastTransposeVariantTest, testing::ValuesIn(variant_cases()),
-                         variant_name);
-
-// The last-block reduction adds the strips' partials in an order fixed by the shape: repeated runs
-// give the same dbias bits, even with many strips finishing in varying order.
-TEST(CastTransposeCuda, LastBlockDbiasIsDeterministic) {
-  SKIP_WITHOUT_GPU();
-  const Case c{DType::kFloat32, Format::kE4M3, 4096 + 37, 320, Mode::kDbiasOnly};  // 65 strips
-  for (bool rows_fastest : {false, true}) {
-    const CastTransposeConfig cfg{DbiasReduce::kLastBlock, 1, rows_fastest};
-    const std::vector<float> first = check_case(c, Special::kNone, 1.0f, 0, 31, cfg);
-    ASSERT_EQ(first.size(), size_t(c.cols));
-    for (int rep = 0; rep < 3; ++rep) {
-      const std::vector<float> again = check_case(c, Special::kNone, 1.0f, 0, 31, cfg);
-      ASSERT_EQ(again.size(), first.size());
-      for (size_t j = 0; j < first.size(); ++j) {
-        ASSERT_EQ(bits(again[j]), bits(first[j])) << "column " << j << " repetition " << rep;
-      }
-    }
-  }
-}
-
-// The per-stream workspace grows (more partials, more counters) and is reused by smaller casts;
-// its counters and amax accumulator must be back at zero after every cast, on the legacy default
-// stream and on a created stream alike (a counter left behind would make a later cast skip its
-// dbias, NaN, or publish no amax; a stale accumulator would give the previous cast's amax).
-TEST(CastTransposeCuda, WorkspaceReuseAcrossShapesAndStreams) {
-  SKIP_WITHOUT_GPU();
-  cudaStream_t made = nullptr;
-  CK(cudaStreamCreate(&made));
-  const int64_t shapes[][2] = {{300, 70}, {5000, 700}, {129, 64}, {2000, 1500}, {1, 3}};
-  for (cudaStream_t st : {static_cast<cudaStream_t>(nullptr), made}) {
-    for (int round = 0; round < 2; ++round) {
-      for (auto& s : shapes) {
-        SCOPED_TRACE(std::to_string(s[0]) + "x" + std::to_string(s[1]));
-        check_case({DType::kBFloat16, Format::kE5M2, s[0], s[1], Mode::kTransposeDbias},
-                   Special::kNone, 1.0f, 0, 40 + round, CastTransposeConfig{}, st);
-      }
-    }
-  }
-  CK(cudaStreamDestroy(made));
-}
-
-TEST(CastTransposeCuda, RejectsBadConfig) {
-  QuantizeParams p;
-  CastTransposeConfig cfg;
-  cfg.strip_tiles = -1;
-  EXPECT_THROW(quantize_cuda_with(p, nullptr, cfg), std::invalid_argument);
-  cfg.strip_tiles = 0;
-  cfg.dbias_reduce = static_cast<DbiasReduce>(7);
-  EXPECT_THROW(quantize_cuda_with(p, nullptr, cfg), std::invalid_argument);
 }
 
 TEST(DequantizeCuda, EveryByteMatchesCpu) {

@@ -21,14 +21,9 @@ def as_bytes(t):
     return t.view(torch.uint8).cpu()
 
 
-# Besides small and 3-D shapes: one row; one column tile over 8 bf16 row tiles; a prime row count
-# with a ragged last column tile (row tiles not a multiple of the tiles a block walks).
-SHAPES = [(1,), (7, 13), (256, 384), (3, 130, 96), (1, 200), (1000, 40), (2053, 130)]
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (256, 384), (3, 130, 96)], ids=str)
 @pytest.mark.parametrize("special", ["none", "nan", "inf"])
 def test_quantize_cuda_matches_cpu(fmt, dtype, shape, special):
     g = torch.Generator().manual_seed(7)
@@ -53,35 +48,6 @@ def test_quantize_cuda_matches_cpu(fmt, dtype, shape, special):
     finite = torch.isfinite(d_cpu)
     assert torch.equal(torch.isnan(d_gpu), torch.isnan(d_cpu))
     assert ((d_gpu - d_cpu).abs()[finite] <= bound[finite]).all()
-
-
-def check_dbias(d_gpu, x):
-    """dbias against an FP64 column sum: within (rows - 1) 2^-24 sum|x| (any FP32 order)."""
-    x2 = x.double().reshape(-1, x.shape[-1]).cpu()
-    bound = 1.01 * max(x2.shape[0] - 1, 1) * 2.0**-24 * x2.abs().sum(0)
-    assert ((d_gpu.double().cpu() - x2.sum(0)).abs() <= bound).all()
-
-
-def test_quantize_cuda_dbias_on_side_streams():
-    """The dbias scratch is cached per stream: casts on two torch streams, interleaved and of
-    different sizes (the second grows the first stream's scratch), each get their own right dbias,
-    and repeating a cast on its stream gives the same bits (fixed summation order)."""
-    g = torch.Generator().manual_seed(5)
-    xs = [torch.randn(n, 96, generator=g).to(torch.bfloat16).cuda() for n in (3000, 9000, 700)]
-    scale = torch.tensor([1.0], device="cuda")
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    results = []
-    for i, x in enumerate(xs):
-        s = streams[i % 2]
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            a = _C.quantize(x, scale, _C.Format.E4M3, True, True, True)
-            b = _C.quantize(x, scale, _C.Format.E4M3, True, True, True)
-        results.append((s, a, b))
-    for (s, a, b), x in zip(results, xs):
-        s.synchronize()
-        check_dbias(a.dbias, x)
-        assert torch.equal(a.dbias.view(torch.int32), b.dbias.view(torch.int32))
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

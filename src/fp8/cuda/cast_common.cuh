@@ -115,12 +115,6 @@ __device__ __forceinline__ void quantize_scaled(const float (&v)[K], float scale
   for (int j = 0; j < K; ++j) q[j] = quantize_like_cpu<F>(v[j], scale);
 }
 
-// GPU-scope acquire-release fence for "last block done" handshakes: before a block's arrival
-// atomic it releases the block's earlier stores (ordered before it by __syncthreads), after the
-// atomic that shows a block is last it acquires every other block's. Lighter than __threadfence(),
-// which is a sequentially consistent fence (fence.sc.gpu).
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Multiprocessors of the current device (for grid-stride grids).

@@ -1,16 +1,13 @@
-// CUDA FP8 cast entry point and the flat kernel: quantize (+ amax) in one pass over the flat
-// tensor; with a transposed output or dbias the tiled kernel of cast_transpose.cu runs instead.
-// Same bytes and amax as quantize_cpu (C7): the scale is applied with an unfused multiply, the
-// bf16/fp16 -> float widening is exact, and the conversion is either the hardware's saturating RNE
-// or, around NaNs, quantize_one itself (quantize_scaled).
+// CUDA FP8 cast kernels: quantize (+ amax) in one pass over the flat tensor, and cast + transpose
+// (+ dbias, + amax) through shared-memory tiles. Same bytes and amax as quantize_cpu (C7): the scale
+// is applied with an unfused multiply, the bf16/fp16 -> float widening is exact, and the conversion
+// is either the hardware's saturating RNE or, around NaNs, quantize_one itself (quantize_scaled).
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "common/cuda_check.h"
 #include "fp8/cuda/cast_common.cuh"
-#include "fp8/cuda/cast_transpose.h"
 #include "fp8/quantize.h"
 
 namespace fp8dp {
@@ -33,6 +30,10 @@ namespace {
 constexpr int kThreads = 256;
 // Flat path: 16 elements per thread and step, so every thread stores one 16-byte FP8 vector.
 constexpr int kChunk = 16;
+// Tiled path: 64-column tiles; a block walks up to kStripTiles tiles down one column strip so that its
+// column sums (dbias) cover 256 rows before they leave the block.
+constexpr int kTile = 64;
+constexpr int kStripTiles = 4;
 
 __global__ void write_scale_inv_kernel(const float* scale, float* scale_inv) {
   *scale_inv = 1.0f / *scale;
@@ -89,6 +90,210 @@ __global__ void __launch_bounds__(kThreads)
   if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
 }
 
+// ---------------------------------------------------------------- tiled: cast + transpose + dbias
+struct TileArgs {
+  const void* in;
+  int64_t rows, cols;
+  const float* scale;
+  uint8_t* out;          // [rows, cols] or null
+  uint8_t* out_t;        // [cols, rows] or null
+  bool vec_t;            // out_t aligned to 16 bytes and rows % 16 == 0: 16-byte transposed stores
+  unsigned int* amax_bits;
+  float* scale_inv;
+  float* dbias_partial;  // [gridDim.y, cols] column sums of each strip, or null
+  int strip_tiles;       // tiles a block walks down its column strip
+};
+
+// Rows of a tile: four 16-byte loads per thread for every input dtype (64 rows of fp32, 128 of
+// bf16 / fp16), so each thread keeps as many bytes in flight whatever the element size.
+template <typename T>
+__host__ __device__ constexpr int tile_rows() {
+  return 4 * kThreads / (kTile / (16 / static_cast<int>(sizeof(T))));
+}
+
+// kVec: input and out are 16-byte aligned and cols is a multiple of the vector width, so each
+// thread's kV elements of a row are either all inside the matrix or all outside.
+// kMinBlocks (resident blocks per SM the register budget must allow) and kPrefetch (issue the next
+// tile's loads before converting this one) are tuning choices; bench/cast_transpose_variants.cu
+// times them against each other and the library launches the winner (see launch_tiled).
+template <Format F, typename T, bool kVec, int kMinBlocks, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(const TileArgs a) {
+  constexpr int kV = 16 / sizeof(T);         // elements per thread and row (one 16-byte load)
+  constexpr int kTpr = kTile / kV;           // threads per tile row
+  constexpr int kRpp = kThreads / kTpr;      // tile rows per pass
+  constexpr int kRows = tile_rows<T>();      // tile rows
+  constexpr int kPasses = kRows / kRpp;      // = 4
+  constexpr int kSegs = kRows / 16;          // 16-byte segments per transposed row
+  // +1 byte of padding per row: the transposed reads (16 rows of one column per thread) then fall
+  // into different banks.
+  __shared__ uint8_t tile[kRows][kTile + 1];
+  __shared__ float red[kThreads / kWarp][kTile];
+
+  const T* in = static_cast<const T*>(a.in);
+  const float scale = *a.scale;
+  const int tc = threadIdx.x % kTpr, tr = threadIdx.x / kTpr;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t col = c0 + tc * kV;
+  const int64_t strip0 = static_cast<int64_t>(blockIdx.y) * a.strip_tiles * kRows;
+  float csum[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) csum[j] = 0.0f;
+  uint32_t am = 0;
+
+  union Vec {
+    uint4 u;
+    T t[kV];
+  };
+  // The four 16-byte loads of one tile, issued together (zeros outside the matrix).
+  auto load_tile = [&](Vec(&x)[kPasses], int64_t r0) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int64_t r = r0 + tr + p * kRpp;
+      if constexpr (kVec) {
+        x[p].u = (r < a.rows && col < a.cols)
+                     ? __ldcs(reinterpret_cast<const uint4*>(in + r * a.cols + col))
+                     : make_uint4(0, 0, 0, 0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          x[p].t[j] = (r < a.rows && col + j < a.cols) ? in[r * a.cols + col + j] : T(0.0f);
+        }
+      }
+    }
+  };
+  // amax, column sums, conversion, row-major store, and the transposed store through shared memory.
+  auto process_tile = [&](const Vec(&x)[kPasses], int64_t r0) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int lr = tr + p * kRpp;
+      const int64_t r = r0 + lr;
+      union {
+        uint8_t b[kV];
+        uint32_t w[kV / 4];
+      } q;
+      float v[kV];
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        v[j] = to_float(x[p].t[j]);  // zero outside the matrix: no effect on sums / amax
+        am = max(am, abs_bits(v[j]));
+        csum[j] += v[j];
+      }
+      quantize_scaled<F, kV>(v, scale, am == kQuietNaNBits, q.b);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) tile[lr][tc * kV + j] = q.b[j];
+      if (a.out != nullptr && r < a.rows) {
+        uint8_t* dst = a.out + r * a.cols + col;
+        if constexpr (kVec) {
+          if (col < a.cols) {
+            if constexpr (kV == 4) {
+              *reinterpret_cast<uint32_t*>(dst) = q.w[0];
+            } else {
+              *reinterpret_cast<uint2*>(dst) = make_uint2(q.w[0], q.w[1]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kV; ++j) {
+            if (col + j < a.cols) dst[j] = q.b[j];
+          }
+        }
+      }
+    }
+    if (a.out_t != nullptr) {
+      __syncthreads();
+      // Each transposed row (tile column) is kSegs 16-byte segments of 16 tile rows.
+#pragma unroll
+      for (int k = 0; k < kSegs * kTile / kThreads; ++k) {
+        const int idx = threadIdx.x + k * kThreads;
+        const int oc = idx / kSegs, seg = (idx % kSegs) * 16;
+        const int64_t orow = c0 + oc;
+        const int64_t rbeg = r0 + seg;
+        if (orow < a.cols && rbeg < a.rows) {
+          union {
+            uint4 u;
+            uint8_t b[16];
+          } o;
+#pragma unroll
+          for (int i = 0; i < 16; ++i) o.b[i] = tile[seg + i][oc];
+          uint8_t* dst = a.out_t + orow * a.rows + rbeg;
+          if (a.vec_t) {  // rows % 16 == 0, so rbeg < rows means all 16 are inside
+            *reinterpret_cast<uint4*>(dst) = o.u;
+          } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {  // constant indices keep `o` in registers
+              if (rbeg + i < a.rows) dst[i] = o.b[i];
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+  };
+
+  if constexpr (kPrefetch) {
+    Vec x[kPasses], nx[kPasses];
+    load_tile(x, strip0);
+    for (int t = 0; t < a.strip_tiles; ++t) {
+      const int64_t r0 = strip0 + static_cast<int64_t>(t) * kRows;
+      if (r0 >= a.rows) break;  // uniform across the block
+      if (t + 1 < a.strip_tiles) load_tile(nx, r0 + kRows);
+      process_tile(x, r0);
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) x[p] = nx[p];
+    }
+  } else {
+    for (int t = 0; t < a.strip_tiles; ++t) {
+      const int64_t r0 = strip0 + static_cast<int64_t>(t) * kRows;
+      if (r0 >= a.rows) break;  // uniform across the block
+      Vec x[kPasses];
+      load_tile(x, r0);
+      process_tile(x, r0);
+    }
+  }
+
+  if (a.dbias_partial != nullptr) {
+    // Fixed-order reduction of the strip's column sums: lanes of a warp that share columns first
+    // (xor-shuffle tree), then the warps in index order. Deterministic for a given shape.
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      float v = csum[j];
+#pragma unroll
+      for (int o = kTpr; o < kWarp; o *= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      if (lane < kTpr) red[warp][tc * kV + j] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile && c0 + threadIdx.x < a.cols) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kThreads / kWarp; ++w) s += red[w][threadIdx.x];
+      a.dbias_partial[static_cast<int64_t>(blockIdx.y) * a.cols + c0 + threadIdx.x] = s;
+    }
+  }
+  block_amax_commit<kThreads>(am, a.amax_bits);
+  if (a.scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *a.scale_inv = 1.0f / scale;
+  }
+}
+
+// dbias[c] = sum over strips, in strip order.
+__global__ void dbias_finalize_kernel(const float* __restrict__ partial, int64_t strips, int64_t cols,
+                                      float* __restrict__ dbias) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  // Sixteen independent loads in flight per step; the adds stay in strip order (deterministic).
+  constexpr int kUnroll = 16;
+  float s = 0.0f;
+  for (int64_t i0 = 0; i0 < strips; i0 += kUnroll) {
+    float v[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) v[j] = i0 + j < strips ? partial[(i0 + j) * cols + c] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) s += v[j];
+  }
+  dbias[c] = s;
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <Format F, typename T>
@@ -106,12 +311,76 @@ void launch_flat(const QuantizeParams& p, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
+// Tuning choices of the cast-transpose kernel, from bench/cast_transpose_variants.cu on the H200
+// (BENCHMARKS.md): a register budget for 5 resident blocks per SM was fastest or tied everywhere (6
+// and 8 forced spills or too few registers and lost up to 30%); prefetching the next tile lost
+// 15-70% (it costs the registers that occupancy needs).
+constexpr int kCtMinBlocks = 5;
+constexpr bool kCtPrefetch = false;
+
+// Tiles per block: kStripTiles, or fewer when the grid would have under ~32 blocks per SM, so that
+// mid-size tensors still spread over enough waves (a 64 MiB tensor is only ~1.5 waves otherwise).
+int auto_strip_tiles(int64_t rows, int64_t cols, int rows_per_tile) {
+  const int64_t tiles = ceil_div(rows, rows_per_tile) * ceil_div(cols, kTile);
+  const int64_t per = tiles / (int64_t{sm_count()} * 32);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per, kStripTiles)));
+}
+
+// strip_tiles <= 0 picks: one tile per block without dbias (most parallelism, nothing to combine),
+// auto_strip_tiles with dbias (fewer strips = fewer partial sums to write and combine). The
+// variant parameters exist for the tuning benchmark.
+template <Format F, typename T, int kMinBlocks = kCtMinBlocks, bool kPrefetch = kCtPrefetch>
+void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0) {
+  constexpr int64_t kV = 16 / sizeof(T);
+  constexpr int kRowsPerTile = tile_rows<T>();
+  if (strip_tiles <= 0) {
+    strip_tiles = p.dbias != nullptr ? auto_strip_tiles(p.rows, p.cols, kRowsPerTile) : 1;
+  }
+  const int64_t strip_rows = int64_t{kRowsPerTile} * strip_tiles;
+  const int64_t strips = ceil_div(p.rows, strip_rows);
+  FP8DP_CHECK(strips <= 65535, "quantize_cuda: transpose/dbias path supports up to ",
+              65535 * strip_rows, " rows, got ", p.rows);
+  TileArgs a{p.input, p.rows, p.cols, p.scale, p.out, p.out_t,
+             p.out_t != nullptr && aligned16(p.out_t) && p.rows % 16 == 0,
+             reinterpret_cast<unsigned int*>(p.amax), p.scale_inv, nullptr, strip_tiles};
+  if (p.dbias != nullptr) {
+    // Stream-ordered scratch for the per-strip sums (strips * cols floats).
+    FP8DP_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&a.dbias_partial),
+                                     static_cast<size_t>(strips * p.cols) * sizeof(float), st));
+  }
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.cols, kTile)), static_cast<unsigned>(strips));
+  const bool vec = aligned16(p.input) && (p.out == nullptr || aligned16(p.out)) && p.cols % kV == 0;
+  if (vec) {
+    cast_transpose_kernel<F, T, true, kMinBlocks, kPrefetch><<<grid, kThreads, 0, st>>>(a);
+  } else {
+    // The element-wise fallback needs more registers; a residency target would make it spill.
+    cast_transpose_kernel<F, T, false, 1, kPrefetch><<<grid, kThreads, 0, st>>>(a);
+  }
+  FP8DP_CHECK_CUDA(cudaGetLastError());
+  if (p.dbias != nullptr) {
+    // 64-thread blocks: enough of them to spread a few thousand columns over every SM.
+    dbias_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.cols, 64)), 64, 0, st>>>(
+        a.dbias_partial, strips, p.cols, p.dbias);
+    FP8DP_CHECK_CUDA(cudaGetLastError());
+    FP8DP_CHECK_CUDA(cudaFreeAsync(a.dbias_partial, st));
+  }
+}
+
+template <Format F, typename T>
+void launch(const QuantizeParams& p, cudaStream_t st) {
+  if (p.out_t != nullptr || p.dbias != nullptr) {
+    launch_tiled<F, T>(p, st);
+  } else {
+    launch_flat<F, T>(p, st);
+  }
+}
+
 template <Format F>
 void dispatch_dtype(const QuantizeParams& p, cudaStream_t st) {
   switch (p.input_dtype) {
-    case DType::kFloat32: return launch_flat<F, float>(p, st);
-    case DType::kBFloat16: return launch_flat<F, __nv_bfloat16>(p, st);
-    case DType::kFloat16: return launch_flat<F, __half>(p, st);
+    case DType::kFloat32: return launch<F, float>(p, st);
+    case DType::kBFloat16: return launch<F, __nv_bfloat16>(p, st);
+    case DType::kFloat16: return launch<F, __half>(p, st);
   }
   FP8DP_CHECK(false, "quantize_cuda: unknown input dtype ", static_cast<int>(p.input_dtype));
 }
@@ -120,24 +389,10 @@ void dispatch_dtype(const QuantizeParams& p, cudaStream_t st) {
 }  // namespace cuda
 
 void quantize_cuda(const QuantizeParams& p, void* stream) {
-  quantize_cuda_with(p, stream, CastTransposeConfig{});
-}
-
-void quantize_cuda_with(const QuantizeParams& p, void* stream, const CastTransposeConfig& cfg) {
-  FP8DP_CHECK_ARG(cfg.strip_tiles >= 0, "quantize_cuda: strip_tiles must be >= 0 (0 = auto), got ",
-                  cfg.strip_tiles);
-  FP8DP_CHECK_ARG(cfg.dbias_reduce == DbiasReduce::kLastBlock ||
-                      cfg.dbias_reduce == DbiasReduce::kTwoPass ||
-                      cfg.dbias_reduce == DbiasReduce::kTwoPassAlloc,
-                  "quantize_cuda: unknown dbias_reduce ", static_cast<int>(cfg.dbias_reduce));
   FP8DP_CHECK(p.rows >= 0 && p.cols >= 0, "quantize_cuda: bad shape [", p.rows, ", ", p.cols, "]");
   FP8DP_CHECK(p.scale != nullptr, "quantize_cuda: scale pointer is null");
   FP8DP_CHECK(p.rows * p.cols == 0 || p.input != nullptr, "quantize_cuda: input pointer is null");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.rows * p.cols != 0 && (p.out_t != nullptr || p.dbias != nullptr)) {
-    cuda::cast_transpose(p, stream, cfg);  // starts amax from zero itself
-    return;
-  }
   // The kernels merge block results with atomicMax, so amax starts at 0 (= amax of an empty input):
   // the result is written, never max-accumulated with what was there.
   if (p.amax != nullptr) FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
