@@ -16,14 +16,10 @@
 
 #include "fp8/ops.h"
 #include "modules/norm.h"
+#include "cuda_test_util.h"
 
 namespace fp8dp {
 namespace {
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 // (rms, dtype, rows, cols)
 using Case = std::tuple<bool, at::ScalarType, int64_t, int64_t>;
@@ -54,7 +50,7 @@ void expect_within(const at::Tensor& got, const at::Tensor& want, const at::Tens
 // (rows + 4) u sum|dz xhat|, dbeta within rows u sum|dz|, dx within
 // rsigma (dm1 + |xhat| dm2 + 6u (|dxhat| + |m1| + |xhat m2|)), each plus one ulp of the dtype.
 TEST_P(NormCuda, MatchesFp64WithinFp32Bounds) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  SKIP_WITHOUT_GPU();
   const auto [rms, dtype, rows, cols] = GetParam();
   at::manual_seed(rows * 977 + cols);
   const at::Tensor x = (at::randn({rows, cols}) * 2 + 0.5).to(dtype);

@@ -16,17 +16,10 @@
 
 #include "fp8/quantize.h"
 #include "fp8/scaling.h"
+#include "cuda_test_util.h"
 
 namespace fp8dp {
 namespace {
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define SKIP_WITHOUT_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible"
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
