@@ -76,24 +76,22 @@ if want distributed; then
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
   fi
 fi
-if true; then
-  wantb bench_kernels && run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
-  if wantb bench_ct_variants; then
-    # Cast + transpose (+ dbias) kernel variants against a copy (torch-free; prints the fastest).
-    run_step bench_ct_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
-      -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
-      -o $BUILD/ct_variants bench/cast_transpose_variants.cu && $BUILD/ct_variants"
-  fi
-  wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
-  wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
-  if [ "$NGPU" -ge 2 ]; then
-    TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node=2)
-    wantb bench_reduce_scatter && run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
-      --json "$OUT/bench_reduce_scatter.json"
-    wantb bench_ddp && run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
-  else
-    echo "=== [bench 2-GPU] skipped: $NGPU GPU(s) visible" | tee -a "$OUT/bench.log"
-  fi
+wantb bench_kernels && run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
+if wantb bench_ct_variants; then
+  # Cast + transpose (+ dbias) kernel variants against a copy (torch-free; prints the fastest).
+  run_step bench_ct_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
+    -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
+    -o $BUILD/ct_variants bench/cast_transpose_variants.cu && $BUILD/ct_variants"
+fi
+wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
+if [ "$NGPU" -ge 2 ]; then
+  TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node=2)
+  wantb bench_reduce_scatter && run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
+    --json "$OUT/bench_reduce_scatter.json"
+  wantb bench_ddp && run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
+else
+  echo "=== [bench 2-GPU] skipped: $NGPU GPU(s) visible" | tee -a "$OUT/bench.log"
 fi
 if want matrix; then
   # The whole product of the test matrix on NCCL (cells above the visible GPU count are skipped).

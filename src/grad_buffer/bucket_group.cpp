@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-
 #include "common/check.h"
 
 namespace fp8dp {
