@@ -27,6 +27,10 @@ The collectives alone (every bucket's reduce-scatter, then every bucket's all-ga
 give the communication that there is to hide. Everything runs once per --bucket-sizes entry
 (default: DDP's default bucket size, then one layer per bucket, where the last bucket's
 reduce-scatter and the first bucket's all-gather, the parts nothing can hide, are smallest).
+--micro-batches M makes each step M micro-batches of --tokens tokens, the first M - 1 under no_sync()
+(Megatron's gradient accumulation; in the breakdown they count as "forward"): the reduce-scatters
+still overlap only the last backward, but there is M times the compute to hide them behind.
+--profile DIR also writes a torch.profiler trace of 3 steps of each variant per rank.
 Target (issue 5): full <= 1.05x compute-only.
 """
 
@@ -115,6 +119,26 @@ def comm_alone(sync, grad_dtype, param_dtype, rounds):
     return out
 
 
+def profile_variants(out_dir, variants, drain, rank, bucket_size):
+    """A CUDA-activity trace (torch.profiler, Chrome format, gzipped) of 3 steady-state steps of
+    each variant, one file per rank and variant: the kernel timeline shows which compute kernels
+    the collectives overlap and where the compute stream idles."""
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for name, fn in variants.items():
+        fn([])
+        drain()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                with torch.profiler.record_function(f"step_{name}"):
+                    fn([])
+            drain()
+            torch.cuda.synchronize()
+        tag = "default" if bucket_size is None else str(bucket_size)
+        prof.export_chrome_trace(os.path.join(out_dir, f"ddp_{name}_{tag}_rank{rank}.json.gz"))
+
+
 def run_config(args, bucket_size, rank, ws):
     """Builds the model and DDP with this bucket size (None: DDP's default), times the variants
     and returns the slowest rank's numbers."""
@@ -144,10 +168,18 @@ def run_config(args, bucket_size, rank, ws):
         e.record()
         ev.append((e, time.perf_counter()))
 
+    def accumulate():
+        for _ in range(args.micro_batches - 1):
+            with fp8dp.fp8_autocast(fp8_recipe=recipe):
+                y = ddp(x)
+            y.backward(dy)
+
     def full(ev, overlap=True):
         mark(ev)
         ddp.zero_grad_buffer()
         mark(ev)
+        with ddp.no_sync():  # gradient accumulation: the micro-batches before the last
+            accumulate()
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
             y = ddp(x)
         mark(ev)
@@ -164,6 +196,7 @@ def run_config(args, bucket_size, rank, ws):
         ddp.zero_grad_buffer()
         mark(ev)
         with ddp.no_sync():
+            accumulate()
             with fp8dp.fp8_autocast(fp8_recipe=recipe):
                 y = ddp(x)
             mark(ev)
@@ -207,6 +240,8 @@ def run_config(args, bucket_size, rank, ws):
     host_ph = {n: {p: statistics.median(v) for p, v in d.items()}
                for n, d in host_phase_ms.items()}
     alone = comm_alone(sync, ddp._params[0].main_grad.dtype, ddp._params[0].dtype, 5)
+    if args.profile:
+        profile_variants(args.profile, variants, opt.finish_param_sync, rank, bucket_size)
 
     # Every rank's numbers; the slowest rank's are reported.
     names = list(variants)
@@ -224,6 +259,7 @@ def run_config(args, bucket_size, rank, ws):
     comp = med["compute_only"]
     result = {
         "layers": args.layers, "hidden": h, "tokens_per_gpu": args.tokens, "world": ws,
+        "micro_batches": args.micro_batches,
         "params": sum(p.numel() for p in model.parameters()),
         "communicator": sync.communicator().name,
         "bucket_groups": sync.num_bucket_groups, "bucket_size": cfg.resolved_bucket_size(ws),
@@ -243,7 +279,8 @@ def run_config(args, bucket_size, rank, ws):
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
     if rank == 0:
-        print_table(f"DDP step, {args.layers} x fp8dp.Linear({h}), {args.tokens} tokens/GPU, "
+        print_table(f"DDP step, {args.layers} x fp8dp.Linear({h}), {args.micro_batches} x {args.tokens} "
+                    "tokens/GPU, "
                     f"{ws} GPUs, bucket_size {result['bucket_size']} = "
                     f"{sync.num_bucket_groups} bucket groups, "
                     f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'}, "
@@ -275,6 +312,9 @@ def main():
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per step")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches per step (of --tokens each); all but the last run under "
+                         "no_sync(), as in Megatron's gradient accumulation")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per sample")
     ap.add_argument("--bucket-sizes", default="default,16000000",
@@ -288,6 +328,8 @@ def main():
     ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="main_grad and reduce-scatter dtype (grad_reduce_in_fp32); bf16 halves "
                          "the bytes the collectives move")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="also write a torch.profiler trace of 3 steps of each variant to DIR")
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", timeout=timedelta(seconds=180),

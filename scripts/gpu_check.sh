@@ -5,7 +5,7 @@
 # earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
 # Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
 # bench_kernels.json, bench_gemm.json, bench_linear.json, and with 2 GPUs bench_reduce_scatter.json,
-# bench_ddp.json; summary.txt. Not in the default STEPS (they take minutes): "matrix" (the full NCCL
+# bench_ddp.json, bench_ddp_mb8.json; summary.txt. Not in the default STEPS (they take minutes): "matrix" (the full NCCL
 # test matrix: matrix.log, matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
 # DDP benchmarks) run under torchrun --nproc_per_node=2 when two GPUs are visible.
 set -uo pipefail
@@ -90,6 +90,9 @@ if [ "$NGPU" -ge 2 ]; then
   wantb bench_reduce_scatter && run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
     --json "$OUT/bench_reduce_scatter.json"
   wantb bench_ddp && run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
+  # The same step with Megatron-style gradient accumulation: 8 micro-batches, 7 under no_sync().
+  wantb bench_ddp && run_step bench_ddp_mb8 "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py \
+    --bucket-sizes default --micro-batches 8 --json "$OUT/bench_ddp_mb8.json"
 else
   echo "=== [bench 2-GPU] skipped: $NGPU GPU(s) visible" | tee -a "$OUT/bench.log"
 fi
@@ -119,7 +122,7 @@ fi
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_gemm bench_linear \
-           bench_reduce_scatter bench_ddp matrix demo sanitizer; do
+           bench_reduce_scatter bench_ddp bench_ddp_mb8 matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8

@@ -209,4 +209,19 @@ void update_scaling(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& sca
   update_scaling_cpu(p);
 }
 
+void update_scaling_batched(const std::vector<ScalingSlot>& slots, const at::Device& device) {
+  if (slots.empty()) return;
+#if defined(FP8DP_WITH_CUDA)
+  if (device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(device);
+    update_scaling_batched_cuda(slots.data(), static_cast<int64_t>(slots.size()),
+                                c10::cuda::getCurrentCUDAStream().stream());
+    return;
+  }
+#endif
+  FP8DP_CHECK(device.is_cpu(), "update_scaling_batched: buffers on ", device,
+              " but fp8dp was built without CUDA");
+  update_scaling_batched_cpu(slots.data(), static_cast<int64_t>(slots.size()));
+}
+
 }  // namespace fp8dp

@@ -27,11 +27,27 @@ struct ScalingUpdateParams {
 
 void update_scaling_cpu(const ScalingUpdateParams& p);
 
+// One state of a batched update: update_scaling's buffers for one [history_len, n] history, and
+// row0, the n values that row 0 takes before the update (a step's cross-rank reduced amaxes; null
+// keeps row 0). A batch updates every slot as update_scaling would after that copy; the slots
+// share nothing, so each may have its own history length, algorithm and margin.
+struct ScalingSlot {
+  ScalingUpdateParams params;
+  const float* row0 = nullptr;
+};
+
+void update_scaling_batched_cpu(const ScalingSlot* slots, int64_t count);
+
 // The scale a current-scaling cast uses for a tensor whose amax is `amax` (same rule, no history).
 float compute_scale(float amax, float fp8_max, float margin, float previous_scale);
 
 #if defined(FP8DP_WITH_CUDA)
 void update_scaling_cuda(const ScalingUpdateParams& p, void* stream);
+// Every slot in ceil(count / kMaxSlotsPerLaunch) launches (the slots travel as kernel parameters;
+// one block per slot), so the delayed-scaling update of a whole model is one launch (C7).
+// Slots need n <= 256.
+inline constexpr int64_t kMaxSlotsPerLaunch = 96;
+void update_scaling_batched_cuda(const ScalingSlot* slots, int64_t count, void* stream);
 #endif
 
 }  // namespace fp8dp

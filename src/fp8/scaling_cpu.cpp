@@ -1,6 +1,7 @@
 // CPU delayed-scaling update: one call updates every tensor of a step (C7).
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 
 #include "common/check.h"
 #include "fp8/scaling.h"
@@ -36,6 +37,16 @@ void update_scaling_cpu(const ScalingUpdateParams& p) {
     for (int64_t t = 0; t < n; ++t) p.amax_history[i * n + t] = p.amax_history[(i - 1) * n + t];
   }
   for (int64_t t = 0; t < n; ++t) p.amax_history[t] = 0.0f;
+}
+
+void update_scaling_batched_cpu(const ScalingSlot* slots, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const ScalingSlot& s = slots[i];
+    if (s.row0 != nullptr && s.params.n > 0) {
+      std::memcpy(s.params.amax_history, s.row0, static_cast<size_t>(s.params.n) * sizeof(float));
+    }
+    update_scaling_cpu(s.params);
+  }
 }
 
 }  // namespace fp8dp

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "common/check.h"
@@ -120,9 +121,18 @@ Quantized ScalingState::cast(const at::Tensor& x, Role role, const Recipe& recip
 
 at::Tensor ScalingState::current_amax() const { return amax_history_.select(0, 0); }
 
-void ScalingState::update(const at::Tensor& reduced_amax) {
-  amax_history_.select(0, 0).copy_(reduced_amax);
-  update_scaling(amax_history_, scale_, scale_inv_, fp8_max_, algo_, margin_);
+ScalingSlot ScalingState::update_slot(const float* row0) {
+  ScalingSlot s;
+  s.params.amax_history = amax_history_.data_ptr<float>();
+  s.params.scale = scale_.data_ptr<float>();
+  s.params.scale_inv = scale_inv_.data_ptr<float>();
+  s.params.fp8_max = fp8_max_.data_ptr<float>();
+  s.params.n = kNumRoles;
+  s.params.history_len = amax_history_.size(0);
+  s.params.algo = algo_;
+  s.params.margin = margin_;
+  s.row0 = row0;
+  return s;
 }
 
 ScalingState::Snapshot ScalingState::snapshot() const {
@@ -215,14 +225,26 @@ void registry_update(const at::Tensor& reduced) {
                   "update_fp8_scales: 'reduced' must be float32 [", n,
                   "] (the result of registry_amaxes), got ", reduced.scalar_type(), " ",
                   reduced.sizes());
-  int64_t off = 0;
+  if (n == 0) return;
+  std::vector<ScalingSlot> slots;
+  slots.reserve(reg.collected.size());
+  std::optional<at::Device> device;
+  at::Tensor values;  // `reduced` on the states' device; kept alive until the update is enqueued
   for (int64_t id : reg.collected) {
     auto it = reg.states.find(id);
     FP8DP_CHECK(it != reg.states.end() && it->second->allocated(),
                 "update_fp8_scales: an FP8 state was destroyed between collecting and updating");
-    it->second->update(reduced.narrow(0, off, kNumRoles));
-    off += kNumRoles;
+    if (!device) {
+      device = it->second->amax_history().device();
+      values = reduced.to(*device).contiguous();
+    }
+    // registry_amaxes checked that every collected state lives on one device.
+    const int64_t off = static_cast<int64_t>(slots.size()) * kNumRoles;
+    slots.push_back(it->second->update_slot(values.data_ptr<float>() + off));
   }
+  // One launch for the whole model on CUDA (the per-state updates were one copy and one launch
+  // each, 2 x modules launches per step).
+  update_scaling_batched(slots, *device);
   reg.collected.clear();
 }
 

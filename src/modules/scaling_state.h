@@ -47,9 +47,10 @@ class ScalingState {
   const at::Tensor& scale() const { return scale_; }
   const at::Tensor& scale_inv() const { return scale_inv_; }
 
-  // Registry side: row 0 of the history (the step's amaxes), and the update after the reduction.
+  // Registry side: row 0 of the history (the step's amaxes), and this state's part of the batched
+  // update after the reduction (row0: its kNumRoles reduced amaxes, on the state's device).
   at::Tensor current_amax() const;
-  void update(const at::Tensor& reduced_amax);
+  ScalingSlot update_slot(const float* row0);
 
   // state_dict extra state: undefined tensors when never allocated.
   struct Snapshot {

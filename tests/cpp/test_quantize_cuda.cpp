@@ -359,6 +359,85 @@ TEST(UpdateScalingCuda, MatchesCpuForManyTensors) {
   }
 }
 
+// The batched update (update_fp8_scales' path): more slots than one launch takes, each slot with its
+// own history length, algorithm, margin and row 0, against the CPU batch, bit for bit.
+TEST(UpdateScalingCuda, BatchedMatchesCpuAcrossLaunches) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> u(0.0f, 1000.0f);
+  const int64_t count = 2 * kMaxSlotsPerLaunch + 7;
+  const int64_t lengths[] = {1, 2, 64, 300, 1024};
+  std::vector<std::vector<float>> hist(count), scale(count), scale_inv(count), fmax(count),
+      row0(count);
+  std::vector<DevBuf> d_hist, d_scale, d_scale_inv, d_fmax, d_row0;
+  // Reserved up front: DevBuf owns its allocation and must not be copied by a reallocation.
+  for (auto* v : {&d_hist, &d_scale, &d_scale_inv, &d_fmax, &d_row0}) v->reserve(count);
+  std::vector<ScalingSlot> cpu(count), gpu(count);
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t L = lengths[k % 5], n = k % 7 == 0 ? 200 : 3;
+    const AmaxAlgo algo = k % 3 == 0 ? AmaxAlgo::kMostRecent : AmaxAlgo::kMax;
+    const float margin = static_cast<float>(k % 2);
+    hist[k].resize(L * n);
+    for (auto& h : hist[k]) h = u(rng);
+    if (k % 4 == 1) hist[k][(L - 1) * n] = std::numeric_limits<float>::quiet_NaN();
+    if (k % 4 == 2) for (int64_t i = 0; i < L; ++i) hist[k][i * n + 1] = 0.0f;
+    scale[k].assign(n, 2.0f);
+    scale_inv[k].assign(n, 0.5f);
+    fmax[k].assign(n, k % 2 ? 448.0f : 57344.0f);
+    row0[k].resize(n);
+    for (auto& r : row0[k]) r = u(rng);
+    d_hist.emplace_back(hist[k].size() * 4);
+    d_scale.emplace_back(n * 4);
+    d_scale_inv.emplace_back(n * 4);
+    d_fmax.emplace_back(n * 4);
+    d_row0.emplace_back(n * 4);
+    CK(cudaMemcpy(d_hist[k].get(), hist[k].data(), hist[k].size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_scale[k].get(), scale[k].data(), n * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_scale_inv[k].get(), scale_inv[k].data(), n * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_fmax[k].get(), fmax[k].data(), n * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_row0[k].get(), row0[k].data(), n * 4, cudaMemcpyHostToDevice));
+    const bool with_row0 = k % 5 != 3;
+    cpu[k].params = {hist[k].data(), scale[k].data(), scale_inv[k].data(), fmax[k].data(),
+                     n, L, algo, margin};
+    cpu[k].row0 = with_row0 ? row0[k].data() : nullptr;
+    gpu[k].params = {d_hist[k].get<float>(), d_scale[k].get<float>(), d_scale_inv[k].get<float>(),
+                     d_fmax[k].get<float>(), n, L, algo, margin};
+    gpu[k].row0 = with_row0 ? d_row0[k].get<float>() : nullptr;
+  }
+  update_scaling_batched_cpu(cpu.data(), count);
+  update_scaling_batched_cuda(gpu.data(), count, nullptr);
+  CK(cudaDeviceSynchronize());
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t n = static_cast<int64_t>(scale[k].size());
+    std::vector<float> gh(hist[k].size()), gs(n), gsi(n);
+    CK(cudaMemcpy(gh.data(), d_hist[k].get(), gh.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gs.data(), d_scale[k].get(), n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gsi.data(), d_scale_inv[k].get(), n * 4, cudaMemcpyDeviceToHost));
+    for (int64_t t = 0; t < n; ++t) {
+      ASSERT_EQ(bits(gs[t]), bits(scale[k][t])) << "slot " << k << " scale " << t;
+      ASSERT_EQ(bits(gsi[t]), bits(scale_inv[k][t])) << "slot " << k << " scale_inv " << t;
+    }
+    for (size_t i = 0; i < gh.size(); ++i) {
+      ASSERT_TRUE(bits(gh[i]) == bits(hist[k][i]) || (std::isnan(gh[i]) && std::isnan(hist[k][i])))
+          << "slot " << k << " history element " << i;
+    }
+  }
+}
+
+TEST(UpdateScalingCuda, BatchedRejectsTooManyColumns) {
+  SKIP_WITHOUT_GPU();
+  ScalingSlot s;
+  s.params.n = 257;
+  s.params.history_len = 4;
+  try {
+    update_scaling_batched_cuda(&s, 1, nullptr);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("n must be in [1, 256], got 257"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace fp8dp
 

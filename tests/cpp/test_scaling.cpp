@@ -125,6 +125,57 @@ TEST_P(UpdateScaling, MatchesReferenceOverSteps) {
   }
 }
 
+// ---- the batched update: many states, each with its own L, algorithm, margin and row 0 ----
+
+TEST(UpdateScalingBatched, EachSlotAsAlone) {
+  struct Case {
+    int64_t L, n;
+    AmaxAlgo algo;
+    float margin;
+    bool row0;
+  };
+  const std::vector<Case> cases = {{1, 3, AmaxAlgo::kMax, 0.0f, true},
+                                   {16, 3, AmaxAlgo::kMax, 1.0f, true},
+                                   {5, 3, AmaxAlgo::kMostRecent, 0.0f, true},
+                                   {7, 2, AmaxAlgo::kMax, 2.0f, false},
+                                   {1024, 3, AmaxAlgo::kMax, 0.0f, true}};
+  at::manual_seed(5);
+  std::vector<at::Tensor> hist, scale, scale_inv, fp8_max, row0;
+  std::vector<std::vector<float>> h, s, si, fm;
+  std::vector<ScalingSlot> slots;
+  for (const Case& c : cases) {
+    hist.push_back(at::rand({c.L, c.n}) * 100);
+    hist.back()[c.L - 1][0] = kNaN;  // NaN in the oldest row: reaches the max only with kMax
+    scale.push_back(at::rand({c.n}) + 0.5);
+    scale_inv.push_back(1.0 / scale.back());
+    fp8_max.push_back(at::full({c.n}, 448.0f));
+    row0.push_back(at::rand({c.n}) * 1000);
+    h.push_back(to_vec(hist.back()));
+    s.push_back(to_vec(scale.back()));
+    si.push_back(to_vec(scale_inv.back()));
+    fm.push_back(to_vec(fp8_max.back()));
+    ScalingSlot slot;
+    slot.params = {hist.back().data_ptr<float>(), scale.back().data_ptr<float>(),
+                   scale_inv.back().data_ptr<float>(), fp8_max.back().data_ptr<float>(),
+                   c.n, c.L, c.algo, c.margin};
+    slot.row0 = c.row0 ? row0.back().data_ptr<float>() : nullptr;
+    slots.push_back(slot);
+  }
+  update_scaling_batched(slots, at::Device(at::kCPU));
+  for (size_t k = 0; k < cases.size(); ++k) {
+    SCOPED_TRACE("slot " + std::to_string(k));
+    const Case& c = cases[k];
+    if (c.row0) {  // row 0 takes the reduced amaxes first; a null row0 keeps it
+      const std::vector<float> r = to_vec(row0[k]);
+      std::copy(r.begin(), r.end(), h[k].begin());
+    }
+    reference_update(h[k], s[k], si[k], fm[k], c.L, c.n, c.algo, c.margin);
+    expect_same_bits(to_vec(hist[k]), h[k], "amax_history");
+    expect_same_bits(to_vec(scale[k]), s[k], "scale");
+    expect_same_bits(to_vec(scale_inv[k]), si[k], "scale_inv");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Fp8, UpdateScaling,
     ::testing::Combine(::testing::Values(AmaxAlgo::kMax, AmaxAlgo::kMostRecent),

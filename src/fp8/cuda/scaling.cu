@@ -1,7 +1,10 @@
-// CUDA delayed-scaling update: for every tensor of a step, in one launch, reduce the amax history,
-// compute scale / scale_inv and roll the history (same rules as update_scaling_cpu, scaling.h).
+// CUDA delayed-scaling update (same rules as update_scaling_cpu, scaling.h): reduce the amax
+// history, compute scale / scale_inv and roll the history, for the n tensors of one [L, n] history
+// (update_scaling_cuda) or for many such histories, one block each (update_scaling_batched_cuda,
+// what update_fp8_scales uses: every FP8 module of a model in one launch).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 
@@ -75,8 +78,89 @@ __global__ void __launch_bounds__(kCols* kRows)
   }
 }
 
+// ---------------------------------------------------------------- batched: one block per slot
+constexpr int kBatchThreads = 256;
+constexpr int kRollPerThread = 8;
+
+struct SlotBatch {
+  ScalingSlot slot[kMaxSlotsPerLaunch];
+};
+
+// A slot's history is n * L contiguous floats, so rolling it by one row is a shift by n elements;
+// the block shifts it top down in chunks of kBatchThreads * kRollPerThread (each chunk's reads land
+// below every write made so far). Before that, thread t reduces column t % n over rows t / n,
+// t / n + lanes, ... (lanes = kBatchThreads / n) for the max; the lane results meet in shared memory.
+__global__ void __launch_bounds__(kBatchThreads)
+    update_scaling_batched_kernel(const __grid_constant__ SlotBatch b) {
+  __shared__ float red[kBatchThreads];
+  const ScalingSlot& slot = b.slot[blockIdx.x];
+  const ScalingUpdateParams& p = slot.params;
+  const int64_t n = p.n, L = p.history_len, total = n * L;
+  float* hist = p.amax_history;
+  const int tid = threadIdx.x;
+  if (slot.row0 != nullptr) {
+    for (int64_t i = tid; i < n; i += kBatchThreads) hist[i] = slot.row0[i];
+    __syncthreads();
+  }
+  const int64_t lanes = kBatchThreads / n;
+  const int64_t col = tid % n, lane = tid / n;
+  float m = 0.0f;
+  if (lane < lanes) {
+    if (p.algo == AmaxAlgo::kMax) {
+      for (int64_t r = lane; r < L; r += lanes) m = nan_max(m, hist[r * n + col]);
+    } else if (lane == 0) {
+      m = hist[col];
+    }
+  }
+  red[tid] = m;
+  __syncthreads();  // every read of the old history for the max is done before the roll writes
+  if (tid < n) {
+    float amax = red[tid];
+    for (int64_t l = 1; l < lanes; ++l) amax = nan_max(amax, red[l * n + tid]);
+    const float s = device_scale(amax, p.fp8_max[tid], p.margin, p.scale[tid]);
+    p.scale[tid] = s;
+    p.scale_inv[tid] = 1.0f / s;
+  }
+  constexpr int64_t kChunk = int64_t{kBatchThreads} * kRollPerThread;
+  for (int64_t base = total - kChunk; base > -kChunk; base -= kChunk) {
+    float v[kRollPerThread];
+#pragma unroll
+    for (int j = 0; j < kRollPerThread; ++j) {
+      const int64_t dst = base + j * kBatchThreads + tid;
+      v[j] = (dst >= n && dst < total) ? hist[dst - n] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRollPerThread; ++j) {
+      const int64_t dst = base + j * kBatchThreads + tid;
+      if (dst >= n && dst < total) hist[dst] = v[j];
+    }
+    __syncthreads();
+  }
+  if (tid < n) hist[tid] = 0.0f;
+}
+
 }  // namespace
 }  // namespace cuda
+
+void update_scaling_batched_cuda(const ScalingSlot* slots, int64_t count, void* stream) {
+  FP8DP_CHECK(count >= 0, "update_scaling_batched: count must be >= 0, got ", count);
+  for (int64_t i = 0; i < count; ++i) {
+    const ScalingUpdateParams& p = slots[i].params;
+    FP8DP_CHECK(p.history_len >= 1, "update_scaling_batched: slot ", i,
+                ": history_len must be >= 1, got ", p.history_len);
+    FP8DP_CHECK(p.n >= 1 && p.n <= cuda::kBatchThreads, "update_scaling_batched: slot ", i,
+                ": n must be in [1, ", cuda::kBatchThreads, "], got ", p.n);
+  }
+  for (int64_t first = 0; first < count; first += kMaxSlotsPerLaunch) {
+    const int64_t k = std::min<int64_t>(kMaxSlotsPerLaunch, count - first);
+    cuda::SlotBatch b;
+    std::copy(slots + first, slots + first + k, b.slot);
+    cuda::update_scaling_batched_kernel<<<static_cast<unsigned>(k), cuda::kBatchThreads, 0,
+                                          static_cast<cudaStream_t>(stream)>>>(b);
+    FP8DP_CHECK_CUDA(cudaGetLastError());
+  }
+}
 
 void update_scaling_cuda(const ScalingUpdateParams& p, void* stream) {
   FP8DP_CHECK(p.history_len >= 1, "update_scaling: history_len must be >= 1, got ", p.history_len);
