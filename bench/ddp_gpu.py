@@ -341,7 +341,8 @@ def main():
         gc.collect()  # the model, its buffers and its NCCL communicator, before the next one
         torch.cuda.empty_cache()
     if rank == 0:
-        cmd = "torchrun --standalone --nproc_per_node=2 bench/ddp_gpu.py " + " ".join(sys.argv[1:])
+        cmd = (f"torchrun --standalone --nproc_per_node={ws} bench/ddp_gpu.py "
+               + " ".join(sys.argv[1:]))
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         write_json(args.json, {"benchmark": "ddp_gpu", **device_info(), "command": cmd,
                                "nccl_env": env, "result": results[0],

@@ -84,7 +84,7 @@ def main():
                     ["MiB", "fp8dp ms", "torch ms", "fp8dp GB/s", "torch GB/s", "ratio",
                      "identical"], rows)
         write_json(args.json, {"benchmark": "reduce_scatter_gpu", **device_info(),
-                               "command": "torchrun --standalone --nproc_per_node=2 "
+                               "command": f"torchrun --standalone --nproc_per_node={ws} "
                                           "bench/reduce_scatter_gpu.py",
                                "results": results})
     dist.barrier()

@@ -7,7 +7,7 @@
 # bench_kernels.json, bench_gemm.json, bench_linear.json, and with 2 GPUs bench_reduce_scatter.json,
 # bench_ddp.json, bench_ddp_mb8.json; summary.txt. Not in the default STEPS (they take minutes): "matrix" (the full NCCL
 # test matrix: matrix.log, matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
-# DDP benchmarks) run under torchrun --nproc_per_node=2 when two GPUs are visible.
+# DDP benchmarks) run when two or more GPUs are visible: the NCCL tests on 2, the benchmarks on all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -86,7 +86,8 @@ fi
 wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
 if [ "$NGPU" -ge 2 ]; then
-  TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node=2)
+  # Every visible GPU: the same benchmarks on 4 or 8 GPUs are issue 7's run.
+  TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU")
   wantb bench_reduce_scatter && run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
     --json "$OUT/bench_reduce_scatter.json"
   wantb bench_ddp && run_step bench_ddp "$OUT/bench.log" 180 "${TR[@]}" bench/ddp_gpu.py --json "$OUT/bench_ddp.json"
