@@ -58,11 +58,14 @@ ScalingState::~ScalingState() {
   reg.states.erase(id_);
 }
 
+void ScalingState::place(const at::Device& device) {
+  if (!unplaced_ || amax_history_.device() == device) return;
+  // A checkpoint loaded into a module that had not cast yet (e.g. resuming on a GPU).
+  for (at::Tensor* t : {&amax_history_, &scale_, &scale_inv_, &fp8_max_}) *t = t->to(device);
+}
+
 void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
-  if (unplaced_ && amax_history_.device() != device) {
-    // A checkpoint loaded into a module that had not cast yet (e.g. resuming on a GPU).
-    for (at::Tensor* t : {&amax_history_, &scale_, &scale_inv_, &fp8_max_}) *t = t->to(device);
-  }
+  place(device);
   unplaced_ = false;
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t len = recipe.amax_history_len;
@@ -163,6 +166,13 @@ void ScalingState::restore(const Snapshot& s) {
     FP8DP_CHECK_ARG(t->defined() && t->numel() == kNumRoles, fn,
                     ": scale, scale_inv, fp8_max and initialized need ", kNumRoles, " elements");
   }
+  // The update trusts these (update_fp8_scales can run before the next forward sets them from
+  // the recipe), so a corrupt checkpoint is refused here.
+  FP8DP_CHECK_ARG(s.algo == static_cast<int64_t>(AmaxAlgo::kMax) ||
+                      s.algo == static_cast<int64_t>(AmaxAlgo::kMostRecent),
+                  fn, ": 'amax_compute_algo' must be 0 (max) or 1 (most_recent), got ", s.algo);
+  FP8DP_CHECK_ARG(std::isfinite(s.margin) && s.margin >= 0.0, fn,
+                  ": 'margin' must be finite and >= 0, got ", s.margin);
   // Keep the current device when the state already lives somewhere; else the saved one (CPU).
   unplaced_ = !allocated() || unplaced_;
   const at::Device dev = allocated() ? amax_history_.device() : at::Device(at::kCPU);
@@ -202,6 +212,17 @@ at::Tensor registry_amaxes() {
   std::lock_guard<std::mutex> lock(reg.mu);
   std::vector<at::Tensor> parts;
   reg.collected.clear();
+  // States restored from a checkpoint that no cast has placed yet join the device of the others:
+  // an update right after loading a checkpoint into a GPU model would otherwise find them on the
+  // CPU beside the GPU states of modules that did cast.
+  for (auto& [id, st] : reg.states) {
+    if (st->allocated() && !st->unplaced()) {
+      const at::Device device = st->amax_history().device();
+      for (auto& [other_id, other] : reg.states)
+        if (other->allocated() && other->unplaced()) other->place(device);
+      break;
+    }
+  }
   for (auto& [id, st] : reg.states) {
     if (!st->allocated()) continue;
     if (!parts.empty()) {

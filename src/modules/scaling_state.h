@@ -42,6 +42,10 @@ class ScalingState {
   void record_amax(Role role, const at::Tensor& amax);
 
   bool allocated() const { return amax_history_.defined(); }
+  // Restored from a checkpoint and not yet bound to a device by a cast; place() moves such a
+  // state's tensors to `device` (it stays unplaced: the first cast still decides).
+  bool unplaced() const { return unplaced_; }
+  void place(const at::Device& device);
   int64_t id() const { return id_; }
   const at::Tensor& amax_history() const { return amax_history_; }
   const at::Tensor& scale() const { return scale_; }

@@ -96,3 +96,41 @@ def test_update_fp8_scales_rolls_history(device):
     torch.testing.assert_close(
         m._core.scale[2].cpu(), torch.tensor(57344.0) / torch.tensor(grad_amax), rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("margin", -1.0, "'margin' must be finite and >= 0, got -1"),
+        ("margin", float("nan"), "'margin' must be finite and >= 0, got nan"),
+        ("amax_compute_algo", 7, "'amax_compute_algo' must be 0 (max) or 1 (most_recent), got 7"),
+    ],
+)
+def test_corrupt_extra_state_is_refused(key, value, message, device):
+    """update_fp8_scales may run on a restored state before any forward sets algo and margin from
+    the recipe, so a checkpoint with impossible values fails at load, naming the key."""
+    m = fp8dp.Linear(IN, OUT, device=device)
+    train_steps(m, 1)
+    sd = m.state_dict()
+    before = m._core.scale.cpu().clone()
+    sd["_extra_state"][key] = value
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        m.load_state_dict(sd)
+    # nothing half-loaded: the module keeps its own state
+    torch.testing.assert_close(m._core.scale.cpu(), before, rtol=0, atol=0)
+
+
+def test_update_right_after_load_uses_the_saved_state(device):
+    """A checkpoint loaded, then update_fp8_scales before any forward: the update runs on the
+    restored history with the saved algorithm and margin, exactly as in the saved module."""
+    m = fp8dp.Linear(IN, OUT, device=device)
+    train_steps(m, 2)
+    with torch.no_grad(), autocast(RECIPE):  # amaxes in row 0, not yet reduced into a scale
+        m(batches(1, torch.float32, seed=43, device=device)[0][0] * 3)
+    loaded = fp8dp.Linear(IN, OUT, device=device)
+    loaded.load_state_dict(m.state_dict())
+    fp8dp.update_fp8_scales()  # updates both modules' states, one batch
+    torch.testing.assert_close(loaded._core.scale.cpu(), m._core.scale.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        loaded._core.amax_history.cpu(), m._core.amax_history.cpu(), rtol=0, atol=0
+    )
