@@ -168,11 +168,13 @@ def run_config(args, bucket_size, rank, ws):
         e.record()
         ev.append((e, time.perf_counter()))
 
+    def forward():
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            return ddp(x)
+
     def accumulate():
         for _ in range(args.micro_batches - 1):
-            with fp8dp.fp8_autocast(fp8_recipe=recipe):
-                y = ddp(x)
-            y.backward(dy)
+            forward().backward(dy)
 
     def full(ev, overlap=True):
         mark(ev)
@@ -180,8 +182,7 @@ def run_config(args, bucket_size, rank, ws):
         mark(ev)
         with ddp.no_sync():  # gradient accumulation: the micro-batches before the last
             accumulate()
-        with fp8dp.fp8_autocast(fp8_recipe=recipe):
-            y = ddp(x)
+        y = forward()
         mark(ev)
         y.backward(dy)
         mark(ev)
@@ -197,8 +198,7 @@ def run_config(args, bucket_size, rank, ws):
         mark(ev)
         with ddp.no_sync():
             accumulate()
-            with fp8dp.fp8_autocast(fp8_recipe=recipe):
-                y = ddp(x)
+            y = forward()
             mark(ev)
             y.backward(dy)
         mark(ev)
