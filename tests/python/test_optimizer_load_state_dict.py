@@ -38,8 +38,8 @@ def group():
 
 
 def _trained(group, steps=1):
-    """Two Linear layers (4 shards at world size 1, in bucket order: 8, 128, 16, 256 elements), AdamW, `steps`
-    steps so the inner optimizer has state."""
+    """Two Linear layers (4 shards at world size 1, in bucket order: 8, 128, 16, 256 elements),
+    AdamW, `steps` steps so the inner optimizer has state."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(fp8dp.Linear(16, 16), fp8dp.Linear(16, 8))
     cfg = fp8dp.DistributedDataParallelConfig(use_distributed_optimizer=True,
@@ -98,7 +98,8 @@ def _edit(fn):
 
 CASES = {
     "not-a-dict": (lambda sd: list(sd.items()),
-                   r"^state_dict: expected the dict of DistributedOptimizer.state_dict\(\), got list"),
+                   r"^state_dict: expected the dict of DistributedOptimizer.state_dict\(\), "
+                   r"got list"),
     "no-world_size": (_drop("world_size"), r"^state_dict\['world_size'\]: expected a key"),
     "no-shards": (_drop("shards"), r"^state_dict\['shards'\]: expected a key"),
     "no-masters": (_drop("masters"), r"^state_dict\['masters'\]: expected a key .* got none"),
@@ -116,7 +117,7 @@ CASES = {
     "master-one-element": (_edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(1))),
                            r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), "
                            r"got 1 \(float32, shape \[1\]\)$"),
-    "master-int": (_edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(256, dtype=torch.int64))),
+    "master-int": (_edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(256).long())),
                    r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), got 256 "
                    r"\(int64, shape \[256\]\)$"),
     "master-2d": (_edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(16, 16))),
