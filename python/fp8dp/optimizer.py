@@ -116,9 +116,11 @@ class DistributedOptimizer:
                 )
         ws, rank = self._sync.world_size, self._sync.rank
         if sd["world_size"] != ws:
+            # The words after the colon are matched by tests/distributed (case world_size).
             raise ValueError(
-                f"state_dict['world_size']: expected {ws} (this job's world size; resharding is "
-                f"not supported), got {sd['world_size']!r}"
+                f"state_dict['world_size']: expected {ws} (this job's world size), got "
+                f"{sd['world_size']!r}: saved at world size {sd['world_size']}, loading at world "
+                f"size {ws} (resharding is not supported)"
             )
         if sd["rank"] != rank:
             raise ValueError(
