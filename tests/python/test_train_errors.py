@@ -82,9 +82,10 @@ def run(*argv):
 
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
-        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            mp.delenv(k, raising=False)
-        mp.setenv("MASTER_PORT", str(_free_port()))
+        # What setup_distributed sets for a run without torchrun, set here so that it is undone.
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(_free_port())).items():
+            mp.setenv(k, v)
         with redirect_stdout(out), redirect_stderr(err):
             rc = main([str(a) for a in argv] + ["--no-progress"])
     return rc, out.getvalue(), err.getvalue()
