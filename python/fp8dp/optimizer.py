@@ -93,7 +93,12 @@ class DistributedOptimizer:
         key, another world size, rank or layout, a master of the wrong size or dtype, an inner
         optimizer state for other parameters) raises ValueError naming the entry, and leaves the
         masters, the parameters and the inner optimizer as they were. A master of the wrong size
-        must never reach copy_(), which would broadcast one element over the whole shard."""
+        must never reach copy_(), which would broadcast one element over the whole shard.
+
+        The check is this rank's own: when only one rank's state_dict fails, the others go on
+        to the parameter all-gather and wait there until the process group's timeout. A caller
+        that loads per-rank files agrees on the outcome first (fp8dp.train's checkpoint.py calls
+        _check_state_dict on every rank, then gathers the errors)."""
         self._check_state_dict(state_dict)
         # The inner optimizer first: torch checks its groups before changing anything, and the
         # copies below cannot fail once the masters' sizes are checked.

@@ -37,7 +37,8 @@ def parse_args(argv=None):
 
 def _fail(e: Exception) -> int:
     if os.environ.get("RANK", "0") == "0":
-        print(f"fp8dp.train: error: {e}", file=sys.stderr, flush=True)
+        # One line, whatever the exception's text: a launcher's log shows one line per rank.
+        print(f"fp8dp.train: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
     return 2
 
 
