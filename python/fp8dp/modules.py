@@ -267,8 +267,13 @@ class LayerNormLinear(_FP8LinearBase):
             raise ValueError(
                 f"normalization: expected 'LayerNorm' or 'RMSNorm', got {normalization!r}"
             )
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-            raise ValueError(f"eps: expected a number > 0, got {eps!r}")
+        if (
+            not isinstance(eps, (int, float))
+            or isinstance(eps, bool)
+            or not eps > 0
+            or not math.isfinite(eps)
+        ):
+            raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
         _check_bool("zero_centered_gamma", zero_centered_gamma)
         _check_bool("return_layernorm_output", return_layernorm_output)
         self.normalization = normalization
