@@ -172,6 +172,10 @@ def gen_config(case_seed: int, ws: int) -> dict:
     # the configuration (like a pipeline schedule); the interleaving inside a window is random
     # every step.
     defer_p = rng.choice([0.0, 0.0, 0.3, 0.6])
+    # is_first_microbatch: (k == 0) as the README's loop; rarely True only at the very first
+    # micro-batch of the run and False ever after (C8: a weight changed by the optimizer since it
+    # was cached must be re-quantized, never reused stale); rarely None.
+    ifm = rng.choices(["k==0", "first_of_run", "none"], weights=[8, 1, 1])[0]
     return dict(
         case_seed=case_seed,
         ws=ws,
@@ -189,6 +193,7 @@ def gen_config(case_seed: int, ws: int) -> dict:
         steps=rng.choice([2, 3]),
         defer_p=defer_p,
         schedule_seed=rng.randrange(2**31),
+        is_first_microbatch=ifm,
         forget_dw=rng.random() < 0.05,  # misuse: one backward_dw() left out in the last step
         ddp=ddp,
     )
@@ -377,6 +382,15 @@ def grad_tolerance(c, mag: torch.Tensor) -> float:
     return 4 * ((n_terms + 2) + depth * K) * U32 * float(mag.max()) + 1e-30
 
 
+def first_microbatch(c, step, k):
+    mode = c.get("is_first_microbatch", "k==0")
+    if mode == "none":
+        return None
+    if mode == "first_of_run":
+        return step == 0 and k == 0
+    return k == 0
+
+
 # ---- the schedule of backward_dw() calls ---------------------------------------------------------
 def queued_per_microbatch(c, model):
     """{fp8 module index: entries queued per backward} (one per call of a delayed module whose
@@ -529,7 +543,7 @@ def run_case(c, group, found):
             r = rank * n_mb + k
             with ctx:
                 with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=RECIPE):
-                    out = ddp(ids[r], x[r], is_first_microbatch=(k == 0))
+                    out = ddp(ids[r], x[r], is_first_microbatch=first_microbatch(c, step, k))
                 loss = mse(out, y[r]) / n_mb
                 if loss.requires_grad:  # else every parameter on the path is frozen
                     loss.backward()
@@ -699,6 +713,8 @@ def shrink_candidates(c):
         out.append(with_(defer_p=0.0))
     if c["forget_dw"]:
         out.append(with_(forget_dw=False))
+    if c.get("is_first_microbatch", "k==0") != "k==0":
+        out.append(with_(is_first_microbatch="k==0"))
     for i in range(len(c["ops"])):
         if len(c["ops"]) > 1:
             d = with_()
