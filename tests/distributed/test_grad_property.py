@@ -43,11 +43,17 @@ def _brief(c: dict) -> str:
 def test_gradient_accounting_property(world_size, tmp_path):
     seed = int(os.environ.get("FP8DP_PROPERTY_SEED", "0"))
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
+    if list((ROOT / "python" / "fp8dp").glob("_C*.so")):  # this tree's in-place build, else the
+        # fp8dp already on PYTHONPATH (e.g. a worktree testing another tree's build)
+        env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world_size}", str(HERE / "property_worker.py"),
            "--seed", str(seed), "--cases", str(_cases(world_size)), "--out", str(tmp_path)]
+    n_reg = 0
+    if world_size == 1:  # the minimal configurations of earlier findings, by name
+        cmd += ["--regressions", str(HERE / "property_regressions.json")]
+        n_reg = len(json.loads((HERE / "property_regressions.json").read_text()))
     if os.environ.get("FP8DP_PROPERTY_SHRINK") == "1":
         cmd.append("--shrink")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -59,8 +65,8 @@ def test_gradient_accounting_property(world_size, tmp_path):
     by_case = {}
     for r in rows:
         by_case.setdefault(r["case_seed"], []).append(r)
-    assert len(by_case) == _cases(world_size), (
-        f"{len(by_case)} of {_cases(world_size)} cases reported\n{proc.stderr[-3000:]}")
+    assert len(by_case) == _cases(world_size) + n_reg, (
+        f"{len(by_case)} of {_cases(world_size) + n_reg} cases reported\n{proc.stderr[-3000:]}")
     failures = []
     rejected = 0
     for cs, rs in by_case.items():
@@ -72,6 +78,14 @@ def test_gradient_accounting_property(world_size, tmp_path):
         r = bad[0]
         what = (json.dumps(r["mismatch"]) if r["status"] == "fail"
                 else r["error"].splitlines()[0][:400])
+        if cs < 0:  # a named regression configuration
+            msg = (f"regression {r['config']['pattern']!r} {r['status'].upper()}: {what}\n"
+                   f"    config: {_brief(r['config'])}\n"
+                   f"    rerun: torchrun --standalone --nproc_per_node=1 "
+                   f"tests/distributed/property_worker.py --cases 0 --regressions "
+                   f"tests/distributed/property_regressions.json")
+            failures.append(msg)
+            continue
         msg = (f"case_seed={cs} ws={world_size} {r['status'].upper()} on rank(s) "
                f"{sorted(x['rank'] for x in bad)}: {what}\n"
                f"    config: {_brief(r['config'])}\n"
