@@ -145,6 +145,11 @@ def gen_config(case_seed: int, ws: int) -> dict:
         if tgt not in targets and tgt not in sources and src not in targets:
             ties.append([tgt, src])
     residual = [rng.random() < 0.3 for _ in ops]
+    # an op that runs only in some micro-batches (control flow): its parameters are unused in the
+    # others (and, for "not_last", in the micro-batch whose readiness launches the buckets)
+    when = ["all"] * len(ops)
+    if rng.random() < 0.15:
+        when[rng.randrange(len(ops))] = rng.choice(["not_last", "last_only"])
     # frozen: a few parameters (by module slot and parameter name) get requires_grad=False
     frozen = []
     if rng.random() < 0.3:
@@ -187,6 +192,7 @@ def gen_config(case_seed: int, ws: int) -> dict:
         n_plain=n_plain,
         ops=ops,
         residual=residual,
+        when=when,
         ties=ties,
         frozen=frozen,
         n_mb=n_mb,
@@ -197,6 +203,13 @@ def gen_config(case_seed: int, ws: int) -> dict:
         forget_dw=rng.random() < 0.05,  # misuse: one backward_dw() left out in the last step
         ddp=ddp,
     )
+
+
+def runs(c, j, k):
+    """Whether op j runs in micro-batch k."""
+    w = c.get("when", ["all"] * len(c["ops"]))[j]
+    last = k == c["n_mb"] - 1
+    return w == "all" or (w == "last_only") == last
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -245,9 +258,13 @@ class GenModel(nn.Module):
         else:
             self._module(kind, i).weight = p
 
+    microbatch = 0  # set by the caller before each forward: which ops run (see runs())
+
     def forward(self, ids, x, is_first_microbatch=None):
         h = x
-        for (kind, i), res in zip(self.c["ops"], self.c["residual"]):
+        for j, ((kind, i), res) in enumerate(zip(self.c["ops"], self.c["residual"])):
+            if not runs(self.c, j, self.microbatch):
+                continue
             if kind == "fp8":
                 z = self.fp8[i](h, is_first_microbatch=is_first_microbatch)
             elif kind == "tl":
@@ -263,11 +280,14 @@ class GenModel(nn.Module):
         return h
 
 
-def ref_forward64(model: GenModel, R: dict, ids, x):
-    """The graph of `model` in plain float64 torch ops; R maps id(parameter) -> float64 leaf."""
+def ref_forward64(model: GenModel, R: dict, ids, x, k):
+    """The graph of `model` in plain float64 torch ops for micro-batch k; R maps id(parameter) ->
+    float64 leaf."""
     c = model.c
     h = x
-    for (kind, i), res in zip(c["ops"], c["residual"]):
+    for j, ((kind, i), res) in enumerate(zip(c["ops"], c["residual"])):
+        if not runs(c, j, k):
+            continue
         if kind == "fp8":
             m = model.fp8[i]
             inp = h
@@ -326,7 +346,8 @@ def reference(c, model, step_data):
     if not c["fp8"]:
         R = {id(p): p.detach().double().clone().requires_grad_(p.requires_grad) for _, p in named}
         for r in range(ws * n_mb):
-            loss = mse(ref_forward64(model, R, ids[r], x[r].double()), y[r].double()) / n_mb
+            loss = mse(ref_forward64(model, R, ids[r], x[r].double(), r % n_mb),
+                       y[r].double()) / n_mb
             if not loss.requires_grad:
                 continue
             grads = torch.autograd.grad(
@@ -345,6 +366,7 @@ def reference(c, model, step_data):
                 tnamed[n].copy_(p.detach())
         for r in range(ws * n_mb):
             twin.zero_grad(set_to_none=True)
+            twin.microbatch = r % n_mb
             with fp8dp.fp8_autocast(enabled=True, fp8_recipe=RECIPE):
                 out = twin(ids[r], x[r], is_first_microbatch=None)
             loss = mse(out, y[r]) / n_mb
@@ -392,24 +414,28 @@ def first_microbatch(c, step, k):
 
 
 # ---- the schedule of backward_dw() calls ---------------------------------------------------------
-def queued_per_microbatch(c, model):
-    """{fp8 module index: entries queued per backward} (one per call of a delayed module whose
-    weight requires grad)."""
+def queued_per_microbatch(c, model, k=None):
+    """{fp8 module index: entries queued by micro-batch k's backward} (one per call of a delayed
+    module whose weight requires grad; k=None: any op that runs in some micro-batch)."""
     out = {}
-    for kind, i in c["ops"]:
+    for j, (kind, i) in enumerate(c["ops"]):
+        if k is None and not any(runs(c, j, kk) for kk in range(c["n_mb"])):
+            continue
+        if k is not None and not runs(c, j, k):
+            continue
         if kind == "fp8" and c["fp8_mods"][i]["delay"] and model.fp8[i].weight.requires_grad:
             out[i] = out.get(i, 0) + 1
     return out
 
 
-def make_windows(c, per_mb):
+def make_windows(c, model):
     """windows[w] = list of module indices popped in window w (w = k: after micro-batch k's
     backward; w = n_mb: after the loop). Fixed for the configuration."""
     rng = random.Random(c["schedule_seed"])
     n_mb = c["n_mb"]
     windows = [[] for _ in range(n_mb + 1)]
     for k in range(n_mb):
-        for i, cnt in sorted(per_mb.items()):
+        for i, cnt in sorted(queued_per_microbatch(c, model, k).items()):
             for _ in range(cnt):
                 w = k
                 while w < n_mb and rng.random() < c["defer_p"]:
@@ -499,7 +525,7 @@ def run_case(c, group, found):
     named = distinct_params(model)
     name_of = {id(p): n for n, p in named}
     per_mb = queued_per_microbatch(c, model)
-    windows = make_windows(c, per_mb)
+    windows = make_windows(c, model)
     any_delay = any(m["delay"] for m in c["fp8_mods"])
     cfg = fp8dp.DistributedDataParallelConfig(delay_wgrad_compute=any_delay, **c["ddp"])
     ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
@@ -540,6 +566,7 @@ def run_case(c, group, found):
         for k in range(n_mb):
             ctx = ddp.no_sync() if k < n_mb - 1 else contextlib.nullcontext()
             r = rank * n_mb + k
+            model.microbatch = k
             with ctx:
                 with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=RECIPE):
                     out = ddp(ids[r], x[r], is_first_microbatch=first_microbatch(c, step, k))
@@ -719,6 +746,8 @@ def shrink_candidates(c):
             d = with_()
             del d["ops"][i]
             del d["residual"][i]
+            if "when" in d:
+                del d["when"][i]
             out.append(d)
     for i in range(len(c["fp8_mods"])):
         d = _drop_fp8(c, i)
@@ -740,6 +769,11 @@ def shrink_candidates(c):
         d = with_()
         del d["frozen"][i]
         out.append(d)
+    for i, w in enumerate(c.get("when", [])):
+        if w != "all":
+            d = with_()
+            d["when"][i] = "all"
+            out.append(d)
     for i, r in enumerate(c["residual"]):
         if r:
             d = with_()
