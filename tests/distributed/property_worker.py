@@ -98,6 +98,12 @@ def gen_config(case_seed: int, ws: int) -> dict:
                 bias=rng.random() < 0.6,
                 fuse=rng.random() < 0.5,
                 delay=rng.random() < 0.5,
+                # LayerNormLinear only: the norm output also returned and used by plain code
+                # (one more gradient path into the norm's parameters), 1 + gamma scaling
+                ret_ln=kind == "LayerNormLinear" and rng.random() < 0.25,
+                zcg=kind == "LayerNormLinear" and rng.random() < 0.25,
+                # weight.zero_out_wgrad (C2 b: the fused route's stand-in is zero-filled)
+                zero_out_wgrad=rng.random() < 0.15,
             )
         )
     tl_mods = [dict(bias=rng.random() < 0.6) for _ in range(n_tl)]
@@ -200,6 +206,8 @@ def gen_config(case_seed: int, ws: int) -> dict:
         defer_p=defer_p,
         schedule_seed=rng.randrange(2**31),
         is_first_microbatch=ifm,
+        # each micro-batch's input as [T, D] or [2, T/2, D] (modules flatten leading dims)
+        input_3d=rng.random() < 0.25,
         forget_dw=rng.random() < 0.05,  # misuse: one backward_dw() left out in the last step
         ddp=ddp,
     )
@@ -232,7 +240,10 @@ class GenModel(nn.Module):
             if m["kind"] == "Linear":
                 mods.append(fp8dp.Linear(D, D, **kw))
             else:
-                mods.append(fp8dp.LayerNormLinear(D, D, normalization=m["norm"], eps=EPS, **kw))
+                mods.append(fp8dp.LayerNormLinear(
+                    D, D, normalization=m["norm"], eps=EPS,
+                    return_layernorm_output=m.get("ret_ln", False),
+                    zero_centered_gamma=m.get("zcg", False), **kw))
         self.fp8 = nn.ModuleList(mods)
         self.tl = nn.ModuleList([nn.Linear(D, D, bias=m["bias"]) for m in c["tl_mods"]])
         self.plain = nn.ParameterList(
@@ -243,6 +254,12 @@ class GenModel(nn.Module):
         for kind, i, name in c["frozen"]:
             p = self.plain[i] if kind == "plain" else getattr(self._module(kind, i), name)
             p.requires_grad_(False)
+        for m, spec in zip(self.fp8, c["fp8_mods"]):
+            if spec.get("zero_out_wgrad"):
+                m.weight.zero_out_wgrad = True
+            if spec.get("zcg"):  # a non-trivial scale (1 + gamma, gamma initialised to 0)
+                with torch.no_grad():
+                    m.layer_norm_weight.normal_(0, 0.3)
 
     def _module(self, kind, i):
         return self.fp8[i] if kind == "fp8" else self.tl[i]
@@ -267,6 +284,8 @@ class GenModel(nn.Module):
                 continue
             if kind == "fp8":
                 z = self.fp8[i](h, is_first_microbatch=is_first_microbatch)
+                if isinstance(z, tuple):  # return_layernorm_output: plain code uses the norm too
+                    z = z[0] + 0.5 * z[1]
             elif kind == "tl":
                 z = self.tl[i](h)
             elif kind == "plain_linear":
@@ -293,11 +312,15 @@ def ref_forward64(model: GenModel, R: dict, ids, x, k):
             inp = h
             if isinstance(m, fp8dp.LayerNormLinear):
                 g = R[id(m.layer_norm_weight)]
+                if m.zero_centered_gamma:
+                    g = 1 + g
                 if m.normalization == "LayerNorm":
                     inp = F.layer_norm(h, (h.shape[-1],), g, R[id(m.layer_norm_bias)], m.eps)
                 else:
                     inp = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + m.eps) * g
             z = F.linear(inp, R[id(m.weight)], R[id(m.bias)] if m.bias is not None else None)
+            if isinstance(m, fp8dp.LayerNormLinear) and m.return_layernorm_output:
+                z = z + 0.5 * inp
         elif kind == "tl":
             m = model.tl[i]
             z = F.linear(h, R[id(m.weight)], R[id(m.bias)] if m.bias is not None else None)
@@ -320,9 +343,10 @@ def make_data(c, step):
     g = torch.Generator().manual_seed(c["case_seed"] * 1009 + step)
     n = c["ws"] * c["n_mb"]
     D = c["D"]
-    ids = torch.randint(0, D, (n, T), generator=g)
-    x = torch.randn(n, T, D, generator=g)
-    y = torch.randn(n, T, D, generator=g)
+    lead = (2, T // 2) if c.get("input_3d") else (T,)
+    ids = torch.randint(0, D, (n, *lead), generator=g)
+    x = torch.randn(n, *lead, D, generator=g)
+    y = torch.randn(n, *lead, D, generator=g)
     return ids, x, y
 
 
@@ -395,13 +419,16 @@ def grad_tolerance(c, mag: torch.Tensor) -> float:
     sum of its products' magnitudes; the backward chain passes each relative error on through the
     tanh derivatives (<= 1) and weights of norm ~1, so we bound the sum of products by max(A)
     (tensor-wide, since a cancelling element has small A but not small products) and the
-    per-contribution error by depth * K * u * max(A). A factor 4 covers the unproven parts (the
-    norm backward, the products bound). FP8 on: both sides cast the same values to the same FP8
-    bytes, so only the FP32 accumulation orders differ and the same bound holds."""
+    per-contribution error by depth * K * u * max(A). A factor 8 covers the unproven parts (the
+    norm backward, the products bound): with it the largest error / tolerance over the passing
+    elements of several hundred sampled cases was ~0.2 (each result's worst_err_over_tol). FP8 on:
+    both sides cast the same values to the same FP8 bytes, so only the FP32 accumulation orders
+    differ and the same bound holds. Against what the test looks for this is tight: a lost or
+    doubled use moves the gradient by ~max(A) / n_terms, more than 100x the tolerance."""
     n_terms = c["ws"] * c["n_mb"] * len(c["ops"])
     depth = len(c["ops"]) + 1
     K = max(c["D"], T)
-    return 4 * ((n_terms + 2) + depth * K) * U32 * float(mag.max()) + 1e-30
+    return 8 * ((n_terms + 2) + depth * K) * U32 * float(mag.max()) + 1e-30
 
 
 def first_microbatch(c, step, k):
@@ -490,9 +517,14 @@ class Mismatch(Exception):
         self.info = info
 
 
+WORST = [0.0]  # the largest error / tolerance of the current case's passing elements (headroom)
+
+
 def first_mismatch(step, what, name, got, exp, tol, extra=None):
     err = (got.double() - exp).abs()
     bad = err > tol
+    if tol > 0 and err.numel():
+        WORST[0] = max(WORST[0], float((err * ~bad).max()) / tol)
     if not bad.any():
         return None
     idx = int(torch.nonzero(bad.flatten())[0])
@@ -643,6 +675,7 @@ def run_one(c, group):
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["FP8DP_PROPERTY_TRACE_S"]))
+    WORST[0] = 0.0
     try:
         found = []
         res["checks"] = run_case(c, group, found)
@@ -658,6 +691,7 @@ def run_one(c, group):
             res.update(status="error", error=msg[:2000],
                        traceback=traceback.format_exc()[-3000:])
     res["seconds"] = round(time.perf_counter() - t0, 3)
+    res["worst_err_over_tol"] = round(WORST[0], 4)
     return res
 
 
@@ -785,9 +819,17 @@ def shrink_candidates(c):
                 d = with_()
                 d["fp8_mods"][i][key] = val
                 if val == "Linear":
-                    d["fp8_mods"][i]["norm"] = None
+                    d["fp8_mods"][i].update(norm=None, ret_ln=False, zcg=False)
                     d["frozen"] = [f for f in d["frozen"]
                                    if not (f[0] == "fp8" and f[1] == i and f[2].startswith("layer"))]
+                out.append(d)
+    if c.get("input_3d"):
+        out.append(with_(input_3d=False))
+    for i, m in enumerate(c["fp8_mods"]):
+        for key in ("ret_ln", "zcg", "zero_out_wgrad"):
+            if m.get(key):
+                d = with_()
+                d["fp8_mods"][i][key] = False
                 out.append(d)
     for i, m in enumerate(c["tl_mods"]):
         if m["bias"]:
@@ -903,8 +945,8 @@ def main():
             line += " " + json.dumps(res["mismatch"])
         elif res["status"] in ("error", "rejected"):
             line += " " + res["error"][:300]
-        if args.verbose or res["status"] != "pass":
-            print(line, flush=True)
+        if args.verbose or res["status"] != "pass" or rank == 0:
+            print(line, flush=True)  # every case's seed, so that any one reruns alone
         if out:
             out.write(json.dumps(res) + "\n")
             out.flush()

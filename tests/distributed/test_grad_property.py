@@ -77,7 +77,7 @@ def test_gradient_accounting_property(world_size, tmp_path):
             continue
         r = bad[0]
         what = (json.dumps(r["mismatch"]) if r["status"] == "fail"
-                else r["error"].splitlines()[0][:400])
+                else " | ".join(r["error"].splitlines())[:600])
         if cs < 0:  # a named regression configuration
             msg = (f"regression {r['config']['pattern']!r} {r['status'].upper()}: {what}\n"
                    f"    config: {_brief(r['config'])}\n"
