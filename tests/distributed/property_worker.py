@@ -177,6 +177,8 @@ def gen_config(case_seed: int, ws: int) -> dict:
         bucket_size=rng.choice([D * D // 2, D * D, 2 * D * D, 5 * D * D]),
         grad_ledger=rng.random() < 0.3,
         check_for_nan_in_grad=rng.random() < 0.2,
+        # the parameter all-gather left in flight after step(); each module's forward waits
+        overlap_param_gather=dist_opt and rng.random() < 0.4,
     )
     # backward_dw schedule: each queued entry of micro-batch k is popped in window w >= k (window
     # n_mb is after the loop, before finish_grad_sync); mostly w == k. The windows are fixed for
@@ -575,11 +577,19 @@ def run_case(c, group, found):
     rng = random.Random(c["schedule_seed"] + 1)
     n_mb = c["n_mb"]
     checks = 0
+    opg = c["ddp"].get("overlap_param_gather", False)
+    pending = None  # (step, {name: (expected parameter, tolerance)}) of the last step()
+
+    def check_params(pend):
+        bad = None
+        for n, p in named:
+            exp, tol = pend[1][n]
+            bad = bad or first_mismatch(pend[0], "param after step", n, p.detach(), exp, tol)
+        agree(bad)
+
     for step in range(c["steps"]):
         data = make_data(c, step)
         ids, x, y = data
-        before = {n: p.detach().double().clone() for n, p in named}
-        ref, mag = reference(c, model, data)
         forget = c["forget_dw"] and step == c["steps"] - 1 and any(per_mb.values())
         forget_at = None
         if forget:
@@ -602,6 +612,15 @@ def run_case(c, group, found):
             with ctx:
                 with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=RECIPE):
                     out = ddp(ids[r], x[r], is_first_microbatch=first_microbatch(c, step, k))
+                if k == 0:
+                    # The parameters this step uses, read after the first forward: with
+                    # overlap_param_gather that forward must have waited for the all-gather
+                    # (else it computed with stale values and the gradients below differ).
+                    if pending is not None:
+                        check_params(pending)
+                        pending = None
+                    before = {n: p.detach().double().clone() for n, p in named}
+                    ref, mag = reference(c, model, data)
                 loss = mse(out, y[r]) / n_mb
                 if loss.requires_grad:  # else every parameter on the path is frozen
                     loss.backward()
@@ -643,17 +662,22 @@ def run_case(c, group, found):
         agree(bad)
         # -- the step (distributed optimizer): p - LR * g_ref on every rank, frozen unchanged
         if opt is not None:
-            bad = None
             opt.step()
+            exp = {}
             for n, p in named:
                 if p.requires_grad:
-                    exp = before[n] - LR * ref[n]
                     tol = LR * grad_tolerance(c, mag[n]) + 2 * U32 * float(before[n].abs().max())
+                    exp[n] = (before[n] - LR * ref[n], tol)
                 else:
-                    exp, tol = before[n], 0.0
-                bad = bad or first_mismatch(step, "param after step", n, p.detach(), exp, tol)
+                    exp[n] = (before[n], 0.0)
                 checks += 1
-            agree(bad)
+            pending = (step, exp)
+            if not opg:
+                check_params(pending)
+                pending = None
+    if pending is not None:
+        opt.finish_param_sync()
+        check_params(pending)
     return checks
 
 
@@ -836,11 +860,17 @@ def shrink_candidates(c):
             d = with_()
             d["tl_mods"][i]["bias"] = False
             out.append(d)
+    if c["ddp"].get("overlap_param_gather"):
+        d = with_()
+        d["ddp"]["overlap_param_gather"] = False
+        out.append(d)
     for key in ("overlap_grad_reduce", "use_distributed_optimizer", "average_in_collective",
                 "grad_reduce_in_fp32", "grad_ledger", "check_for_nan_in_grad"):
         if c["ddp"][key]:
             d = with_()
             d["ddp"][key] = False
+            if key == "use_distributed_optimizer":
+                d["ddp"]["overlap_param_gather"] = False
             out.append(d)
     if c["D"] != 16:
         d = with_(D=16)
