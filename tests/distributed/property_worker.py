@@ -422,8 +422,8 @@ def grad_tolerance(c, mag: torch.Tensor) -> float:
     tanh derivatives (<= 1) and weights of norm ~1, so we bound the sum of products by max(A)
     (tensor-wide, since a cancelling element has small A but not small products) and the
     per-contribution error by depth * K * u * max(A). A factor 8 covers the unproven parts (the
-    norm backward, the products bound): with it the largest error / tolerance over the passing
-    elements of several hundred sampled cases was ~0.2 (each result's worst_err_over_tol). FP8 on:
+    norm backward, the products bound); each result records its worst error / tolerance
+    (worst_err_over_tol) so that the headroom is measured, not assumed. FP8 on:
     both sides cast the same values to the same FP8 bytes, so only the FP32 accumulation orders
     differ and the same bound holds. Against what the test looks for this is tight: a lost or
     doubled use moves the gradient by ~max(A) / n_terms, more than 100x the tolerance."""
@@ -519,14 +519,15 @@ class Mismatch(Exception):
         self.info = info
 
 
-WORST = [0.0]  # the largest error / tolerance of the current case's passing elements (headroom)
+WORST = {}  # check kind -> largest error / tolerance of the case's passing elements (headroom)
 
 
 def first_mismatch(step, what, name, got, exp, tol, extra=None):
     err = (got.double() - exp).abs()
     bad = err > tol
     if tol > 0 and err.numel():
-        WORST[0] = max(WORST[0], float((err * ~bad).max()) / tol)
+        key = what.replace(" shard", "")
+        WORST[key] = max(WORST.get(key, 0.0), float((err * ~bad).max()) / tol)
     if not bad.any():
         return None
     idx = int(torch.nonzero(bad.flatten())[0])
@@ -666,6 +667,8 @@ def run_case(c, group, found):
             exp = {}
             for n, p in named:
                 if p.requires_grad:
+                    # the gradient's tolerance, scaled, plus the FP32 rounding of p - LR * g
+                    # (half an ulp of the result, <= 2^-24 |p| each for the product and the sum)
                     tol = LR * grad_tolerance(c, mag[n]) + 2 * U32 * float(before[n].abs().max())
                     exp[n] = (before[n] - LR * ref[n], tol)
                 else:
@@ -699,7 +702,7 @@ def run_one(c, group):
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["FP8DP_PROPERTY_TRACE_S"]))
-    WORST[0] = 0.0
+    WORST.clear()
     try:
         found = []
         res["checks"] = run_case(c, group, found)
@@ -715,7 +718,7 @@ def run_one(c, group):
             res.update(status="error", error=msg[:2000],
                        traceback=traceback.format_exc()[-3000:])
     res["seconds"] = round(time.perf_counter() - t0, 3)
-    res["worst_err_over_tol"] = round(WORST[0], 4)
+    res["worst_err_over_tol"] = {k: round(v, 4) for k, v in WORST.items()}
     return res
 
 
