@@ -930,7 +930,7 @@ def main():
                     help="run this configuration (a JSON object as written in the results)")
     ap.add_argument("--regressions", default=None,
                     help="also run the named minimal configurations of this JSON file (a list of "
-                    "{name, why, config}) first")
+                    "{name, why, world_size, config}) whose world size is this one's, first")
     ap.add_argument("--shrink", action="store_true",
                     help="shrink every failing case to a minimal configuration that fails alike")
     ap.add_argument("--out", default=None, help="folder for the JSON results (one file per rank)")
@@ -951,7 +951,8 @@ def main():
                 named = json.load(f)
             for i, r in enumerate(named):  # negative seeds: no clash with generated cases
                 r["config"].update(ws=ws, case_seed=-1 - i, pattern=r["name"])
-            configs = [r["config"] for r in named] + configs
+            # each at the world size it was found at
+            configs = [r["config"] for r in named if r.get("world_size", 1) == ws] + configs
     if rank == 0:
         print(f"[property] world size {ws}, seed {args.seed}, {len(configs)} cases", flush=True)
     runner = Runner()

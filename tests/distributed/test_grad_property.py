@@ -50,10 +50,10 @@ def test_gradient_accounting_property(world_size, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world_size}", str(HERE / "property_worker.py"),
            "--seed", str(seed), "--cases", str(_cases(world_size)), "--out", str(tmp_path)]
-    n_reg = 0
-    if world_size == 1:  # the minimal configurations of earlier findings, by name
-        cmd += ["--regressions", str(HERE / "property_regressions.json")]
-        n_reg = len(json.loads((HERE / "property_regressions.json").read_text()))
+    # the minimal configurations of earlier findings, by name, each at its world size
+    cmd += ["--regressions", str(HERE / "property_regressions.json")]
+    regs = json.loads((HERE / "property_regressions.json").read_text())
+    n_reg = sum(r.get("world_size", 1) == world_size for r in regs)
     if os.environ.get("FP8DP_PROPERTY_SHRINK") == "1":
         cmd.append("--shrink")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -81,7 +81,7 @@ def test_gradient_accounting_property(world_size, tmp_path):
         if cs < 0:  # a named regression configuration
             msg = (f"regression {r['config']['pattern']!r} {r['status'].upper()}: {what}\n"
                    f"    config: {_brief(r['config'])}\n"
-                   f"    rerun: torchrun --standalone --nproc_per_node=1 "
+                   f"    rerun: torchrun --standalone --nproc_per_node={world_size} "
                    f"tests/distributed/property_worker.py --cases 0 --regressions "
                    f"tests/distributed/property_regressions.json")
             failures.append(msg)
