@@ -33,6 +33,12 @@ case seed and the step):
   (quantization, GEMM, the eager FP8 bias gradient), which are the same code on both sides and are
   tested against float64 in tests/python.
 
+Not covered yet: parameters in bf16 / fp16 (every parameter is FP32, so grad_reduce_in_fp32 is
+drawn but changes nothing), DelayedScaling (its scales carry state across steps and ranks; only
+Float8CurrentScaling is drawn), double backward, an external consumer hooked before DDP, a
+different backward_dw() schedule in each step (the windows are fixed per configuration, like a
+pipeline schedule; the order inside a window varies), pipeline stages (C10), NCCL / CUDA.
+
 A configuration that the library may reject (see `may_reject`) must either pass or raise an
 exception of the class listed there with a message naming the parameter or module; any other
 exception, or a silent wrong gradient, fails the case.
@@ -513,12 +519,6 @@ def weight_users(c, model):
 
 
 # ---- one case ----------------------------------------------------------------------------------
-class Mismatch(Exception):
-    def __init__(self, info):
-        super().__init__(json.dumps(info))
-        self.info = info
-
-
 WORST = {}  # check kind -> largest error / tolerance of the case's passing elements (headroom)
 
 
@@ -638,7 +638,8 @@ def run_case(c, group, found):
                 exp = ref[n].flatten()[s.param_offset : s.param_offset + s.numel]
                 bad = bad or first_mismatch(
                     step, "main_grad shard", n, sync.grad_shard(s), exp,
-                    grad_tolerance(c, mag[n]), dict(shard_offset=s.param_offset, shard_numel=s.numel)
+                    grad_tolerance(c, mag[n]),
+                    dict(shard_offset=s.param_offset, shard_numel=s.numel),
                 )
                 checks += 1
         else:
@@ -847,8 +848,10 @@ def shrink_candidates(c):
                 d["fp8_mods"][i][key] = val
                 if val == "Linear":
                     d["fp8_mods"][i].update(norm=None, ret_ln=False, zcg=False)
-                    d["frozen"] = [f for f in d["frozen"]
-                                   if not (f[0] == "fp8" and f[1] == i and f[2].startswith("layer"))]
+                    d["frozen"] = [
+                        f for f in d["frozen"]
+                        if not (f[0] == "fp8" and f[1] == i and f[2].startswith("layer"))
+                    ]
                 out.append(d)
     if c.get("input_3d"):
         out.append(with_(input_3d=False))

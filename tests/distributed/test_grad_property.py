@@ -60,7 +60,8 @@ def test_gradient_accounting_property(world_size, tmp_path):
     rows = []
     for rank in range(world_size):
         f = tmp_path / f"results_ws{world_size}_rank{rank}.jsonl"
-        assert f.exists(), f"rank {rank} wrote no results\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        assert f.exists(), (
+            f"rank {rank} wrote no results\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         rows += [json.loads(line) for line in f.read_text().splitlines()]
     by_case = {}
     for r in rows:
