@@ -496,8 +496,8 @@ def may_reject(c, model):
         return ((RuntimeError,), mods,
                 "forgotten backward_dw(): must be an error naming the module (issue 12 item 2)")
     # Ties mixing routes (delayed / fused / immediate fp8dp uses, plain torch uses) are no longer
-    # here: since the lead's grad-sink rework (2026-12-01 16:40 tree) they compute the right
-    # gradient (41 of 41 such sampled cases), so a wrong gradient or an error there is a failure.
+    # here: since the lead's grad-sink rework (2976c0b) they compute the right gradient
+    # (41 of 41 such sampled cases), so a wrong gradient or an error there is a failure.
     return None
 
 
