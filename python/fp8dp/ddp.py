@@ -45,6 +45,28 @@ class _ParamGatherWait:
                 ddp._sync.finish_param_sync(g)
 
 
+def _hooked_params(out, index: dict) -> list:
+    """Indices (in `index`: id(parameter) -> index) of the parameters whose autograd hook a backward
+    through `out` runs: the AccumulateGrad nodes of its graph, one each (autograd sums every use of
+    a parameter into one call of its hook per backward). For the ledger, which announces them per
+    micro-batch; costs a walk of the graph, so only with grad_ledger."""
+    found, seen = [], set()
+    stack = [t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad holds its parameter
+        if var is not None:
+            if id(var) in index:
+                found.append(index[id(var)])
+            continue
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return found
+
+
 def _owners(module: torch.nn.Module) -> dict:
     """id(parameter) -> the module that registers it directly."""
     out = {}
@@ -132,6 +154,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync = _C.GradSync(self._params, self._names, comm, opts)
         self._known = {id(p) for p in module.parameters()}
         index = {id(p): i for i, p in enumerate(self._params)}
+        self._index = index
+        self._ledger = config.grad_ledger
         for m in fp8_modules:
             bias = index.get(id(m.bias), -1) if m.bias is not None else -1
             m._core.bind_grad_sink(self._sync, index.get(id(m.weight), -1), bias)
@@ -152,10 +176,28 @@ class DistributedDataParallel(torch.nn.Module):
             # reads or writes them through it: its forward (so the gather overlaps the forward
             # of the modules before it), its state_dict() and its load_state_dict() (a checkpoint
             # taken through the bare module, or loaded into it, right after a step).
+            # Every module that registers a parameter waits (a tied weight has several, and the
+            # first may never run). A container without a forward of its own (nn.ParameterList,
+            # nn.ParameterDict) never runs one: its parent's forward, which reads its parameters,
+            # waits instead. A parameter read directly by code outside its modules' forwards
+            # needs ddp.finish_param_sync() first (README).
+            parents = {}
+            for m in module.modules():
+                for c in m.children():
+                    if type(c).forward is torch.nn.Module.forward:
+                        parents.setdefault(id(c), []).append(m)
+            index = {id(p): i for i, p in enumerate(self._params)}
             groups_of = {}
-            for i, p in enumerate(self._params):
-                owner = owners[id(p)]
-                groups_of.setdefault(id(owner), (owner, set()))[1].add(self._sync.group_of_param(i))
+            for m in module.modules():
+                mine = {
+                    self._sync.group_of_param(index[id(p)])
+                    for p in m._parameters.values()
+                    if p is not None and id(p) in index
+                }
+                if not mine:
+                    continue
+                for waiter in [m] + parents.get(id(m), []):
+                    groups_of.setdefault(id(waiter), (waiter, set()))[1].update(mine)
             for owner, groups in groups_of.values():
                 wait = _ParamGatherWait(self, tuple(sorted(groups)))
                 self._hook_handles += [
@@ -200,6 +242,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._check_parameters()
         self._sync.begin_microbatch()
         out = self.module(*args, **kwargs)
+        if self._ledger:
+            self._sync.announce_hooks(_hooked_params(out, self._index))
         if self._sync.param_sync_pending:
             # Parameters whose module did not run (unused in this forward) are complete afterwards.
             self._sync.finish_param_sync()

@@ -63,9 +63,14 @@ class DistributedDataParallelConfig:
     off is an error (its gradient would otherwise be missed)."""
 
     grad_ledger: bool = False
-    """Default False. Record every gradient contribution per parameter per micro-batch and raise at
-    finish_grad_sync() on any missing or duplicated one (contract C2 made checkable in your own
-    model). A debugging aid: costs bookkeeping per hook and one tiny all-reduce per iteration."""
+    """Default False. Each micro-batch's forward announces the gradient contributions it owes (one
+    per parameter its graph reaches through autograd, one per fp8dp use that delivers fused or
+    delayed); every arrival is recorded by route, and finish_grad_sync() raises, naming the
+    parameter and micro-batch, on any missing or duplicated one (contracts C2 and C8 made checkable
+    in your own model). A debugging aid: costs a walk of each forward's autograd graph in Python,
+    bookkeeping per arrival and one tiny all-reduce per iteration. Forwards must go through the
+    DistributedDataParallel wrapper, and the loss must use every output (a parameter reached only
+    by an output the loss ignores is reported missing)."""
 
     nccl_blocking_wait: bool = False
     """Default False: with the native NCCL communicator a collective's wait() makes the compute

@@ -29,21 +29,28 @@ class GradSink {
   // The parameter the sink knows as p, to check that a layer still uses the one it was bound to.
   virtual const at::Tensor& param(int64_t p) const = 0;
 
+  // The micro-batch whose forward is running (for the ledger), and the announcement, during that
+  // forward, of one gradient of p that this use will deliver to the sink (fused or delayed), so
+  // that the ledger (when on) knows what each micro-batch owes.
+  virtual int64_t microbatch() const = 0;
+  virtual void announce(int64_t p) = 0;
+
   // Backward queued a weight gradient of p for backward_dw() (C3). Every expected gradient must be
   // delivered before finish_grad_sync(), or it reports the parameter as never delivered. Returns
-  // the token to deliver it with: it names the micro-batch and iteration it belongs to.
+  // the token to deliver it with: it names the micro-batch (whose forward announced it) and the
+  // iteration it belongs to.
   struct Token {
     int64_t microbatch = -1;
     int64_t iteration = -1;
   };
-  virtual Token expect(int64_t p) = 0;
+  virtual Token expect(int64_t p, int64_t microbatch) = 0;
   // The iteration a queued gradient must belong to; zero_grad_buffer() and a failed
   // finish_grad_sync() start a new one, so gradients queued before are stale and must be dropped.
   virtual int64_t iteration() const = 0;
 
   // One use's gradient of p arrives: `grad` is added to main_grad (undefined when the GEMM already
   // accumulated into main_grad), then p counts ready (C5). `token` is the one expect() returned for
-  // a delayed gradient, or a default Token for a gradient computed in backward.
+  // a delayed gradient; for one computed in backward it carries the forward's micro-batch only.
   virtual void deliver(int64_t p, const at::Tensor& grad, Route route, Token token) = 0;
 };
 

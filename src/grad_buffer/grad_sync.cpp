@@ -154,12 +154,28 @@ void GradSync::param_ready(int64_t p, const std::optional<at::Tensor>& grad,
   accept_locked(p, route == Route::kAutograd ? *grad : at::Tensor(), route, -1);
 }
 
-GradSink::Token GradSync::expect(int64_t p) {
+int64_t GradSync::microbatch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ledger_->current_microbatch();
+}
+
+void GradSync::announce(int64_t p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (opts_.grad_ledger) ledger_->expect(p);
+}
+
+void GradSync::announce_hooks(const std::vector<int64_t>& params) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!opts_.grad_ledger) return;
+  for (int64_t p : params) ledger_->expect(p);
+}
+
+GradSink::Token GradSync::expect(int64_t p, int64_t microbatch) {
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
   ++undelivered_[p];
-  return Token{ledger_->current_microbatch(), iteration_};
+  return Token{microbatch, iteration_};
 }
 
 void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token token) {
@@ -175,7 +191,7 @@ void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token tok
                 "added");
     --undelivered_[p];
   }
-  accept_locked(p, grad, route, route == Route::kDelayed ? token.microbatch : -1);
+  accept_locked(p, grad, route, token.microbatch);
 }
 
 void GradSync::accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch) {

@@ -60,7 +60,12 @@ class GradSync : public GradSink {
   void param_ready(int64_t p, const std::optional<at::Tensor>& grad, bool grad_added_to_main_grad);
 
   // GradSink (grad_sink.h): the fp8dp modules bound to this object deliver here directly.
-  Token expect(int64_t p) override;
+  int64_t microbatch() const override;
+  void announce(int64_t p) override;
+  Token expect(int64_t p, int64_t microbatch) override;
+  // The ledger's announcement of the autograd-hook contributions of one forward: one for each
+  // parameter whose autograd hook the forward's graph reaches (DDP's forward finds them).
+  void announce_hooks(const std::vector<int64_t>& params);
   int64_t iteration() const override { return iteration_; }
   void deliver(int64_t p, const at::Tensor& grad, Route route, Token token) override;
 
@@ -150,7 +155,7 @@ class GradSync : public GradSink {
   std::vector<const void*> param_ptrs_;  // where each parameter's data lives in its buffer
   std::vector<at::ScalarType> p_dtypes_;
   std::atomic<int64_t> iteration_{0};
-  std::mutex mu_;  // hooks may run on autograd's device threads
+  mutable std::mutex mu_;  // hooks may run on autograd's device threads
 };
 
 }  // namespace fp8dp

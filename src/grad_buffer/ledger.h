@@ -1,8 +1,10 @@
-// Gradient ledger (contracts C2 and C8 made checkable): records every contribution of every
-// parameter in every micro-batch and, at the end of the iteration, reports any parameter with a
-// missing or duplicated one. A contribution is one arrival by any route (grad_sink.h): the DDP hook
-// (with p.grad, or without when an external consumer moved it), the fused GEMM in backward, or the
-// deferred GEMM of backward_dw(), which counts against the micro-batch whose backward queued it.
+// Gradient ledger (contracts C2 and C8 made checkable): for every parameter and micro-batch, the
+// contributions the forward announced against the ones that arrived, by any route (grad_sink.h):
+// the DDP hook (with p.grad, or without when an external consumer moved it), the fused GEMM in
+// backward, or the deferred GEMM of backward_dw(), which counts against the micro-batch whose
+// forward announced it. At the end of the iteration any difference is reported, naming the
+// parameter, the micro-batch and the routes. Because the forward announces what each micro-batch
+// will deliver, parameters that are unused, or used only in some micro-batches, are exact too.
 #pragma once
 
 #include <algorithm>
@@ -23,13 +25,15 @@ class Ledger {
   // The current micro-batch (0-based; 0 before any forward), for a deferred gradient to name its
   // own micro-batch when it arrives later.
   int64_t current_microbatch() const { return std::max<int64_t>(microbatches_, 1) - 1; }
-  // microbatch: the one the contribution belongs to, or -1 for the current one.
+  // The current micro-batch will deliver one contribution of p (announced during its forward: one
+  // per backward that reaches p's autograd hook, one per fp8dp use that delivers to the sink).
+  void expect(int64_t p);
+  // One contribution of p arrived. microbatch: the one it belongs to, or -1 for the current one.
   void record(int64_t p, Route route, int64_t microbatch = -1);
 
-  // Checks the iteration and starts the next one. The first checked iteration learns how many
-  // contributions each parameter makes per micro-batch (its uses in one forward); it must be the
-  // same in every micro-batch and at least one. Returns "" when every parameter has microbatches x
-  // uses contributions, else a message naming each parameter that has too few or too many.
+  // Checks the iteration and starts the next one: "" when every parameter received exactly what
+  // each micro-batch announced, else a message naming each parameter and micro-batch that got too
+  // few (lost) or too many (counted twice).
   std::string end_iteration();
   void reset();
 
@@ -37,11 +41,10 @@ class Ledger {
 
  private:
   std::vector<std::string> names_;
-  std::vector<std::vector<int64_t>> per_microbatch_;  // [param][microbatch] contributions
-  std::vector<int64_t> routes_[kNumRoutes];                    // [route][param] contributions
-  std::vector<int64_t> uses_;                         // learned contributions per micro-batch
+  std::vector<std::vector<int64_t>> expected_;  // [param][microbatch]
+  std::vector<std::vector<int64_t>> received_;  // [param][microbatch]
+  std::vector<int64_t> routes_[kNumRoutes];     // [route][param] contributions
   int64_t microbatches_ = 0;
-  bool learned_ = false;
 };
 
 }  // namespace fp8dp

@@ -31,6 +31,7 @@ struct LinearCtx : torch::CustomClassHolder {
   // DistributedDataParallel's gradient sink when the module is bound to one (linear.h).
   std::shared_ptr<GradSink> sink;
   int64_t sink_weight = -1, sink_bias = -1;
+  int64_t microbatch = -1;  // the sink's micro-batch at forward (the ledger's attribution)
   // LayerNormLinear: the norm's input and statistics
   at::Tensor x2d, mu, rsigma, ln_weight;
   bool has_ln_bias = false;
@@ -142,10 +143,18 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 
     c->weight = weight;
     c->bias = bias;
-    if (need_wgrad) {
-      c->sink = core->grad_sink();
+    if (need_wgrad && (c->sink = core->grad_sink())) {
       c->sink_weight = core->sink_weight();
       c->sink_bias = core->sink_bias();
+      c->microbatch = c->sink->microbatch();
+      // The ledger learns here what this use will deliver to the sink itself (the rest, through
+      // autograd, DDP's forward announces from the graph): the weight gradient when fused or
+      // delayed, the bias gradient when the deferred GEMM makes it (delayed, not FP8).
+      if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute)
+        c->sink->announce(c->sink_weight);
+      if (cfg.delay_wgrad_compute && !fp8 && bias.defined() && bias.requires_grad() &&
+          c->sink_bias >= 0)
+        c->sink->announce(c->sink_bias);
     }
     if (need_wgrad && cfg.fuse_wgrad_accumulation)
       c->main_grad = c->sink ? c->sink->main_grad(c->sink_weight) : core->main_grad_for(weight);
@@ -224,14 +233,15 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
         task.sink = c->sink;
         task.sink_weight = c->sink_weight;
         task.sink_bias = c->sink_bias;
-        task.weight_token = c->sink->expect(c->sink_weight);
+        task.weight_token = c->sink->expect(c->sink_weight, c->microbatch);
         if (task.dy.defined() && c->sink_bias >= 0)
-          task.bias_token = c->sink->expect(c->sink_bias);
+          task.bias_token = c->sink->expect(c->sink_bias, c->microbatch);
         core.enqueue(std::move(task));  // C3: backward_dw() runs it and delivers
       } else {
         const WgradResult r = run_wgrad(task);
         if (cfg.fuse_wgrad_accumulation) {
-          c->sink->deliver(c->sink_weight, at::Tensor(), Route::kFused, GradSink::Token{});
+          c->sink->deliver(c->sink_weight, at::Tensor(), Route::kFused,
+                           GradSink::Token{c->microbatch, -1});
         } else {
           dweight = r.dweight;
         }

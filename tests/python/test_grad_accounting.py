@@ -26,8 +26,10 @@ def group():
 
 
 def ddp_config(delay, **kw):
+    # The ledger is on: it must count every route of every use without a false alarm.
     return fp8dp.DistributedDataParallelConfig(
-        delay_wgrad_compute=delay, overlap_grad_reduce=True, bucket_size=1000, **kw
+        delay_wgrad_compute=delay, overlap_grad_reduce=True, bucket_size=1000, grad_ledger=True,
+        **kw
     )
 
 
