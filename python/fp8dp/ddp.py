@@ -115,7 +115,10 @@ class DistributedDataParallel(torch.nn.Module):
         # fp8dp modules hand their gradients to GradSync directly (bind_grad_sink below); every
         # parameter of theirs takes the autograd hook for what autograd does produce (plain-torch
         # uses of a tied weight, the unfused immediate wgrad, the eager FP8 bias gradient).
-        fp8_modules = [m for m in module.modules() if isinstance(m, _FP8LinearBase)]
+        fp8_modules = {}  # module -> its (first) name in the model
+        for mname, m in module.named_modules():
+            if isinstance(m, _FP8LinearBase):
+                fp8_modules.setdefault(m, mname)
         bound = {id(p) for m in fp8_modules for p in m.parameters(recurse=False)}
         delayed = {}
         for name, p in named:
@@ -156,9 +159,9 @@ class DistributedDataParallel(torch.nn.Module):
         index = {id(p): i for i, p in enumerate(self._params)}
         self._index = index
         self._ledger = config.grad_ledger
-        for m in fp8_modules:
+        for m, mname in fp8_modules.items():
             bias = index.get(id(m.bias), -1) if m.bias is not None else -1
-            m._core.bind_grad_sink(self._sync, index.get(id(m.weight), -1), bias)
+            m._core.bind_grad_sink(self._sync, index.get(id(m.weight), -1), bias, mname or "(root)")
         self._hook_handles = []
         me = weakref.ref(self)
         for i, p in enumerate(self._params):

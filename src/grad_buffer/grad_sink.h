@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 
 namespace fp8dp {
 
@@ -42,8 +43,10 @@ class GradSink {
   struct Token {
     int64_t microbatch = -1;
     int64_t iteration = -1;
+    std::string module;  // who queued it
   };
-  virtual Token expect(int64_t p, int64_t microbatch) = 0;
+  // module: the queueing module's name in the model, for the error that names a forgotten one.
+  virtual Token expect(int64_t p, int64_t microbatch, const std::string& module) = 0;
   // The iteration a queued gradient must belong to; zero_grad_buffer() and a failed
   // finish_grad_sync() start a new one, so gradients queued before are stale and must be dropped.
   virtual int64_t iteration() const = 0;

@@ -170,12 +170,13 @@ void GradSync::announce_hooks(const std::vector<int64_t>& params) {
   for (int64_t p : params) ledger_->expect(p);
 }
 
-GradSink::Token GradSync::expect(int64_t p, int64_t microbatch) {
+GradSink::Token GradSync::expect(int64_t p, int64_t microbatch, const std::string& module) {
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
   ++undelivered_[p];
-  return Token{microbatch, iteration_};
+  ++undelivered_by_module_[{p, module}];
+  return Token{microbatch, iteration_, module};
 }
 
 void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token token) {
@@ -190,6 +191,7 @@ void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token tok
                 "': backward_dw() delivered a weight gradient that no backward queued; it is not "
                 "added");
     --undelivered_[p];
+    --undelivered_by_module_[{p, token.module}];
   }
   accept_locked(p, grad, route, token.microbatch);
 }
@@ -243,12 +245,14 @@ std::string GradSync::undelivered_locked() {
   std::vector<std::string> lost;
   for (size_t p = 0; p < params_.size(); ++p) {
     if (undelivered_[p] == 0) continue;
-    const std::string& n = names_[p];
-    const size_t dot = n.rfind('.');
-    lost.push_back("'" + n + "' (" + std::to_string(undelivered_[p]) + " queued, module '" +
-                   (dot == std::string::npos ? std::string() : n.substr(0, dot)) + "')");
+    std::vector<std::string> modules;
+    for (const auto& [key, n] : undelivered_by_module_)
+      if (key.first == static_cast<int64_t>(p) && n > 0) modules.push_back("'" + key.second + "'");
+    lost.push_back("'" + names_[p] + "' (" + std::to_string(undelivered_[p]) +
+                   " queued, by module " + join(modules) + ")");
   }
   undelivered_.assign(params_.size(), 0);
+  undelivered_by_module_.clear();
   ++iteration_;  // what is still queued belongs to the abandoned iteration: modules drop it
   if (lost.empty()) return "";
   return "weight gradients queued by backward were never computed by backward_dw(): " + join(lost) +
@@ -263,7 +267,8 @@ std::string GradSync::local_errors() {
     for (int64_t u : undelivered_) any = any || u > 0;
     if (any) err << undelivered_locked();
   }
-  if (sync_enabled_ && readiness_->golden_known()) {
+  // A forgotten backward_dw() also leaves its bucket incomplete: the message above says why.
+  if (err.tellp() == 0 && sync_enabled_ && readiness_->golden_known()) {
     std::vector<std::string> missing;
     for (size_t g = 0; g < groups_.size(); ++g)
       if (!groups_[g].launched())

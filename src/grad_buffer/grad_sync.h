@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -62,7 +63,7 @@ class GradSync : public GradSink {
   // GradSink (grad_sink.h): the fp8dp modules bound to this object deliver here directly.
   int64_t microbatch() const override;
   void announce(int64_t p) override;
-  Token expect(int64_t p, int64_t microbatch) override;
+  Token expect(int64_t p, int64_t microbatch, const std::string& module) override;
   // The ledger's announcement of the autograd-hook contributions of one forward: one for each
   // parameter whose autograd hook the forward's graph reaches (DDP's forward finds them).
   void announce_hooks(const std::vector<int64_t>& params);
@@ -152,6 +153,7 @@ class GradSync : public GradSink {
   // Queued weight gradients (expect()) not delivered yet, per parameter, and the iteration they
   // belong to (zero_grad_buffer() and an abandoned finish_grad_sync() start the next one).
   std::vector<int64_t> undelivered_;
+  std::map<std::pair<int64_t, std::string>, int64_t> undelivered_by_module_;  // (param, module)
   std::vector<const void*> param_ptrs_;  // where each parameter's data lives in its buffer
   std::vector<at::ScalarType> p_dtypes_;
   std::atomic<int64_t> iteration_{0};

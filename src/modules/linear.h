@@ -68,7 +68,10 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // gradient is returned (so a plain-torch use of the same weight reaches the DDP hook with its
   // own gradient only, C8) and grad_added_to_main_grad is not set (p.grad never holds a stand-in).
   // The sink is held weakly: a dropped DDP leaves the module unbound.
-  void bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight, int64_t bias);
+  // name: the module's name in the wrapped model (for errors that name it).
+  void bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight, int64_t bias,
+                      std::string name);
+  const std::string& sink_name() const { return sink_name_; }
   std::shared_ptr<GradSink> grad_sink() const { return sink_.lock(); }
   int64_t sink_weight() const { return sink_weight_; }
   int64_t sink_bias() const { return sink_bias_; }
@@ -98,6 +101,7 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   std::vector<std::function<void()>> hooks_;
   std::weak_ptr<GradSink> sink_;
   int64_t sink_weight_ = -1, sink_bias_ = -1;
+  std::string sink_name_;
 
   // Drops queued wgrads of an iteration the sink has abandoned (zero_grad_buffer() or a failed
   // finish_grad_sync() after a forgotten backward_dw()): delivering them would add a stale

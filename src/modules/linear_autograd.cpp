@@ -233,15 +233,15 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
         task.sink = c->sink;
         task.sink_weight = c->sink_weight;
         task.sink_bias = c->sink_bias;
-        task.weight_token = c->sink->expect(c->sink_weight, c->microbatch);
+        task.weight_token = c->sink->expect(c->sink_weight, c->microbatch, core.sink_name());
         if (task.dy.defined() && c->sink_bias >= 0)
-          task.bias_token = c->sink->expect(c->sink_bias, c->microbatch);
+          task.bias_token = c->sink->expect(c->sink_bias, c->microbatch, core.sink_name());
         core.enqueue(std::move(task));  // C3: backward_dw() runs it and delivers
       } else {
         const WgradResult r = run_wgrad(task);
         if (cfg.fuse_wgrad_accumulation) {
           c->sink->deliver(c->sink_weight, at::Tensor(), Route::kFused,
-                           GradSink::Token{c->microbatch, -1});
+                           GradSink::Token{c->microbatch, -1, {}});
         } else {
           dweight = r.dweight;
         }

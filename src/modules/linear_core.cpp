@@ -108,7 +108,7 @@ void LinearCore::drop_stale_wgrads() {
 }
 
 void LinearCore::bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight,
-                                int64_t bias) {
+                                int64_t bias, std::string name) {
   FP8DP_CHECK_ARG(sink, cfg_.name, ": bind_grad_sink needs a sink, got None");
   FP8DP_CHECK_ARG(store_.empty(), cfg_.name, ": ", store_.size(),
                   " weight gradient(s) are still queued for backward_dw(); run them before "
@@ -116,6 +116,7 @@ void LinearCore::bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t w
   sink_ = sink;
   sink_weight_ = weight;
   sink_bias_ = bias;
+  sink_name_ = std::move(name);
 }
 
 void LinearCore::register_wgrad_hook(std::function<void()> hook) {
