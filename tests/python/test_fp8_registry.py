@@ -73,9 +73,11 @@ def test_empty_first_microbatch_is_no_observation(kind, device):
     weight, which is not empty, is cast as in any micro-batch).
 
     Mutation tried: `&& device_like.numel() > 0` removed from ScalingState::prepare_scale (the
-    empty cast takes the first scale, from amax 0: scale 1, as before the fix). All 6 fail:
-        AssertionError: scale: [1.0, 448/amax_w, 1.0] != [448/amax_x, 448/amax_w, 57344/amax_dy]
-    and the next step's output differs."""
+    empty cast takes the first scale, from amax 0: scale 1, as before the fix). All 3 (CPU) fail
+    at the first comparison, `assert torch.equal(ya, yb)`: the real micro-batch was cast at scale
+    1 (e.g. 2.3955 vs 2.5629 in the first output element).
+    (The same guard in ScalingState::record_amax is checked by the C++ test
+    Fp8Registry.EmptyCastIsNoObservation: removed, `registry_signature().observed` turns true.)"""
     a, b = twins(kind, device)
     x, dy = data(32, 11, device)
     empty_x, empty_dy = data(0, 12, device)
@@ -101,8 +103,7 @@ def test_empty_microbatch_alone_leaves_first_scale_to_the_next(kind, device):
     twin does (same outputs, same scales).
 
     Mutation tried: as in test_empty_first_microbatch_is_no_observation (prepare_scale's empty
-    guard removed): all 6 fail, the next step cast at scale 1:
-        AssertionError: scales [1.0, ..., 1.0] != [...]"""
+    guard removed): all 3 (CPU) fail at the output comparison, the next step cast at scale 1."""
     a, b = twins(kind, device)
     train(a, *data(0, 12, device))
     fp8dp.update_fp8_scales()
@@ -120,13 +121,17 @@ def test_first_fp8_forward_in_inference_mode_leaves_module_trainable(kind, devic
     same output as a twin's first forward), allocates and records nothing, and training
     afterwards is bit-for-bit that of a twin that never ran inference.
 
-    Mutation tried: the inference branch of ScalingState::prepare_scale removed and
-    NormalTensorMode made empty (as before the fix: the first inference cast allocates the state
-    as inference tensors). All 6 fail at the first training forward:
-        RuntimeError: Inplace update to inference tensor outside InferenceMode is not allowed.
-    Mutation tried: only the inference branch removed (state allocated as normal tensors, amaxes
-    recorded): fails with `assert a.get_extra_state() is None` (the inference forward set the
-    first scale and recorded its amax)."""
+    Mutations tried:
+    - every inference rule removed (prepare_scale's inference branch, record_amax's inference
+      test, LinearCore::weight_fp8's inference return, NormalTensorMode made empty), as before
+      the fix: all 3 (CPU) fail at "AssertionError: inference allocated or recorded FP8 state"
+      (input amax recorded, first scales set); past that assert, the first training forward
+      raises "RuntimeError: Inplace update to inference tensor outside InferenceMode is not
+      allowed" (checked by hand), the issue's defect;
+    - only prepare_scale's inference branch removed: the same assert fails (state allocated as
+      normal tensors, first scales set, no amax recorded);
+    - only record_amax's inference test removed: "IndexError: select(): index 0 out of range"
+      (it records into a state that inference did not allocate)."""
     a, b = twins(kind, device)
     x0, _ = data(32, 21, device, scale=7.0)
     with torch.inference_mode(), fp8dp.fp8_autocast(fp8_recipe=RECIPE):
@@ -155,12 +160,12 @@ def test_inference_after_training_uses_training_scales_and_changes_nothing(kind,
     trains exactly as in a twin without the inference forward.
 
     Mutation tried: `if (numel == 0 || c10::InferenceMode::is_enabled()) return;` in
-    ScalingState::record_amax without the inference test: fails with
-        AssertionError: amax_history: [[...10x the amax...]] != [[...]]
-    Mutation tried: the inference early return in LinearCore::weight_fp8 removed (the cache is
-    refilled in inference mode): the next training micro-batch that reuses it fails on CPU with
-        RuntimeError: Inference tensors cannot be saved for backward ...
-    (or uses a cache cast under another scale)."""
+    ScalingState::record_amax without the inference test: all 3 (CPU) fail with
+        AssertionError: amax_history: [[31.016..., 1.923..., 3.215...], ...] != [[3.805..., ...
+    (inference recorded its 10x input amax into training's step).
+    (The inference early return in LinearCore::weight_fp8 removed is not caught here: the
+    refilled cache holds the same bytes, cast with training's scale; see
+    test_inference_does_not_fill_the_weight_cache.)"""
     a, b = twins(kind, device)
     x, dy = data(32, 41, device)
     train(a, x, dy, first=True)
@@ -180,11 +185,36 @@ def test_inference_after_training_uses_training_scales_and_changes_nothing(kind,
     assert_same_state(a, b)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_inference_does_not_fill_the_weight_cache(kind, device):
+    """An inference forward before any training, with its own recipe (margin 12: the weight is
+    cast at 448 / amax / 2^12, which puts most of it among E4M3's subnormals; a power-of-two
+    margin alone would change no mantissa), must not leave its FP8 weight in the cache: a first
+    training micro-batch with is_first_microbatch=False casts the weight itself, as a twin
+    without the inference does.
+
+    Mutation tried: the inference early return in LinearCore::weight_fp8 removed (the cache is
+    filled in inference mode): all 3 (CPU) fail with
+        AssertionError: the training micro-batch reused the weight that inference cast
+    (with margin=2 instead of 12 the mutation went unnoticed: same mantissas)."""
+    a, b = twins(kind, device)
+    x0, _ = data(32, 44, device)
+    with torch.inference_mode(), fp8dp.fp8_autocast(
+        fp8_recipe=fp8dp.DelayedScaling(amax_history_len=4, margin=12)
+    ):
+        a(x0)
+    x, dy = data(32, 45, device)
+    assert torch.equal(train(a, x, dy, first=False), train(b, x, dy, first=False)), (
+        "the training micro-batch reused the weight that inference cast"
+    )
+    assert torch.equal(a.weight.grad, b.weight.grad)
+
+
 def test_load_state_dict_in_inference_mode_then_train(device):
     """State restored inside torch.inference_mode() is still training state: normal tensors.
 
-    Mutation tried: NormalTensorMode removed from ScalingState::restore: fails at the training
-    forward after the load with
+    Mutation tried: NormalTensorMode removed from ScalingState::restore: fails (CPU) at the
+    training forward after the load with
         RuntimeError: Inplace update to inference tensor outside InferenceMode is not allowed."""
     src = fp8dp.Linear(IN, OUT, device=device)
     train(src, *data(32, 51, device))
@@ -261,11 +291,13 @@ def test_malformed_extra_state_is_a_value_error_naming_the_key(case, mutate, mes
     what was expected and what came; the module keeps its state.
 
     Mutation tried: set_extra_state of bind_modules.cpp as before the fix (d["scale"] read with
-    no checks) and ScalingState::restore without the value checks: missing_key fails with a bare
-    `KeyError: 'scale'`, not_a_dict with `TypeError: Unable to cast Python instance of type
-    <class 'list'> to C++ type 'dict'`, and scale_nan / scale_negative / scale_zero / scale_inf /
-    scale_inv_nan / fp8_max_wrong / history_negative load without error (`Failed: DID NOT RAISE
-    <class 'ValueError'>`)."""
+    no checks) and ScalingState::restore without the new value checks: 13 of 16 fail —
+    missing_key with a bare `KeyError: 'scale'`, not_a_dict with `TypeError: cannot convert
+    dictionary update sequence element #0 to a sequence`, scale_not_tensor / algo_str /
+    margin_none with `RuntimeError: Unable to cast Python instance of type <class 'list'> to C++
+    type '?'`, and unknown_key, scale_nan, scale_negative, scale_zero, scale_inf, scale_inv_nan,
+    fp8_max_wrong, history_negative load without error (`Failed: DID NOT RAISE`). scale_short,
+    history_shape and history_int pass (restore checked those before)."""
     model = torch.nn.ModuleDict({"fc": fp8dp.Linear(IN, OUT)})
     train(model["fc"], *data(32, 61, "cpu"))
     fp8dp.update_fp8_scales()

@@ -9,24 +9,26 @@ a collective ends the test instead of hanging it.
 
 Evidence that these tests catch the defects (run on 2026-12-01, then restored):
 
-1. The registry check removed (update_fp8_scales without the fixed-size all_reduce of
-   [h, -h, observed], i.e. straight to the amax all_reduce as before):
-   - count_differs: both ranks die in gloo, torch.multiprocessing reports
-     "process 0 terminated with signal SIGABRT" (the original defect);
-   - modules_differ and recipe_differs: no error at all, the update runs with another rank's
-     amaxes (`assert 'error' in r` fails: KeyError 'error', the worker finished normally).
-2. The registry ordered by creation instead of identity (registry refresh() sorting by id): the
-   ranks' hashes differ, so order_differs fails with "update_fp8_scales: the ranks' FP8 scaling
-   states differ ... first difference at position 0" on both ranks instead of reducing fc1 with
-   fc1 (with the check also removed, as before this fix, fc1's scale is silently made from fc2's
-   amax: 448/31.7 instead of 448/3.2).
-3. note_reduced() made a no-op (an update that another rank's amax made does not count as a
-   scale on a rank whose micro-batch was empty): empty_rank fails at "the ranks' scales differ
-   after step 1's forward" — rank 1 took its own first scale (448/16.1 vs 448/3.9).
-4. The "observed" flag not reduced across ranks (each rank returns early when it observed
-   nothing itself): empty_rank fails — rank 1 (only empty casts in step 2) skips the amax
-   all_reduce that rank 0 enters; gloo reports a size/operation mismatch on rank 0
-   (RuntimeError from the amax all_reduce) and rank 1's histories stay unrolled.
+1. The registry check removed (update_fp8_scales straight to the amax all_reduce, as before):
+   - count_differs: rank 0 dies in gloo ("terminate called after throwing an instance of
+     'gloo::EnforceNotMet' ... op.preamble.length <= op.nbytes. 12 vs 8. Received data size
+     doesn't match expected size"), torch.multiprocessing reports "process 0 terminated with
+     signal SIGABRT" (the original defect);
+   - modules_differ and recipe_differs: no error at all, the update runs with the other rank's
+     amaxes ('error' missing from both ranks' results, histories rolled).
+2. The registry ordered by creation instead of identity (refresh() sorting by id only):
+   order_differs fails on both ranks with "RuntimeError: update_fp8_scales: the ranks' FP8
+   scaling states differ (C9) ... first difference at position 0 of the amax reduction: rank 0:
+   'fc1: Linear(in_features=32, out_features=32) [...]'; rank 1: 'fc2: ...'" (before this fix,
+   with no check, fc1's amax was silently reduced with the other rank's fc2).
+3. ScalingState::note_reduced made a no-op (an update that another rank's amax made does not
+   count as a scale on the rank whose micro-batch was empty): the empty-rank test fails with
+   "the ranks' scales differ after step 1's forward: [140.45, 2534.67, 57344.0] vs
+   [16.47, 2534.67, 57344.0]" (rank 1 took its own first input scale).
+4. The "observed" flag decided per rank (update_fp8_scales returning before the check when this
+   rank recorded nothing): in step 2 rank 1, which ran no micro-batch, returns while rank 0 waits
+   in the check's all_reduce; rank 0 fails with "RuntimeError: [.../gloo/transport/tcp/pair.cc:553]
+   Connection closed by peer" (a hang until the timeout if rank 1 had stayed alive).
 """
 
 import datetime
