@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from . import _C
 from .ddp_config import DistributedDataParallelConfig
+from .modules import _FP8LinearBase
 
 
 class _GradHook:
@@ -79,10 +80,24 @@ class DistributedDataParallel(torch.nn.Module):
         dp = process_group.size()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for name, p in named:
+            other = getattr(p, "_fp8dp_ddp", lambda: None)()
+            if other is not None:
+                raise ValueError(
+                    f"module: parameter '{name}' is already managed by another "
+                    "fp8dp.DistributedDataParallel (the same model wrapped twice?); its gradients "
+                    "would go to that wrapper's buffer and this one's main_grad would stay 0: wrap "
+                    "each model once"
+                )
         owners = _owners(module)
+        # fp8dp modules hand their gradients to GradSync directly (bind_grad_sink below); every
+        # parameter of theirs takes the autograd hook for what autograd does produce (plain-torch
+        # uses of a tied weight, the unfused immediate wgrad, the eager FP8 bias gradient).
+        fp8_modules = [m for m in module.modules() if isinstance(m, _FP8LinearBase)]
+        bound = {id(p) for m in fp8_modules for p in m.parameters(recurse=False)}
         delayed = {}
         for name, p in named:
-            if not getattr(p, "skip_backward_post_hook", False):
+            if id(p) in bound or not getattr(p, "skip_backward_post_hook", False):
                 continue
             owner = owners[id(p)]
             if not config.delay_wgrad_compute:
@@ -116,10 +131,16 @@ class DistributedDataParallel(torch.nn.Module):
         self._names = [n for n, _ in named]
         self._sync = _C.GradSync(self._params, self._names, comm, opts)
         self._known = {id(p) for p in module.parameters()}
+        index = {id(p): i for i, p in enumerate(self._params)}
+        for m in fp8_modules:
+            bias = index.get(id(m.bias), -1) if m.bias is not None else -1
+            m._core.bind_grad_sink(self._sync, index.get(id(m.weight), -1), bias)
         self._hook_handles = []
+        me = weakref.ref(self)
         for i, p in enumerate(self._params):
             p.main_grad = self._sync.main_grad(i)
             p.grad_added_to_main_grad = False
+            p._fp8dp_ddp = me
             if id(p) in delayed:
                 delayed[id(p)].register_wgrad_accumulation_and_reduce_hooks(_GradHook(self, i))
             else:
@@ -146,7 +167,12 @@ class DistributedDataParallel(torch.nn.Module):
     # -- hooks: C2 (a)/(b); the accumulate / count / launch logic is GradSync.param_ready --------
     def _on_grad(self, i: int) -> None:
         p = self._params[i]
-        self._sync.param_ready(i, p.grad, bool(getattr(p, "grad_added_to_main_grad", False)))
+        # Megatron's rule for a module outside fp8dp that fused into main_grad itself: its
+        # stand-in in p.grad is not added, unless zero_out_wgrad made it zeros (then p.grad may
+        # also hold other uses' gradients, which must be added). fp8dp's own modules never put a
+        # stand-in into p.grad once bound (see bind_grad_sink).
+        fused = bool(getattr(p, "grad_added_to_main_grad", False))
+        self._sync.param_ready(i, p.grad, fused and not getattr(p, "zero_out_wgrad", False))
         p.grad = None
 
     def _check_parameters(self) -> None:
@@ -156,6 +182,19 @@ class DistributedDataParallel(torch.nn.Module):
                     f"parameter '{name}' was added after DistributedDataParallel was constructed: "
                     "its gradient has no place in the buffers; build the model first, then wrap it"
                 )
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) / .half() / .cuda() would move the parameters out of the buffers that
+        # main_grad, the collectives and the optimizer use: refuse before anything changes.
+        for name, p in zip(self._names, self._params):
+            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if probe.dtype != p.dtype or probe.device != p.device:
+                raise ValueError(
+                    f"parameter '{name}': DistributedDataParallel keeps it as {p.dtype} on "
+                    f"{p.device} in its buffers, and this conversion would make it {probe.dtype} "
+                    f"on {probe.device}: convert the model (model.to(...)) before wrapping it"
+                )
+        return super()._apply(fn, recurse)
 
     def forward(self, *args, **kwargs):
         self._check_parameters()

@@ -192,7 +192,8 @@ class Linear(_FP8LinearBase):
     bias: add a bias (initialised to zero).
     params_dtype: dtype of the parameters and of the input (default: torch's default dtype).
     device: where the parameters live.
-    fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (C2 b).
+    fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (C2 b),
+        always (beta = 1); only ``zero_grad_buffer()`` (or the owner of main_grad) zeroes it.
     delay_wgrad_compute: queue the weight gradient for ``backward_dw()`` (C3).
     init_method: callable(weight) that initialises the weight; default torch.nn.Linear's.
     """
@@ -228,7 +229,9 @@ class Linear(_FP8LinearBase):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """x: [..., in_features]. is_first_microbatch: None or True refresh the FP8 weight cache,
-        False reuses it; True also makes a fused wgrad overwrite main_grad."""
+        False reuses it while the weight is unchanged (a weight written in place since, e.g. by an
+        optimizer step, is re-quantized; writes through ``weight.data`` are not seen). It never
+        touches gradients: a fused wgrad always accumulates into main_grad."""
         return self._forward(x, is_first_microbatch)[0]
 
 
@@ -273,8 +276,13 @@ class LayerNormLinear(_FP8LinearBase):
             raise ValueError(
                 f"normalization: expected 'LayerNorm' or 'RMSNorm', got {normalization!r}"
             )
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-            raise ValueError(f"eps: expected a number > 0, got {eps!r}")
+        if (
+            not isinstance(eps, (int, float))
+            or isinstance(eps, bool)
+            or not eps > 0
+            or not math.isfinite(eps)
+        ):
+            raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
         _check_bool("zero_centered_gamma", zero_centered_gamma)
         _check_bool("return_layernorm_output", return_layernorm_output)
         self.normalization = normalization

@@ -36,14 +36,28 @@ def _check_format(value) -> None:
         raise ValueError(f"fp8_format: expected fp8dp.recipe.Format, got {value!r}")
 
 
+MAX_MARGIN = math.log2(448.0) + 6  # = log2(448 / 2**-6) = 14.807...
+"""The largest margin a recipe takes. With scale = fp8_max / amax / 2**margin, a tensor's largest
+value (its amax) is cast to fp8_max / 2**margin, and forward tensors are E4M3 (max 448) in every
+recipe: above this margin even the largest value falls below E4M3's smallest normal 2**-6 and
+loses mantissa bits; above log2(448 / 2**-10) = 18.8 it rounds to zero, so every forward cast is
+all zeros; from 128 on 2**margin overflows float32 (the scale is computed in float32) and every
+scale becomes 0. (For E5M2, max 57344 and smallest normal 2**-14, the same rule gives 29.8; the
+bound is the smaller of the two.)"""
+
+
 def _check_margin(value) -> None:
     if (
         not isinstance(value, (int, float))
         or isinstance(value, bool)
         or not math.isfinite(value)
-        or value < 0
+        or not 0 <= value <= MAX_MARGIN
     ):
-        raise ValueError(f"margin: expected a finite number >= 0, got {value!r}")
+        raise ValueError(
+            f"margin: expected a finite number >= 0 and <= {MAX_MARGIN:.3f} (log2(448 / 2**-6): "
+            f"a larger margin casts even a tensor's amax below E4M3's smallest normal), "
+            f"got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,9 @@ class DelayedScaling:
     """"max" (largest amax in the history, the safe choice against overflow; default) or
     "most_recent" (last step's amax, tracks changes fastest)."""
     margin: float = 0
-    """Extra headroom in powers of two: the scale is divided by 2**margin. Default 0."""
+    """Extra headroom in powers of two: the scale is divided by 2**margin. Default 0. At most
+    MAX_MARGIN = log2(448 / 2**-6) = 14.807: a larger margin casts even the amax below E4M3's
+    smallest normal (and from 18.8 on to zero)."""
 
     def __post_init__(self):
         _check_format(self.fp8_format)
@@ -93,7 +109,8 @@ class Float8CurrentScaling:
     fp8_format: Format = Format.HYBRID
     """Formats of forward tensors and gradients. Default HYBRID."""
     margin: float = 0
-    """Extra headroom in powers of two. Default 0: the amax is exact, so none is needed."""
+    """Extra headroom in powers of two. Default 0: the amax is exact, so none is needed. At most
+    MAX_MARGIN = log2(448 / 2**-6) = 14.807, as for DelayedScaling."""
 
     def __post_init__(self):
         _check_format(self.fp8_format)

@@ -47,4 +47,9 @@ at::Tensor Buffer::main_grad(int64_t local) const {
   return grad_data.narrow(0, r.start, r.end - r.start).view(shapes_[local]);
 }
 
+at::Tensor Buffer::param_view(int64_t local) const {
+  const auto& r = layout_.params.at(local);
+  return param_data.narrow(0, r.start, r.end - r.start).view(shapes_[local]);
+}
+
 }  // namespace fp8dp

@@ -31,6 +31,8 @@ class Buffer {
 
   // params[local]'s main_grad: a view shaped like the parameter, valid for the buffer's lifetime.
   at::Tensor main_grad(int64_t local) const;
+  // params[local]'s place in the param storage (what its data must view).
+  at::Tensor param_view(int64_t local) const;
   const Layout& layout() const { return layout_; }
 
   at::ScalarType param_dtype;

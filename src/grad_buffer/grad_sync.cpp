@@ -89,6 +89,11 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
   readiness_ =
       std::make_unique<Readiness>(group_of_param_, names_, static_cast<int64_t>(groups_.size()));
   ledger_ = std::make_unique<Ledger>(names_);
+  undelivered_.assign(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    param_ptrs_.push_back(buffers_[where_[i].first].param_view(where_[i].second).data_ptr());
+    p_dtypes_.push_back(params_[i].scalar_type());
+  }
   check_same_layout_on_all_ranks();
 }
 
@@ -129,31 +134,85 @@ at::Tensor GradSync::main_grad(int64_t p) const {
   return buffers_[where_[p].first].main_grad(where_[p].second);
 }
 
+const at::Tensor& GradSync::param(int64_t p) const {
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
+                  "param index: expected in [0, ", params_.size(), "), got ", p);
+  return params_[p];
+}
+
 void GradSync::param_ready(int64_t p, const std::optional<at::Tensor>& grad,
                            bool grad_added_to_main_grad) {
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
   const bool has_grad = grad.has_value() && grad->defined();
+  // A module outside fp8dp that fused into main_grad itself (Megatron's protocol) marks p.grad as
+  // a stand-in with grad_added_to_main_grad: it is not added.
+  const Route route = grad_added_to_main_grad ? Route::kFused
+                      : has_grad              ? Route::kAutograd
+                                              : Route::kNone;
+  accept_locked(p, route == Route::kAutograd ? *grad : at::Tensor(), route, -1);
+}
+
+GradSink::Token GradSync::expect(int64_t p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
+                  "param index: expected in [0, ", params_.size(), "), got ", p);
+  ++undelivered_[p];
+  return Token{ledger_->current_microbatch(), iteration_};
+}
+
+void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
+                  "param index: expected in [0, ", params_.size(), "), got ", p);
+  if (route == Route::kDelayed) {
+    FP8DP_CHECK(token.iteration == iteration_, "parameter '", names_[p],
+                "': a weight gradient queued in an earlier iteration was delivered (stale "
+                "backward_dw()); it is not added");
+    FP8DP_CHECK(undelivered_[p] > 0, "parameter '", names_[p],
+                "': backward_dw() delivered a weight gradient that no backward queued; it is not "
+                "added");
+    --undelivered_[p];
+  }
+  accept_locked(p, grad, route, route == Route::kDelayed ? token.microbatch : -1);
+}
+
+void GradSync::accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch) {
   finished_ = false;
-  if (opts_.grad_ledger)
-    ledger_->record(p, grad_added_to_main_grad ? Route::kFused
-                       : has_grad              ? Route::kAccumulated
-                                               : Route::kExternal);
+  if (opts_.grad_ledger) ledger_->record(p, route, microbatch);
   // Count first: an excess report throws before its gradient could be added a second time.
   const bool complete = sync_enabled_ && readiness_->mark(p);
-  if (has_grad && !grad_added_to_main_grad) {
+  if (grad.defined()) {
     at::Tensor mg = main_grad(p);
-    FP8DP_CHECK_ARG(grad->sizes() == mg.sizes(), "gradient of '", names_[p], "': expected shape ",
-                    mg.sizes(), ", got ", grad->sizes());
-    mg.add_(*grad);
+    FP8DP_CHECK_ARG(grad.sizes() == mg.sizes(), "gradient of '", names_[p], "': expected shape ",
+                    mg.sizes(), ", got ", grad.sizes());
+    mg.add_(grad);
   }
   if (complete && opts_.overlap_grad_reduce && !groups_[group_of_param_[p]].launched())
     groups_[group_of_param_[p]].start_grad_sync(*comm_, settings_);
 }
 
+void GradSync::check_params_in_buffers() const {
+  // One pointer compare per parameter (this runs at every forward): set_data() to anything else,
+  // which is what Module._apply does for .to(), changes the data pointer.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    if (p.data_ptr() == param_ptrs_[i] && p.scalar_type() == p_dtypes_[i]) continue;
+    const auto& b = buffers_[where_[i].first];
+    FP8DP_CHECK_ARG(false, "parameter '", names_[i],
+                    "' no longer lives in DistributedDataParallel's buffer: it was ", b.param_dtype,
+                    " on ", b.param_data.device(), " when wrapped and is now ", p.scalar_type(),
+                    " on ", p.device(),
+                    " (model.to(), .half(), .cuda() or param.data = ... after wrapping?): its "
+                    "gradient and the optimizer's updates would no longer reach it; convert the "
+                    "model first, then wrap it");
+  }
+}
+
 void GradSync::begin_microbatch() {
   std::lock_guard<std::mutex> lock(mu_);
+  check_params_in_buffers();
   finished_ = false;
   ledger_->begin_microbatch();
 }
@@ -164,8 +223,30 @@ void GradSync::start_grad_sync() {
     if (!g.launched()) g.start_grad_sync(*comm_, settings_);
 }
 
+std::string GradSync::undelivered_locked() {
+  std::vector<std::string> lost;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (undelivered_[p] == 0) continue;
+    const std::string& n = names_[p];
+    const size_t dot = n.rfind('.');
+    lost.push_back("'" + n + "' (" + std::to_string(undelivered_[p]) + " queued, module '" +
+                   (dot == std::string::npos ? std::string() : n.substr(0, dot)) + "')");
+  }
+  undelivered_.assign(params_.size(), 0);
+  ++iteration_;  // what is still queued belongs to the abandoned iteration: modules drop it
+  if (lost.empty()) return "";
+  return "weight gradients queued by backward were never computed by backward_dw(): " + join(lost) +
+         ". Call module.backward_dw() once per backward that reached a module built with "
+         "delay_wgrad_compute=True, before finish_grad_sync(); the queued ones are dropped";
+}
+
 std::string GradSync::local_errors() {
   std::ostringstream err;
+  {
+    bool any = false;
+    for (int64_t u : undelivered_) any = any || u > 0;
+    if (any) err << undelivered_locked();
+  }
   if (sync_enabled_ && readiness_->golden_known()) {
     std::vector<std::string> missing;
     for (size_t g = 0; g < groups_.size(); ++g)
@@ -194,6 +275,7 @@ void GradSync::abandon_iteration() {
   }
   readiness_->reset();
   ledger_->reset();
+  undelivered_locked();
 }
 
 void GradSync::finish_grad_sync() {
@@ -260,12 +342,16 @@ void GradSync::finish_grad_sync() {
 
 void GradSync::zero_grad_buffer() {
   std::lock_guard<std::mutex> lock(mu_);
+  check_params_in_buffers();
   for (auto& g : groups_) g.finish_grad_sync();
   for (auto& g : groups_) g.reset();
   for (auto& b : buffers_) b.grad_data.zero_();
   readiness_->reset();
   ledger_->reset();
   finished_ = false;
+  // A new iteration: weight gradients still queued from the last one must not land in it.
+  const std::string lost = undelivered_locked();
+  FP8DP_CHECK(lost.empty(), "zero_grad_buffer: ", lost);
 }
 
 void GradSync::scale_gradients(double factor) {
@@ -273,9 +359,18 @@ void GradSync::scale_gradients(double factor) {
   for (auto& b : buffers_) b.grad_data.mul_(factor);
 }
 
+void GradSync::bump_param_versions() {
+  // The param buffers are written through their own views (copies, all-gathers, broadcasts),
+  // which autograd's version counters do not see: the parameters' counters say nothing changed.
+  // Bumped here so that whoever caches something derived from a parameter (the FP8 weight cache,
+  // C8) sees the write.
+  for (auto& p : params_) p.unsafeGetTensorImpl()->bump_version();
+}
+
 void GradSync::broadcast_params(int root) {
   std::lock_guard<std::mutex> lock(mu_);
   finish_param_sync_locked(-1);  // an all-gather in flight would overwrite what arrives here
+  bump_param_versions();
   std::vector<at::Tensor> data;
   for (auto& b : buffers_) data.push_back(b.param_data);
   comm_->broadcast(data, root)->wait();
@@ -312,6 +407,7 @@ void GradSync::copy_shards(const std::vector<at::Tensor>& masters) {
   // param_data is plain storage (no autograd history), so the copies need no grad-mode guard.
   for (size_t k = 0; k < shards.size(); ++k)
     param_shard(shards[k]).copy_(masters[k].detach().reshape({-1}));
+  bump_param_versions();
 }
 
 void GradSync::start_param_sync() {
@@ -319,6 +415,7 @@ void GradSync::start_param_sync() {
               "start_param_sync: the buffers were built without use_distributed_optimizer");
   std::lock_guard<std::mutex> lock(mu_);
   finish_param_sync_locked(-1);
+  bump_param_versions();
   for (int64_t g : param_sync_order_) {
     groups_[g].start_param_sync(*comm_);
     ++param_syncs_in_flight_;

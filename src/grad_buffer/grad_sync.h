@@ -17,6 +17,7 @@
 #include "comm/communicator.h"
 #include "grad_buffer/bucket_group.h"
 #include "grad_buffer/buffer.h"
+#include "grad_buffer/grad_sink.h"
 #include "grad_buffer/ledger.h"
 #include "grad_buffer/readiness.h"
 
@@ -42,7 +43,7 @@ struct OwnedShard {
   int64_t buffer_offset = 0;
 };
 
-class GradSync {
+class GradSync : public GradSink {
  public:
   // params: the trainable parameters in registration order (one device); names for messages.
   // Builds the buffers, moves every parameter's data into its param buffer and checks with every
@@ -50,15 +51,25 @@ class GradSync {
   GradSync(std::vector<at::Tensor> params, std::vector<std::string> names,
            std::shared_ptr<Communicator> comm, GradSyncOptions opts);
 
-  at::Tensor main_grad(int64_t p) const;
+  at::Tensor main_grad(int64_t p) const override;
+  const at::Tensor& param(int64_t p) const override;
 
   // The DDP hook for parameter p (C2): unless grad_added_to_main_grad, adds grad (if any) to
   // main_grad; the caller then sets p.grad = None. Outside no_sync counts p ready and, with
   // overlap_grad_reduce, launches p's bucket group the moment it is complete.
   void param_ready(int64_t p, const std::optional<at::Tensor>& grad, bool grad_added_to_main_grad);
 
-  // A micro-batch's forward began (for the ledger).
+  // GradSink (grad_sink.h): the fp8dp modules bound to this object deliver here directly.
+  Token expect(int64_t p) override;
+  int64_t iteration() const override { return iteration_; }
+  void deliver(int64_t p, const at::Tensor& grad, Route route, Token token) override;
+
+  // A micro-batch's forward began (for the ledger). Also checks that every parameter still lives
+  // in its buffer: model.to(dtype) / .half() / .cuda() after wrapping moves a parameter's data out
+  // of it, and the model would silently stop training (the optimizer steps the buffer).
   void begin_microbatch();
+  // Raises a ValueError naming the first parameter whose data no longer views its buffer.
+  void check_params_in_buffers() const;
   // no_sync(): false suppresses readiness counting and launches.
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
   bool sync_enabled() const { return sync_enabled_; }
@@ -107,8 +118,15 @@ class GradSync {
 
  private:
   void check_same_layout_on_all_ranks();
+  // Adds grad (when defined) to main_grad, records the route, counts p ready and launches its
+  // bucket group when complete. mu_ held.
+  void accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch);
   std::string local_errors();
+  // Raises if a queued weight gradient was never delivered; forgets them and starts a new
+  // iteration either way (mu_ held).
+  std::string undelivered_locked();
   void abandon_iteration();
+  void bump_param_versions();
   void finish_param_sync_locked(int64_t group);
 
   std::vector<at::Tensor> params_;
@@ -126,6 +144,12 @@ class GradSync {
   std::unique_ptr<Ledger> ledger_;
   bool sync_enabled_ = true;
   bool finished_ = false;
+  // Queued weight gradients (expect()) not delivered yet, per parameter, and the iteration they
+  // belong to (zero_grad_buffer() and an abandoned finish_grad_sync() start the next one).
+  std::vector<int64_t> undelivered_;
+  std::vector<const void*> param_ptrs_;  // where each parameter's data lives in its buffer
+  std::vector<at::ScalarType> p_dtypes_;
+  std::atomic<int64_t> iteration_{0};
   std::mutex mu_;  // hooks may run on autograd's device threads
 };
 

@@ -18,12 +18,26 @@ void Ledger::begin_microbatch() {
   for (auto& v : per_microbatch_) v.resize(microbatches_, 0);
 }
 
-void Ledger::record(int64_t p, Route route) {
+const char* route_name(Route r) {
+  switch (r) {
+    case Route::kAutograd:
+      return "added from .grad";
+    case Route::kNone:
+      return "hook without .grad";
+    case Route::kFused:
+      return "fused GEMM";
+    case Route::kDelayed:
+      return "backward_dw";
+  }
+  return "?";
+}
+
+void Ledger::record(int64_t p, Route route, int64_t microbatch) {
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(names_.size()),
                   "param index: expected in [0, ", names_.size(), "), got ", p);
   // A contribution before any forward (a gradient computed outside the wrapped model's forward)
   // still counts, against micro-batch 1.
-  const int64_t mb = std::max<int64_t>(microbatches_, 1) - 1;
+  const int64_t mb = microbatch >= 0 ? microbatch : current_microbatch();
   if (static_cast<int64_t>(per_microbatch_[p].size()) <= mb) per_microbatch_[p].resize(mb + 1, 0);
   ++per_microbatch_[p][mb];
   ++routes_[static_cast<int>(route)][p];
@@ -51,14 +65,24 @@ std::string Ledger::end_iteration() {
         expected = std::max<int64_t>(hi, 1) * n;
       }
     }
-    if (total != expected) {
+    // Per micro-batch too: a use lost in one micro-batch and doubled in another keeps the total.
+    bool uneven = false;
+    if (learned_)
+      for (int64_t k = 0; k < n; ++k)
+        uneven = uneven || (k < static_cast<int64_t>(v.size()) ? v[k] : 0) != uses_[p];
+    if (total != expected || uneven) {
       err << "\n  '" << names_[p] << "': " << total << " contributions in " << n
-          << " micro-batch(es), expected " << expected << " ("
-          << (total < expected ? "missing " : "duplicated ")
-          << (total < expected ? expected - total : total - expected) << "); per micro-batch:";
+          << " micro-batch(es), expected " << expected;
+      if (total != expected)
+        err << " (" << (total < expected ? "missing " : "duplicated ")
+            << (total < expected ? expected - total : total - expected) << ")";
+      else
+        err << " (" << uses_[p] << " in each)";
+      err << "; per micro-batch:";
       for (size_t k = 0; k < v.size(); ++k) err << (k ? "," : " ") << v[k];
-      err << "; routes: added from .grad " << routes_[0][p] << ", fused " << routes_[1][p]
-          << ", external/none " << routes_[2][p];
+      err << "; routes:";
+      for (int r = 0; r < kNumRoutes; ++r)
+        err << (r ? ", " : " ") << route_name(static_cast<Route>(r)) << " " << routes_[r][p];
     }
   }
   std::string msg = err.str();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fp8/recipe.h"
+#include "grad_buffer/grad_sink.h"
 #include "modules/norm.h"
 #include "modules/scaling_state.h"
 #include "modules/wgrad_store.h"
@@ -47,8 +48,8 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // x: [..., in_features] in the parameters' dtype and device. ln_weight / ln_bias only for
   // LayerNormLinear (ln_bias undefined for RMSNorm), bias optional. Returns {y} or, with
   // return_layernorm_output, {y, ln_out}. Differentiable through a C++ autograd function.
-  // is_first_microbatch: nullopt or true refresh the FP8 weight cache, false reuses it; true also
-  // makes the fused wgrad overwrite main_grad instead of accumulating.
+  // is_first_microbatch: nullopt or true refresh the FP8 weight cache, false reuses it. It never
+  // touches a gradient (C8): the fused wgrad always accumulates into main_grad.
   std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& weight,
                                   const at::Tensor& bias, const at::Tensor& ln_weight,
                                   const at::Tensor& ln_bias,
@@ -57,9 +58,20 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // C3/C4: pops the oldest queued wgrad, runs it, writes weight.grad (or main_grad when fused),
   // backfills the bias gradient only when the deferred GEMM produced one, then runs every hook.
   void backward_dw();
-  bool need_backward_dw() const;  // delay_wgrad_compute and at least one wgrad queued
-  int64_t queued_wgrads() const { return store_.size(); }
+  bool need_backward_dw();  // delay_wgrad_compute and at least one (not stale) wgrad queued
+  int64_t queued_wgrads() { return drop_stale_wgrads(), store_.size(); }
   void register_wgrad_hook(std::function<void()> hook);
+
+  // DistributedDataParallel hands its gradients over here (weight and bias: their indices in the
+  // sink, -1 when it does not manage them). From then on no gradient of this module takes a detour
+  // through autograd: the fused GEMM and backward_dw() deliver to the sink directly, no dummy
+  // gradient is returned (so a plain-torch use of the same weight reaches the DDP hook with its
+  // own gradient only, C8) and grad_added_to_main_grad is not set (p.grad never holds a stand-in).
+  // The sink is held weakly: a dropped DDP leaves the module unbound.
+  void bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight, int64_t bias);
+  std::shared_ptr<GradSink> grad_sink() const { return sink_.lock(); }
+  int64_t sink_weight() const { return sink_weight_; }
+  int64_t sink_bias() const { return sink_bias_; }
 
   ScalingState& scaling() { return scaling_; }
 
@@ -78,10 +90,19 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   ScalingState scaling_;
   Quantized weight_cache_;  // FP8 weight and its transpose, kept across micro-batches
   Format weight_cache_format_ = Format::kE4M3;
+  const void* weight_cache_ptr_ = nullptr;  // the weight the cache was made from, and its version
+  uint32_t weight_cache_version_ = 0;
   at::Tensor dummy_;  // the cached dummy weight gradient of the fused route (C2 b)
   bool dummy_zeroed_ = false;
   WeightGradStore store_;
   std::vector<std::function<void()>> hooks_;
+  std::weak_ptr<GradSink> sink_;
+  int64_t sink_weight_ = -1, sink_bias_ = -1;
+
+  // Drops queued wgrads of an iteration the sink has abandoned (zero_grad_buffer() or a failed
+  // finish_grad_sync() after a forgotten backward_dw()): delivering them would add a stale
+  // micro-batch to the new iteration. The sink already raised for them.
+  void drop_stale_wgrads();
 };
 
 }  // namespace fp8dp

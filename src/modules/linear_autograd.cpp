@@ -28,6 +28,9 @@ struct LinearCtx : torch::CustomClassHolder {
   // dgrad operand b: FP8 Wᵀ [in, out] + scale_inv, or the high-precision weight [out, in]
   at::Tensor w_t, w_scale_inv, w_hp;
   at::Tensor weight, bias, main_grad;
+  // DistributedDataParallel's gradient sink when the module is bound to one (linear.h).
+  std::shared_ptr<GradSink> sink;
+  int64_t sink_weight = -1, sink_bias = -1;
   // LayerNormLinear: the norm's input and statistics
   at::Tensor x2d, mu, rsigma, ln_weight;
   bool has_ln_bias = false;
@@ -46,6 +49,7 @@ struct LinearCtx : torch::CustomClassHolder {
       *t = at::Tensor();
     }
     core.reset();
+    sink.reset();
     released = true;
   }
 };
@@ -138,7 +142,13 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 
     c->weight = weight;
     c->bias = bias;
-    if (need_wgrad && cfg.fuse_wgrad_accumulation) c->main_grad = core->main_grad_for(weight);
+    if (need_wgrad) {
+      c->sink = core->grad_sink();
+      c->sink_weight = core->sink_weight();
+      c->sink_bias = core->sink_bias();
+    }
+    if (need_wgrad && cfg.fuse_wgrad_accumulation)
+      c->main_grad = c->sink ? c->sink->main_grad(c->sink_weight) : core->main_grad_for(weight);
     ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
     if (cfg.return_layernorm_output) return {y, ln_out.view(x.sizes())};
     return {y};
@@ -151,6 +161,13 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                 "not supported (its saved tensors were freed after the first backward)");
     LinearCore& core = *c->core;
     const LinearConfig& cfg = core.config();
+    // create_graph=True runs backward with grad mode on. This backward is not differentiable (its
+    // GEMMs and casts are not recorded), so a second-order gradient through it would silently be
+    // zero (a gradient penalty that never acts): refuse it here, before anything is written.
+    FP8DP_CHECK(!at::GradMode::is_enabled(), cfg.name,
+                ": double backward (backward or autograd.grad with create_graph=True) through an "
+                "fp8dp layer is not supported: its backward is not differentiable, so the "
+                "second-order gradient would be zero; compute such terms with torch.nn.Linear");
     const bool need_x = c->needs_grad(ctx, 0), need_w = c->needs_grad(ctx, 1),
                need_b = c->needs_grad(ctx, 2);
     const bool need_ln = c->needs_grad(ctx, 3) || c->needs_grad(ctx, 4);
@@ -161,7 +178,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     task.weight = c->weight;
     task.bias = c->bias;
     task.main_grad = c->main_grad;
-    task.accumulate_main_grad = !(c->first.has_value() && *c->first);
+    const bool bound = c->sink != nullptr;
     at::Tensor dgrad, dbias;
     GemmArgs g;
     g.out_dtype = c->act_dtype;
@@ -199,7 +216,28 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     }
 
     at::Tensor dweight;
-    if (need_w) {
+    if (need_w && bound) {
+      // Bound to DistributedDataParallel: what this module computes itself goes to the sink, and
+      // autograd gets only real gradients (none for the weight when fused or delayed), so the DDP
+      // hook adds exactly the other uses' gradients (C8).
+      if (cfg.delay_wgrad_compute) {
+        task.sink = c->sink;
+        task.sink_weight = c->sink_weight;
+        task.sink_bias = c->sink_bias;
+        task.weight_token = c->sink->expect(c->sink_weight);
+        if (task.dy.defined() && c->sink_bias >= 0)
+          task.bias_token = c->sink->expect(c->sink_bias);
+        core.enqueue(std::move(task));  // C3: backward_dw() runs it and delivers
+      } else {
+        const WgradResult r = run_wgrad(task);
+        if (cfg.fuse_wgrad_accumulation) {
+          c->sink->deliver(c->sink_weight, at::Tensor(), Route::kFused, GradSink::Token{});
+        } else {
+          dweight = r.dweight;
+        }
+        if (r.dbias.defined()) dbias = r.dbias;
+      }
+    } else if (need_w) {
       // C2 (b): the flag is set here, before the GEMM (and before a deferred one), so any consumer
       // that sees the dummy gradient knows that it must not add it.
       if (cfg.fuse_wgrad_accumulation) core.mark_grad_added_to_main_grad();
@@ -270,6 +308,24 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
 
   const AutocastState ac = autocast_current();
   const bool need_wgrad = at::GradMode::is_enabled() && weight.requires_grad();
+  if (need_wgrad) {
+    if (const auto sink = grad_sink()) {
+      // The sink knows the parameter it was bound to; a weight re-assigned (or unfrozen) after
+      // wrapping would have its gradient delivered into another parameter's main_grad.
+      FP8DP_CHECK_ARG(sink_weight_ >= 0 && sink->param(sink_weight_).unsafeGetTensorImpl() ==
+                                               weight.unsafeGetTensorImpl(),
+                      mod,
+                      ": parameter 'weight' is not the one DistributedDataParallel manages for "
+                      "this module (re-assigned or unfrozen after wrapping?): tie, freeze and "
+                      "unfreeze parameters before wrapping the model");
+      FP8DP_CHECK_ARG(!bias.defined() || !bias.requires_grad() ||
+                          (sink_bias_ >= 0 && sink->param(sink_bias_).unsafeGetTensorImpl() ==
+                                                  bias.unsafeGetTensorImpl()),
+                      mod,
+                      ": parameter 'bias' is not the one DistributedDataParallel manages for "
+                      "this module (re-assigned or unfrozen after wrapping?)");
+    }
+  }
   if (ac.enabled) {
     // FP8 GEMMs need multiples of 16 in every inner dimension (fprop: in, dgrad: out, wgrad:
     // tokens); the same rule on every device, checked before any work is done.

@@ -49,12 +49,17 @@ Quantized LinearCore::cast(const at::Tensor& x, Role role, const AutocastState& 
 
 Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& ac,
                                  std::optional<bool> is_first_microbatch) {
-  // Reuse only when asked (is_first_microbatch=False) and the cache was made for this weight
-  // shape and format; True or None refresh it (the weight may have changed since).
+  // Reuse only when asked (is_first_microbatch=False) and the cache was made from this very weight
+  // as it is now (C8: a reused FP8 weight is never stale): same storage and shape, same format,
+  // and no write since (the version counter: optimizer steps write in place; the distributed
+  // optimizer's all-gather writes through the buffer and bumps it too, see GradSync).
+  // True or None always refresh it.
   const bool reuse = is_first_microbatch.has_value() && !*is_first_microbatch &&
                      weight_cache_.data.defined() && weight_cache_format_ == ac.recipe.fwd_format &&
                      weight_cache_.data.sizes() == weight.sizes() &&
-                     weight_cache_.data.device() == weight.device();
+                     weight_cache_.data.device() == weight.device() &&
+                     weight_cache_ptr_ == weight.data_ptr() &&
+                     weight_cache_version_ == static_cast<uint32_t>(weight._version());
   if (!reuse && c10::InferenceMode::is_enabled()) {
     // Inference leaves training state alone (ScalingState::prepare_scale), the cache included:
     // it would hold inference tensors, cast with a scale that training may not have chosen (the
@@ -64,6 +69,8 @@ Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& 
   if (!reuse) {
     weight_cache_ = cast(weight.detach(), Role::kWeight, ac, QuantizeOptions{true, true, false});
     weight_cache_format_ = ac.recipe.fwd_format;
+    weight_cache_ptr_ = weight.data_ptr();
+    weight_cache_version_ = static_cast<uint32_t>(weight._version());
   }
   return weight_cache_;
 }
@@ -97,7 +104,27 @@ at::Tensor LinearCore::dummy_wgrad(const at::Tensor& weight) {
 
 void LinearCore::mark_grad_added_to_main_grad() { attrs_.mark_grad_added_to_main_grad(); }
 
-bool LinearCore::need_backward_dw() const { return cfg_.delay_wgrad_compute && !store_.empty(); }
+bool LinearCore::need_backward_dw() {
+  drop_stale_wgrads();
+  return cfg_.delay_wgrad_compute && !store_.empty();
+}
+
+void LinearCore::drop_stale_wgrads() {
+  while (!store_.empty() && store_.front().sink &&
+         store_.front().weight_token.iteration != store_.front().sink->iteration())
+    store_.pop();
+}
+
+void LinearCore::bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight,
+                                int64_t bias) {
+  FP8DP_CHECK_ARG(sink, cfg_.name, ": bind_grad_sink needs a sink, got None");
+  FP8DP_CHECK_ARG(store_.empty(), cfg_.name, ": ", store_.size(),
+                  " weight gradient(s) are still queued for backward_dw(); run them before "
+                  "wrapping the module in DistributedDataParallel");
+  sink_ = sink;
+  sink_weight_ = weight;
+  sink_bias_ = bias;
+}
 
 void LinearCore::register_wgrad_hook(std::function<void()> hook) {
   FP8DP_CHECK_ARG(static_cast<bool>(hook), cfg_.name,
@@ -109,11 +136,21 @@ void LinearCore::backward_dw() {
   FP8DP_CHECK(cfg_.delay_wgrad_compute, cfg_.name,
               ".backward_dw(): the module was built with delay_wgrad_compute=False, so its "
               "weight gradient is computed in backward and nothing is ever queued");
+  drop_stale_wgrads();
   FP8DP_CHECK(!store_.empty(), cfg_.name,
               ".backward_dw(): no weight-gradient computation is queued (call it once after each "
               "backward that reached this module)");
   const WgradTask task = store_.pop();
   const WgradResult r = run_wgrad(task);
+  if (task.sink) {
+    // Bound to DistributedDataParallel: straight into main_grad (fused: already there), counted
+    // against the micro-batch whose backward queued it.
+    task.sink->deliver(task.sink_weight, r.dweight, Route::kDelayed, task.weight_token);
+    if (r.dbias.defined() && task.sink_bias >= 0)
+      task.sink->deliver(task.sink_bias, r.dbias, Route::kDelayed, task.bias_token);
+    for (const auto& hook : hooks_) hook();
+    return;
+  }
   if (r.dweight.defined()) accumulate_into_grad(task.weight, r.dweight);
   // C4, the guarded backfill: only a bias gradient that the deferred GEMM itself produced is
   // written (the high-precision route). In FP8 mode the bias gradient already went to autograd in

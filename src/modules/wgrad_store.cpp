@@ -22,7 +22,7 @@ WgradResult run_wgrad(const WgradTask& t) {
   WgradResult r;
   if (t.main_grad.defined()) {
     g.out = t.main_grad;
-    g.accumulate = t.accumulate_main_grad;
+    g.accumulate = true;
     gemm(g);
   } else {
     g.out_dtype = t.weight.scalar_type();

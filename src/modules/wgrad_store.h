@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
+
+#include "grad_buffer/grad_sink.h"
 
 namespace fp8dp {
 
@@ -15,9 +18,16 @@ namespace fp8dp {
 struct WgradTask {
   at::Tensor a, a_scale_inv, b, b_scale_inv;
   at::Tensor dy;  // [tokens, out] high precision: the bias gradient without FP8, else undefined
-  at::Tensor weight, bias;           // the parameters (variables) the gradients belong to
-  at::Tensor main_grad;              // fused route: where dW accumulates
-  bool accumulate_main_grad = true;  // false on is_first_microbatch=True: overwrite
+  at::Tensor weight, bias;  // the parameters (variables) the gradients belong to
+  // Fused route: where dW accumulates. Always accumulated (beta = 1, C2 b): only
+  // zero_grad_buffer() zeroes main_grad, so the order in which uses and micro-batches run their
+  // weight-gradient GEMMs cannot lose or overwrite one of them.
+  at::Tensor main_grad;
+  // Set when DistributedDataParallel bound its gradient sink to the module: the result goes to the
+  // sink (weight and bias indices there, -1 when not managed), with the tokens from expect().
+  std::shared_ptr<GradSink> sink;
+  int64_t sink_weight = -1, sink_bias = -1;
+  GradSink::Token weight_token, bias_token;
 };
 
 struct WgradResult {
@@ -39,6 +49,7 @@ class WeightGradStore {
     q_.pop_front();
     return t;
   }
+  const WgradTask& front() const { return q_.front(); }
   bool empty() const { return q_.empty(); }
   int64_t size() const { return static_cast<int64_t>(q_.size()); }
 

@@ -86,7 +86,9 @@ void bind_grad_buffer(py::module_& m) {
       .def_readonly("buffer", &OwnedShard::buffer)
       .def_readonly("buffer_offset", &OwnedShard::buffer_offset);
 
-  py::class_<GradSync>(m, "GradSync")
+  // Opaque: fp8dp modules take it in bind_grad_sink; its methods are C++-only.
+  py::class_<GradSink, std::shared_ptr<GradSink>>(m, "GradSink");
+  py::class_<GradSync, GradSink, std::shared_ptr<GradSync>>(m, "GradSync")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
                     std::shared_ptr<Communicator>, GradSyncOptions>(),
            py::arg("params"), py::arg("names"), py::arg("communicator"), py::arg("options"),
@@ -98,6 +100,7 @@ void bind_grad_buffer(py::module_& m) {
       .def("param_ready", &GradSync::param_ready, py::arg("index"), py::arg("grad"),
            py::arg("grad_added_to_main_grad"), py::call_guard<py::gil_scoped_release>())
       .def("begin_microbatch", &GradSync::begin_microbatch)
+      .def("check_params_in_buffers", &GradSync::check_params_in_buffers)
       .def_property("sync_enabled", &GradSync::sync_enabled, &GradSync::set_sync_enabled)
       .def("start_grad_sync", &GradSync::start_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &GradSync::finish_grad_sync,

@@ -153,7 +153,11 @@ void bind_modules(py::module_& m) {
           },
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("ln_weight"),
           py::arg("ln_bias"), py::arg("is_first_microbatch"))
-      .def("backward_dw", &LinearCore::backward_dw)
+      .def("bind_grad_sink", &LinearCore::bind_grad_sink, py::arg("sink"), py::arg("weight"),
+           py::arg("bias"))
+      .def_property_readonly("grad_sink_bound",
+                             [](const LinearCore& c) { return c.grad_sink() != nullptr; })
+      .def("backward_dw", &LinearCore::backward_dw, py::call_guard<py::gil_scoped_release>())
       .def("need_backward_dw", &LinearCore::need_backward_dw)
       .def_property_readonly("queued_wgrads", &LinearCore::queued_wgrads)
       .def(

@@ -65,27 +65,27 @@ TEST(Ledger, LearnsThenAcceptsExactCounts) {
   Ledger l({"w", "b"});
   for (int mb = 0; mb < 3; ++mb) {
     l.begin_microbatch();
-    l.record(0, Route::kAccumulated);
-    l.record(1, Route::kExternal);
+    l.record(0, Route::kAutograd);
+    l.record(1, Route::kNone);
   }
   EXPECT_EQ(l.end_iteration(), "");
   l.begin_microbatch();
   l.record(0, Route::kFused);
-  l.record(1, Route::kAccumulated);
+  l.record(1, Route::kAutograd);
   EXPECT_EQ(l.end_iteration(), "");
 }
 
 TEST(Ledger, DuplicateAndMissingAreNamed) {
   Ledger l({"w", "b"});
   l.begin_microbatch();
-  l.record(0, Route::kAccumulated);
-  l.record(1, Route::kAccumulated);
+  l.record(0, Route::kAutograd);
+  l.record(1, Route::kAutograd);
   ASSERT_EQ(l.end_iteration(), "");
   for (int mb = 0; mb < 2; ++mb) {
     l.begin_microbatch();
-    l.record(0, Route::kAccumulated);
-    if (mb == 0) l.record(0, Route::kAccumulated);  // duplicate of w in micro-batch 1
-    if (mb == 1) l.record(1, Route::kAccumulated);  // b missing in micro-batch 1
+    l.record(0, Route::kAutograd);
+    if (mb == 0) l.record(0, Route::kAutograd);  // duplicate of w in micro-batch 1
+    if (mb == 1) l.record(1, Route::kAutograd);  // b missing in micro-batch 1
   }
   const std::string msg = l.end_iteration();
   EXPECT_NE(msg.find("'w': 3 contributions in 2 micro-batch(es), expected 2 (duplicated 1)"),
@@ -100,10 +100,44 @@ TEST(Ledger, DuplicateInTheFirstIterationIsNotLearned) {
   Ledger l({"w"});
   for (int mb = 0; mb < 2; ++mb) {
     l.begin_microbatch();
-    l.record(0, Route::kAccumulated);
-    if (mb == 1) l.record(0, Route::kAccumulated);
+    l.record(0, Route::kAutograd);
+    if (mb == 1) l.record(0, Route::kAutograd);
   }
   EXPECT_NE(l.end_iteration().find("duplicated 1"), std::string::npos);
+}
+
+// A use lost in one micro-batch and doubled in another keeps the iteration's total: the ledger
+// checks each micro-batch. Comparing totals only (the former check) passes this iteration.
+TEST(Ledger, EachMicrobatchIsChecked) {
+  Ledger l({"w"});
+  for (int mb = 0; mb < 2; ++mb) {
+    l.begin_microbatch();
+    l.record(0, Route::kAutograd);
+  }
+  ASSERT_EQ(l.end_iteration(), "");
+  l.begin_microbatch();
+  l.begin_microbatch();
+  l.record(0, Route::kFused, 0);  // micro-batch 0 twice (one of them late), 1 never
+  l.record(0, Route::kDelayed, 0);
+  const std::string msg = l.end_iteration();
+  EXPECT_NE(msg.find("'w': 2 contributions in 2 micro-batch(es), expected 2 (1 in each); per "
+                     "micro-batch: 2,0"),
+            std::string::npos)
+      << msg;
+}
+
+// A deferred gradient (backward_dw() after the next forward began) counts against the micro-batch
+// whose backward queued it, not the one running when it arrives.
+TEST(Ledger, DeferredContributionCountsForItsOwnMicrobatch) {
+  Ledger l({"w"});
+  for (int it = 0; it < 2; ++it) {
+    l.begin_microbatch();
+    const int64_t mb0 = l.current_microbatch();
+    l.begin_microbatch();
+    l.record(0, Route::kDelayed, mb0);  // micro-batch 0's, run during micro-batch 1
+    l.record(0, Route::kDelayed);
+    EXPECT_EQ(l.end_iteration(), "") << "iteration " << it;
+  }
 }
 
 }  // namespace

@@ -84,19 +84,19 @@ TEST(WeightGradStore, PopsInFifoOrder) {
   EXPECT_TRUE(store.empty());
 }
 
-TEST(WeightGradStore, RunWgradOverwritesOrAccumulatesMainGrad) {
+// C2 (b): the fused GEMM always accumulates (beta = 1); only zero_grad_buffer() zeroes main_grad.
+// Overwriting (the former is_first_microbatch=True rule) fails the first expectation: 5 is lost.
+TEST(WeightGradStore, RunWgradAlwaysAccumulatesIntoMainGrad) {
   WgradTask t;
   t.a = at::randn({16, 32});  // dyᵀ [out, tokens]
   t.b = at::randn({8, 32});   // xᵀ  [in, tokens]
   t.weight = at::empty({16, 8});
   t.main_grad = at::full({16, 8}, 5.0f);
   const at::Tensor dw = at::mm(t.a, t.b.t());
-  t.accumulate_main_grad = false;
   EXPECT_FALSE(run_wgrad(t).dweight.defined());
-  EXPECT_TRUE(at::allclose(t.main_grad, dw, 1e-6, 1e-6));
-  t.accumulate_main_grad = true;
+  EXPECT_TRUE(at::allclose(t.main_grad, 5 + dw, 1e-5, 1e-5));
   run_wgrad(t);
-  EXPECT_TRUE(at::allclose(t.main_grad, 2 * dw, 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(t.main_grad, 5 + 2 * dw, 1e-5, 1e-5));
 }
 
 // ---- ScalingState ---------------------------------------------------------------------------

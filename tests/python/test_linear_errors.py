@@ -2,6 +2,7 @@
 each device (conftest.py `device`) where the module or GEMM runs there; the constructor checks and
 the CPU GEMM's epilogues are device-independent or CPU-only."""
 
+import math
 import re
 
 import pytest
@@ -135,13 +136,29 @@ def test_second_backward_is_an_error(device):
             dict(in_features=16, out_features=16, normalization="BatchNorm"),
             r"normalization: expected 'LayerNorm' or 'RMSNorm', got 'BatchNorm'",
         ),
-        (dict(in_features=16, out_features=16, eps=0.0), r"eps: expected a number > 0, got 0.0"),
+        (
+            dict(in_features=16, out_features=16, eps=0.0),
+            r"eps: expected a finite number > 0, got 0.0",
+        ),
+        # eps=inf was accepted (issue 12, item 10): the norm's output, the layer's output and
+        # every gradient came out 0, silently. Evidence (2026-12-01, then restored): with the
+        # line `or not math.isfinite(eps)` removed from LayerNormLinear.__init__, eps_inf fails
+        # with `Failed: DID NOT RAISE ValueError` (NaN was already refused by `not eps > 0`).
+        (
+            dict(in_features=16, out_features=16, eps=math.inf),
+            r"eps: expected a finite number > 0, got inf",
+        ),
+        (
+            dict(in_features=16, out_features=16, eps=math.nan),
+            r"eps: expected a finite number > 0, got nan",
+        ),
         (
             dict(in_features=16, out_features=16, zero_centered_gamma="yes"),
             r"zero_centered_gamma: expected a bool",
         ),
     ],
-    ids=["in0", "out_float", "bias_int", "dtype", "init", "normalization", "eps", "zcg"],
+    ids=["in0", "out_float", "bias_int", "dtype", "init", "normalization", "eps", "eps_inf",
+         "eps_nan", "zcg"],
 )
 def test_constructor_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

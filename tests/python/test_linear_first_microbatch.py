@@ -1,5 +1,6 @@
-"""Test group 5: is_first_microbatch — the FP8 weight cache (False reuses, True/None refresh) and
-the fused wgrad's overwrite (True) versus accumulate (False/None) into main_grad."""
+"""Test group 5: is_first_microbatch — the FP8 weight cache (False reuses an unchanged weight's
+FP8 copy, True/None refresh it, a changed weight is always re-quantized) and the fused wgrad, which
+accumulates into main_grad whatever is_first_microbatch says (C2 b, C8)."""
 
 import pytest
 import torch
@@ -25,19 +26,28 @@ def test_weight_cache(kind, recipe_name, device):
     ((x, _),) = batches(1, torch.float32, seed=31, device=device)
     with torch.no_grad(), autocast(recipe):
         y_first = m(x, is_first_microbatch=True)
-        m.weight.mul_(-2.0)  # as an optimizer step would; the cache does not see it
+        # A write that autograd's version counter does not see (through .data) shows that False
+        # reuses the cache (README: such writes need is_first_microbatch=None or True after them).
+        m.weight.data.mul_(-2.0)
         y_reused = m(x, is_first_microbatch=False)
         y_refreshed = m(x, is_first_microbatch=None)
         y_true = m(x, is_first_microbatch=True)
+        # C8: a reused FP8 weight is never stale. An in-place step (as torch optimizers make)
+        # bumps the version: False re-quantizes. Without the version check y_stale == y_true.
+        m.weight.mul_(-0.5)
+        y_stale = m(x, is_first_microbatch=False)
+        y_now = m(x, is_first_microbatch=None)
     assert torch.equal(y_reused, y_first), "False must reuse the cached FP8 weight"
     assert not torch.equal(y_refreshed, y_first), "None must re-quantize the changed weight"
     assert torch.equal(y_true, y_refreshed), "True re-quantizes too"
-    # The refreshed output is that of a module loaded with the changed weight (the state dict
+    assert not torch.equal(y_stale, y_true), "False reused a weight changed since it was cached"
+    assert torch.equal(y_stale, y_now)
+    # The refreshed output is that of a module loaded with the current weight (the state dict
     # carries the FP8 scales too, so both cast with the same scales).
     fresh = make_module(kind, device=device)
     fresh.load_state_dict(m.state_dict())
     with torch.no_grad(), autocast(make_recipe(recipe_name)):
-        assert torch.equal(fresh(x), y_refreshed)
+        assert torch.equal(fresh(x), y_now)
 
 
 def test_no_cache_outside_fp8(device):
@@ -53,12 +63,15 @@ def test_no_cache_outside_fp8(device):
 
 @pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
 @pytest.mark.parametrize("recipe_name", ["none", "delayed"])
-def test_main_grad_overwrite_vs_accumulate(recipe_name, delay, device):
+def test_main_grad_always_accumulates(recipe_name, delay, device):
+    """C2 (b): the fused GEMM accumulates on every micro-batch, is_first_microbatch=True included;
+    only zero_grad_buffer() zeroes main_grad. The former rule (True overwrites) fails the last
+    assertion: 4 dw expected, dw found."""
     recipe = make_recipe(recipe_name)
     m = make_module(
         "Linear", fuse_wgrad_accumulation=True, delay_wgrad_compute=delay, device=device
     )
-    attach_main_grad(m, fill=7.0)
+    attach_main_grad(m, fill=0.0)
     ((x, dy),) = batches(1, torch.float32, seed=33, device=device)
 
     def step(first):
@@ -70,7 +83,6 @@ def test_main_grad_overwrite_vs_accumulate(recipe_name, delay, device):
 
     step(True)
     dw = m.weight.main_grad.clone()
-    assert not (dw == 7.0).any(), "True overwrites the stale main_grad"
     assert m.weight.grad_added_to_main_grad
     # Every step multiplies the same operands (same input, grad_output and scales). On the CPU
     # the accumulating GEMM adds the identical FP32 product, so 2 dw and 3 dw hold to an FP32
@@ -87,6 +99,8 @@ def test_main_grad_overwrite_vs_accumulate(recipe_name, delay, device):
     assert ((m.weight.main_grad - 2 * dw).abs() <= 1e-6 + 1e-6 * 2 * dw.abs() + slack).all()
     step(None)
     assert ((m.weight.main_grad - 3 * dw).abs() <= 1e-6 + 1e-6 * 3 * dw.abs() + 2 * slack).all()
+    step(True)
+    assert ((m.weight.main_grad - 4 * dw).abs() <= 1e-6 + 1e-6 * 4 * dw.abs() + 3 * slack).all()
 
 
 @pytest.mark.parametrize("zero_out", [False, True])

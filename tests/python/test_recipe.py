@@ -2,8 +2,10 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
+import torch
 
 import fp8dp
 from fp8dp import _C, recipe
@@ -89,6 +91,49 @@ def test_delayed_scaling_validation_names_the_field(kwargs, field):
 def test_current_scaling_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         recipe.Float8CurrentScaling(**kwargs)
+
+
+@pytest.mark.parametrize("cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
+@pytest.mark.parametrize("margin", [2000, 128, 18.9, recipe.MAX_MARGIN + 1e-9])
+def test_margin_above_the_bound_is_refused(cls, margin):
+    """margin=2000 was accepted and failed only at the first cast (issue 12, item 9): 2**margin
+    overflows float32, the scale becomes 0 and quantize refuses it.
+
+    Evidence (2026-12-01, then restored): with `or not 0 <= value <= MAX_MARGIN` in
+    recipe._check_margin put back to `or value < 0`, all 8 cases fail with
+    `Failed: DID NOT RAISE <class 'ValueError'>`."""
+    message = (r"^margin: expected a finite number >= 0 and <= 14\.807 "
+               r"\(log2\(448 / 2\*\*-6\).*\), got " + re.escape(repr(margin)) + "$")
+    with pytest.raises(ValueError, match=message):
+        cls(margin=margin)
+
+
+@pytest.mark.parametrize("cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
+def test_margin_up_to_the_bound_is_taken(cls):
+    for m in (0, 1, 14, recipe.MAX_MARGIN):
+        assert cls(margin=m).to_cpp().margin == pytest.approx(m)
+
+
+def _cast_at_margin(margin, amax=3.0):
+    """Delayed scaling's update for one amax, then the E4M3 cast and back of [amax, amax / 3]."""
+    history = torch.tensor([[amax]])
+    scale, scale_inv = torch.ones(1), torch.ones(1)
+    _C.update_scaling(history, scale, scale_inv, torch.tensor([448.0]), _C.AmaxAlgo.MAX, margin)
+    q = _C.quantize(torch.tensor([amax, amax / 3]), scale, _C.Format.E4M3)
+    return scale.item(), _C.dequantize(q.data, q.scale_inv, torch.float32)
+
+
+def test_margin_bound_is_where_the_amax_leaves_e4m3s_normals():
+    """The reason for MAX_MARGIN = log2(448 / 2**-6), checked on the kernels: at the bound the
+    amax lands on E4M3's smallest normal and comes back exactly; past log2(448 / 2**-10) = 18.8
+    it rounds to 0 (the whole tensor is zeros); from 128 on the scale itself is 0."""
+    _, back = _cast_at_margin(recipe.MAX_MARGIN)
+    assert back[0].item() == pytest.approx(3.0, rel=1e-6) and back[1].item() != 0.0
+    _, back = _cast_at_margin(18.9)
+    assert back.abs().max().item() == 0.0
+    history, scale, scale_inv = torch.tensor([[3.0]]), torch.ones(1), torch.ones(1)
+    _C.update_scaling(history, scale, scale_inv, torch.tensor([448.0]), _C.AmaxAlgo.MAX, 128.0)
+    assert scale.item() == 0.0
 
 
 # ---- fp8_autocast ----

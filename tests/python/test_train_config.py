@@ -32,12 +32,12 @@ def _demo():
     ("model", "bias", "yes", "model.bias: expected true or false, got 'yes'"),
     ("train", "micro_batch_size", 3, "train.global_batch_size: expected a multiple of "
                                      "train.micro_batch_size=3, got 16"),
-    ("train", "lr", -1.0, "train.lr: expected a number > 0"),
+    ("train", "lr", -1.0, "train.lr: expected a finite number > 0"),
     ("train", "steps", 2.5, "train.steps: expected an integer >= 1, got 2.5"),
     ("fp8", "recipe", "mxfp8", "fp8.recipe: expected one of"),
     ("ddp", "bucket_size", 0, "ddp.bucket_size: expected an integer >= 1, got 0"),
     ("ddp", "use_distributed_optimizer", False, "ddp.use_distributed_optimizer: the demo trains"),
-    ("data", "val_fraction", 0.9, "data.val_fraction: expected a number > 0.0 and <= 0.5"),
+    ("data", "val_fraction", 0.9, "data.val_fraction: expected a finite number > 0.0 and <= 0.5"),
 ])
 def test_bad_values_name_the_key(section, key, value, message):
     raw = _demo()

@@ -37,14 +37,16 @@ def parse_args(argv=None):
 
 def _fail(e: Exception) -> int:
     if os.environ.get("RANK", "0") == "0":
-        print(f"fp8dp.train: error: {e}", file=sys.stderr, flush=True)
+        # One line, whatever the exception's text: a launcher's log shows one line per rank.
+        print(f"fp8dp.train: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
     return 2
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compare_bf16 and (args.save or args.resume):
-        raise SystemExit("--compare-bf16 trains two runs; use --save/--resume without it")
+        return _fail(ValueError("--compare-bf16: expected no --save or --resume (it trains two "
+                                f"runs), got {'--save' if args.save else '--resume'}"))
     try:
         cfg = load_config(args.config, args.set)  # errors name the key, before any work starts
     except (ValueError, OSError) as e:
@@ -55,7 +57,8 @@ def main(argv=None) -> int:
         runs = [cfg]
         if args.compare_bf16:
             if not cfg.fp8.enabled:
-                raise SystemExit("--compare-bf16: fp8.enabled is already false in this config")
+                raise ValueError("--compare-bf16: expected a config with fp8.enabled true, "
+                                 "got false")
             runs.append(dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, enabled=False)))
         for run_cfg in runs:
             name = "fp8" if run_cfg.fp8.enabled else "nofp8"
@@ -66,7 +69,11 @@ def main(argv=None) -> int:
                       f"{run_cfg.train.steps} steps", flush=True)
             summary = train(run_cfg, run_dir, rank=rank, world_size=world, device=device,
                             save=args.save, resume=args.resume, progress=not args.no_progress)
-            if rank == 0:
+            if rank == 0 and summary["start_step"] == summary["steps"]:
+                print(f"[fp8dp.train] {name}: the checkpoint in {args.resume} is at step "
+                      f"{summary['steps']} = train.steps, nothing to train (continue with "
+                      f"--set train.steps=N)", flush=True)
+            elif rank == 0:
                 print(f"[fp8dp.train] {name}: val loss {summary['first_val_loss']} -> "
                       f"{summary['last_val_loss']:.4f}; metrics {run_dir}/metrics.jsonl",
                       flush=True)

@@ -10,10 +10,13 @@ model is built.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
+
+from fp8dp.recipe import MAX_MARGIN
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -41,11 +44,20 @@ def _int(key: str, v, lo: int = 1) -> None:
         raise ValueError(f"{key}: expected an integer >= {lo}, got {v!r}")
 
 
+def _short(x: float) -> str:
+    # 3 decimals, rounded down: the bound printed is one the check accepts (log2(448 / 2**-6)).
+    return f"{math.floor(x * 1000) / 1000:.3f}".rstrip("0").rstrip(".")
+
+
 def _num(key: str, v, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> None:
-    ok = _is_num(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    # inf passes any lower bound and NaN fails every comparison, so "finite" is checked as such.
+    ok = (_is_num(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo)
+          and (hi is None or v <= hi))
     if not ok:
-        rng = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
-        raise ValueError(f"{key}: expected a number {rng}, got {v!r}")
+        rng = f"{'>' if lo_open else '>='} {lo}"
+        if hi is not None:
+            rng += f" and <= {_short(hi)}"
+        raise ValueError(f"{key}: expected a finite number {rng}, got {v!r}")
 
 
 def _bool(key: str, v) -> None:
@@ -166,7 +178,8 @@ class FP8Section:
     amax_compute_algo: str = "max"
     """Delayed scaling: "max" or "most_recent"."""
     margin: float = 0
-    """Headroom in powers of two. Default 0."""
+    """Headroom in powers of two. Default 0; at most log2(448 / 2**-6) = 14.807 (see
+    fp8dp.recipe.MAX_MARGIN)."""
 
     def __post_init__(self):
         self.margin = _as_float(self.margin)
@@ -174,7 +187,7 @@ class FP8Section:
         _choice("fp8.recipe", self.recipe, ("delayed", "current"))
         _int("fp8.amax_history_len", self.amax_history_len)
         _choice("fp8.amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
-        _num("fp8.margin", self.margin, 0.0)
+        _num("fp8.margin", self.margin, 0.0, MAX_MARGIN)
 
 
 @dataclass
@@ -311,8 +324,16 @@ def config_from_dict(raw: Any) -> TrainConfig:
 
 def load_config(path: str, overrides: Optional[list] = None) -> TrainConfig:
     """Read a YAML config; ``overrides`` are "section.key=value" strings (value parsed as YAML)."""
-    with open(path) as f:
-        raw = yaml.safe_load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: expected a readable YAML file, got {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: expected UTF-8 YAML text, got byte {e.object[e.start]:#04x} "
+                         f"at offset {e.start}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: expected YAML, got {_yaml_problem(e)}") from e
     if raw is None:
         raw = {}
     for item in overrides or []:
@@ -324,5 +345,18 @@ def load_config(path: str, overrides: Optional[list] = None) -> TrainConfig:
             break  # config_from_dict reports the malformed file
         raw.setdefault(section, {})
         if isinstance(raw[section], dict):
-            raw[section][key] = yaml.safe_load(value)
+            try:
+                raw[section][key] = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ValueError(f"--set {dotted}: expected a YAML value, got {value!r} "
+                                 f"({_yaml_problem(e)})") from e
     return config_from_dict(raw)
+
+
+def _yaml_problem(e: "yaml.YAMLError") -> str:
+    """The parser's complaint on one line, with its place: "mapping values are not allowed here
+    (line 3, column 9)"; PyYAML's own message spans several lines and quotes the source."""
+    problem = getattr(e, "problem", None) or str(e)
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())

@@ -107,6 +107,17 @@ def train(cfg: TrainConfig, run_dir: str, *, rank: int, world_size: int, device,
     if resume:
         start = load_checkpoint(resume, model=model, optimizer=opt, config=config_dict, rank=rank,
                                 world_size=world_size)
+        if start > t.steps:
+            raise ValueError(f"train.steps: expected >= {start} (the step of the checkpoint in "
+                             f"{resume}), got {t.steps}")
+        if start == t.steps:
+            # A finished run: nothing to train, and its metrics and summary stay as they are.
+            if save:
+                save_checkpoint(save, step=start, model=model, optimizer=opt, config=config_dict,
+                                rank=rank, world_size=world_size, barrier=dist.barrier)
+            return {"first_val_loss": None, "last_val_loss": None, "start_step": start,
+                    "steps": t.steps, "world_size": world_size, "fp8": cfg.fp8.enabled,
+                    "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None, "train_time_s": 0.0}
     writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"),
                            truncate_after=start if resume else -1) if rank == 0 else None
     tokens_per_step = t.global_batch_size * cfg.model.seq_len

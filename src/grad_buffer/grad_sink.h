@@ -1,0 +1,50 @@
+// GradSink: how a layer that writes weight gradients itself (the fused GEMM of C2 b, the deferred
+// GEMM of C3) hands them to the owner of main_grad, without putting a stand-in gradient into
+// autograd. GradSync implements it; DistributedDataParallel binds it to every fp8dp module it
+// wraps. Header only: src/modules depends on this interface, not on the grad buffer.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace fp8dp {
+
+// How one use's gradient of a parameter reached main_grad (the ledger counts each route).
+enum class Route : int {
+  kAutograd = 0,  // autograd accumulated it into p.grad; the DDP hook added p.grad
+  kNone = 1,      // the DDP hook ran with p.grad None (an external consumer moved it)
+  kFused = 2,     // the wgrad GEMM in backward accumulated it into main_grad
+  kDelayed = 3,   // backward_dw() computed it (into main_grad, or handed over as a tensor)
+};
+constexpr int kNumRoutes = 4;
+const char* route_name(Route r);
+
+class GradSink {
+ public:
+  virtual ~GradSink() = default;
+
+  // main_grad of parameter p (a view that lives as long as the sink).
+  virtual at::Tensor main_grad(int64_t p) const = 0;
+  // The parameter the sink knows as p, to check that a layer still uses the one it was bound to.
+  virtual const at::Tensor& param(int64_t p) const = 0;
+
+  // Backward queued a weight gradient of p for backward_dw() (C3). Every expected gradient must be
+  // delivered before finish_grad_sync(), or it reports the parameter as never delivered. Returns
+  // the token to deliver it with: it names the micro-batch and iteration it belongs to.
+  struct Token {
+    int64_t microbatch = -1;
+    int64_t iteration = -1;
+  };
+  virtual Token expect(int64_t p) = 0;
+  // The iteration a queued gradient must belong to; zero_grad_buffer() and a failed
+  // finish_grad_sync() start a new one, so gradients queued before are stale and must be dropped.
+  virtual int64_t iteration() const = 0;
+
+  // One use's gradient of p arrives: `grad` is added to main_grad (undefined when the GEMM already
+  // accumulated into main_grad), then p counts ready (C5). `token` is the one expect() returned for
+  // a delayed gradient, or a default Token for a gradient computed in backward.
+  virtual void deliver(int64_t p, const at::Tensor& grad, Route route, Token token) = 0;
+};
+
+}  // namespace fp8dp
