@@ -152,7 +152,13 @@ class _FP8LinearBase(torch.nn.Module):
         self._extra_state_key_loading = prefix + _EXTRA_STATE_KEY
         try:
             super()._load_from_state_dict(
-                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
             )
         finally:
             del self._extra_state_key_loading

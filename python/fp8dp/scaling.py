@@ -81,7 +81,9 @@ def _raise_mismatch(group) -> None:
         detail = "the lists are equal but their hashes differ"
     else:
         detail = "; ".join(
-            f"rank {r}: {lst[first]!r}" if first < len(lst) else f"rank {r}: none ({len(lst)} states)"
+            f"rank {r}: {lst[first]!r}"
+            if first < len(lst)
+            else f"rank {r}: none ({len(lst)} states)"
             for r, lst in enumerate(lists)
         )
         detail = f"first difference at position {first} of the amax reduction: {detail}"

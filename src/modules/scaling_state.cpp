@@ -274,7 +274,9 @@ ScalingState::Snapshot ScalingState::snapshot() const {
   // A role whose scale an update set from another rank's amax has a scale too.
   const at::Tensor seen = seen_.to(at::kCPU);
   s.initialized = at::empty({kNumRoles}, at::kBool);
-  for (int r = 0; r < kNumRoles; ++r) s.initialized[r].fill_(initialized_[r] || seen[r].item<bool>());
+  for (int r = 0; r < kNumRoles; ++r) {
+    s.initialized[r].fill_(initialized_[r] || seen[r].item<bool>());
+  }
   s.algo = static_cast<int64_t>(algo_);
   s.margin = margin_;
   return s;

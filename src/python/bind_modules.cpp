@@ -173,7 +173,9 @@ void bind_modules(py::module_& m) {
       .def_property_readonly("name", [](LinearCore& c) { return c.config().name; })
       .def_property(
           "fp8_identity", [](LinearCore& c) { return c.scaling().identity(); },
-          [](LinearCore& c, std::string identity) { c.scaling().set_identity(std::move(identity)); })
+          [](LinearCore& c, std::string identity) {
+            c.scaling().set_identity(std::move(identity));
+          })
       .def_property_readonly("amax_history",
                              [](LinearCore& c) { return c.scaling().amax_history(); })
       .def_property_readonly("scale", [](LinearCore& c) { return c.scaling().scale(); })

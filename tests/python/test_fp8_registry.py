@@ -42,7 +42,9 @@ def train(m, x, dy, first=None):
 
 def state(m):
     s = m.get_extra_state()
-    return None if s is None else {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+    if s is None:
+        return None
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
 
 
 def assert_same_state(a, b):
@@ -251,35 +253,36 @@ def _malformed_cases():
     expected_keys = (
         "amax_history, scale, scale_inv, fp8_max, initialized, amax_compute_algo, margin"
     )
+    k = "fc._extra_state: "
+    finite = "must hold finite values > 0, got"
     return [
         ("not_a_dict", lambda s: [1, 2],
-         f"fc._extra_state: expected None or a dict with keys {expected_keys}, got list"),
-        ("missing_key", delk("scale"),
-         f"fc._extra_state: missing key 'scale' (expected keys: {expected_keys})"),
-        ("unknown_key", setk("bogus", 1), "fc._extra_state: unexpected key 'bogus'"),
+         f"{k}expected None or a dict with keys {expected_keys}, got list"),
+        ("missing_key", delk("scale"), f"{k}missing key 'scale' (expected keys: {expected_keys})"),
+        ("unknown_key", setk("bogus", 1), f"{k}unexpected key 'bogus'"),
         ("scale_not_tensor", setk("scale", [1.0, 1.0, 1.0]),
-         "fc._extra_state: 'scale' must be a tensor, got list"),
-        ("scale_nan", scale(nan), "fc._extra_state: 'scale' must hold finite values > 0, got [nan, 1, 1]"),
-        ("scale_negative", scale(-2.0),
-         "fc._extra_state: 'scale' must hold finite values > 0, got [-2, 1, 1]"),
-        ("scale_zero", scale(0.0), "fc._extra_state: 'scale' must hold finite values > 0, got [0, 1, 1]"),
-        ("scale_inf", scale(inf), "fc._extra_state: 'scale' must hold finite values > 0, got [inf, 1, 1]"),
+         f"{k}'scale' must be a tensor, got list"),
+        ("scale_nan", scale(nan), f"{k}'scale' {finite} [nan, 1, 1]"),
+        ("scale_negative", scale(-2.0), f"{k}'scale' {finite} [-2, 1, 1]"),
+        ("scale_zero", scale(0.0), f"{k}'scale' {finite} [0, 1, 1]"),
+        ("scale_inf", scale(inf), f"{k}'scale' {finite} [inf, 1, 1]"),
         ("scale_inv_nan", setk("scale_inv", torch.tensor([1.0, nan, 1.0])),
-         "fc._extra_state: 'scale_inv' must hold finite values > 0, got [1, nan, 1]"),
+         f"{k}'scale_inv' {finite} [1, nan, 1]"),
         ("scale_short", setk("scale", torch.ones(2)),
-         "fc._extra_state: 'scale' must have 3 elements (input, weight, grad_output), got [2]"),
+         f"{k}'scale' must have 3 elements (input, weight, grad_output), got [2]"),
         ("fp8_max_wrong", setk("fp8_max", torch.tensor([448.0, 448.0, 100.0])),
-         "fc._extra_state: 'fp8_max' must be the format maxima [f, f, g] of input, weight and "
-         "grad_output, each 448 (E4M3) or 57344 (E5M2), got [448, 448, 100]"),
-        ("history_negative", setk("amax_history", torch.tensor([[1.0, 2.0, 3.0], [0.0, -4.0, 0.0]])),
-         "fc._extra_state: 'amax_history' must hold amaxes >= 0 (NaN and Inf allowed), got -4 at row 1"),
+         f"{k}'fp8_max' must be the format maxima [f, f, g] of input, weight and grad_output, "
+         "each 448 (E4M3) or 57344 (E5M2), got [448, 448, 100]"),
+        ("history_negative",
+         setk("amax_history", torch.tensor([[1.0, 2.0, 3.0], [0.0, -4.0, 0.0]])),
+         f"{k}'amax_history' must hold amaxes >= 0 (NaN and Inf allowed), got -4 at row 1"),
         ("history_shape", setk("amax_history", torch.ones(4)),
-         "fc._extra_state: 'amax_history' must be [L, 3] with L >= 1, got [4]"),
+         f"{k}'amax_history' must be [L, 3] with L >= 1, got [4]"),
         ("history_int", setk("amax_history", torch.ones(2, 3, dtype=torch.int32)),
-         "fc._extra_state: 'amax_history' must be a floating-point tensor, got Int"),
+         f"{k}'amax_history' must be a floating-point tensor, got Int"),
         ("algo_str", setk("amax_compute_algo", "max"),
-         "fc._extra_state: 'amax_compute_algo' must be an int, got str"),
-        ("margin_none", setk("margin", None), "fc._extra_state: 'margin' must be a number, got NoneType"),
+         f"{k}'amax_compute_algo' must be an int, got str"),
+        ("margin_none", setk("margin", None), f"{k}'margin' must be a number, got NoneType"),
     ]
 
 
@@ -363,7 +366,9 @@ def test_identities_order_the_registry_and_the_signature():
     model = torch.nn.ModuleDict({"zeta": zeta, "inner": torch.nn.ModuleDict({"alpha": alpha})})
     fp8dp.scaling.set_fp8_identities(model)
     assert zeta._core.fp8_identity == "zeta: Linear(in_features=32, out_features=48)"
-    assert alpha._core.fp8_identity == "inner.alpha: LayerNormLinear(in_features=32, out_features=48)"
+    assert (
+        alpha._core.fp8_identity == "inner.alpha: LayerNormLinear(in_features=32, out_features=48)"
+    )
     x, dy = data(32, 91, "cpu")
     train(zeta, x, dy)
     h0 = fp8dp._C.fp8_registry_signature()[0]
