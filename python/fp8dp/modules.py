@@ -139,14 +139,29 @@ class _FP8LinearBase(torch.nn.Module):
         return self._core.get_extra_state()
 
     def set_extra_state(self, state) -> None:
-        self._core.set_extra_state(state)
+        """Restore what get_extra_state returned. A malformed state (not a dict, a missing or
+        unknown key, a wrong type, a non-positive or non-finite scale, ...) raises ValueError
+        naming the state-dict key and what was expected; the module's state is then unchanged."""
+        where = getattr(self, "_extra_state_key_loading", _EXTRA_STATE_KEY)
+        self._core.set_extra_state(state, where)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        # set_extra_state names the full key ("layers.0.fc1._extra_state") in its errors.
+        self._extra_state_key_loading = prefix + _EXTRA_STATE_KEY
+        try:
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
+        finally:
+            del self._extra_state_key_loading
         key = prefix + _EXTRA_STATE_KEY
         if key not in state_dict:
             # A state dict without FP8 state (e.g. from torch.nn.Linear) loads; the FP8 state

@@ -1,22 +1,34 @@
-"""update_fp8_scales: the once-per-step delayed-scaling update (C7).
+"""update_fp8_scales: the once-per-step delayed-scaling update (C7), over one registry that every
+rank orders and checks the same way (C9).
 
 Every fp8dp module keeps its delayed-scaling state (amax history [L, 3] for the roles input,
-weight and grad_output, scales) in C++ and registers it in a per-process registry. During a step
-each FP8 cast records its amax in row 0 of its history. Once per step, after the last backward
-and before the next forward, this function:
+weight and grad_output, scales) in C++ and registers it in a per-process registry under an
+identity: its name in the model that ``fp8dp.DistributedDataParallel`` wraps (given by
+``set_fp8_identities``), or, for a module not wrapped (yet), "unnamed #k <class and shape>", k
+counting the modules of that class and shape created in this process. During a step each
+non-empty FP8 cast records its amax in row 0 of its history. Once per step, after the last
+backward and before the next forward, ``update_fp8_scales``:
 
-1. gathers row 0 of every state into one flat tensor (registration order, which is the same on
-   every rank that builds the same model),
-2. reduces it with ONE ``all_reduce(MAX)`` across ``group`` (skipped when torch.distributed is not
-   initialised or the group has one rank),
+1. checks that every rank has the same states, in the same order, with the same recipe: one
+   ``all_reduce(MAX)`` of three int64s (a hash h of every state's identity and recipe, -h, and
+   whether any amax was recorded since the last update), so that ranks that differ can never
+   reach the variable-size collective below; the hash is recomputed only when a state, an
+   identity or a recipe changed,
+2. gathers row 0 of every state into one flat tensor, ordered by identity (not by creation or by
+   first cast), and reduces it with ONE ``all_reduce(MAX)`` across ``group``,
 3. computes the new scales from the histories and rolls every history by one row.
+
+The collectives are skipped when torch.distributed is not initialised or the group has one rank.
 
 ``fp8dp.DistributedOptimizer.step()`` calls it; a training loop without that optimizer calls
 ``fp8dp.update_fp8_scales()`` once per step itself (after ``optimizer.step()``). Without it, the
 scales stay at the ones chosen on the first cast.
 
 First scales: a role whose scale was never set takes the scale its own amax gives on its very
-first cast (current scaling, once), so step 0 is not cast with an arbitrary scale.
+first non-empty cast (current scaling, once), so step 0 is not cast with an arbitrary scale.
+Empty casts (a 0-token micro-batch) are not amax observations. Casts under
+``torch.inference_mode()`` change no state: they use the scales training set (or their own amax
+where none is set yet) and record nothing.
 """
 
 from __future__ import annotations
@@ -26,15 +38,90 @@ import torch
 from . import _C
 
 
+def set_fp8_identities(module: torch.nn.Module) -> None:
+    """Name the FP8 scaling state of every fp8dp module in ``module`` after its path in it
+    (``"layers.0.fc1: Linear(in_features=..., out_features=...)"``; ``"(root)"`` for ``module``
+    itself), so that update_fp8_scales orders and checks the states by name across ranks (C9).
+    fp8dp.DistributedDataParallel calls it on the module it wraps; call it yourself for a model
+    that you reduce amaxes for without that wrapper. A module reachable under several names gets
+    the first one (``named_modules`` order)."""
+    from .modules import _FP8LinearBase
+
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    for name, m in module.named_modules():
+        if isinstance(m, _FP8LinearBase):
+            m._core.fp8_identity = f"{name or '(root)'}: {m._core.name}"
+
+
+def _check_device(group) -> torch.device:
+    """Where the check's three int64s live: NCCL needs a CUDA tensor, other backends take CPU."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _raise_mismatch(group) -> None:
+    """Every rank comes here together (they all saw the same reduced hashes): gather the lists
+    and name the first state where they differ."""
+    mine = list(_C.fp8_registry_descriptions())
+    world = torch.distributed.get_world_size(group)
+    lists = [None] * world
+    torch.distributed.all_gather_object(lists, mine, group=group)
+    longest = max(len(lst) for lst in lists)
+    first = next(
+        (
+            i
+            for i in range(longest)
+            if len({lst[i] if i < len(lst) else None for lst in lists}) > 1
+        ),
+        None,
+    )
+    if first is None:  # pragma: no cover - equal lists hash equally
+        detail = "the lists are equal but their hashes differ"
+    else:
+        detail = "; ".join(
+            f"rank {r}: {lst[first]!r}"
+            if first < len(lst)
+            else f"rank {r}: none ({len(lst)} states)"
+            for r, lst in enumerate(lists)
+        )
+        detail = f"first difference at position {first} of the amax reduction: {detail}"
+    counts = ", ".join(str(len(lst)) for lst in lists)
+    raise RuntimeError(
+        "update_fp8_scales: the ranks' FP8 scaling states differ (C9), so their amaxes cannot be "
+        f"reduced together; {detail} (states per rank: {counts}). Every rank must cast the same "
+        "fp8dp modules with the same recipe in a step, and name them alike "
+        "(fp8dp.DistributedDataParallel names them by fp8dp.scaling.set_fp8_identities)."
+    )
+
+
 def update_fp8_scales(group=None) -> None:
     """Reduce the step's amaxes (MAX) across ``group`` (default: the default process group) and
-    update every delayed-scaling state of this process: new scales, histories rolled once."""
-    amaxes = _C.fp8_registry_amaxes()
-    if (
-        amaxes.numel() > 0
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    ):
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+    update every delayed-scaling state of this process: new scales, histories rolled once.
+
+    A no-op (no collective but the check, no history rolled) when no rank recorded an amax since
+    the last update: calling it twice in one step, or in a step with only empty or inference
+    casts, rolls nothing. Raises RuntimeError on every rank, before any amax is reduced or any
+    state changed, when the ranks' states differ (a module cast in FP8 on some ranks only, other
+    names or shapes, another recipe), naming the first differing state."""
+    sig_hash, observed, _ = _C.fp8_registry_signature()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        check = torch.tensor(
+            [sig_hash, -sig_hash, int(observed)], dtype=torch.int64, device=_check_device(group)
+        )
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+        high, minus_low, any_observed = check.tolist()
+        if high != -minus_low:
+            _raise_mismatch(group)
+        if not any_observed:
+            return
+        amaxes = _C.fp8_registry_amaxes()
+        if amaxes.numel() > 0:  # the same size on every rank: the check passed
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    else:
+        if not observed:
+            return
+        amaxes = _C.fp8_registry_amaxes()
     _C.fp8_registry_update(amaxes)

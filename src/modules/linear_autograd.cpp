@@ -92,7 +92,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
           return norm_forward(x2d, ln_weight, ln_bias, cfg.norm, false, {}, fmt).amax;
         });
         nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt);
-        core->scaling().record_amax(Role::kInput, nf.amax);
+        core->scaling().record_amax(Role::kInput, nf.amax, x2d.numel());
         qin.data = nf.out_fp8;
         qin.scale_inv = at::reciprocal(s);
         if (need_wgrad) qin.data_t = nf.out_fp8.t().contiguous();

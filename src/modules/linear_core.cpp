@@ -1,6 +1,7 @@
 // LinearCore: FP8 casts per role, weight cache, fused-wgrad helpers, backward_dw (C2–C4).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
 #include "common/check.h"
 #include "modules/linear.h"
@@ -22,7 +23,8 @@ void accumulate_into_grad(const at::Tensor& param, const at::Tensor& g) {
 
 }  // namespace
 
-LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)) {
+// The scaling state's default identity names the module's class and shape (C9); DDP renames it.
+LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)), scaling_(cfg_.name) {
   FP8DP_CHECK_ARG(cfg_.in_features > 0, cfg_.name, ": in_features must be > 0, got ",
                   cfg_.in_features);
   FP8DP_CHECK_ARG(cfg_.out_features > 0, cfg_.name, ": out_features must be > 0, got ",
@@ -58,6 +60,12 @@ Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& 
                      weight_cache_.data.device() == weight.device() &&
                      weight_cache_ptr_ == weight.data_ptr() &&
                      weight_cache_version_ == static_cast<uint32_t>(weight._version());
+  if (!reuse && c10::InferenceMode::is_enabled()) {
+    // Inference leaves training state alone (ScalingState::prepare_scale), the cache included:
+    // it would hold inference tensors, cast with a scale that training may not have chosen (the
+    // weight's own amax when no step set one yet). No transpose: nothing runs backward.
+    return cast(weight.detach(), Role::kWeight, ac, QuantizeOptions{true, false, false});
+  }
   if (!reuse) {
     weight_cache_ = cast(weight.detach(), Role::kWeight, ac, QuantizeOptions{true, true, false});
     weight_cache_format_ = ac.recipe.fwd_format;

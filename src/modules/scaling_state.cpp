@@ -2,12 +2,18 @@
 #include "modules/scaling_state.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "common/check.h"
@@ -18,8 +24,19 @@ namespace {
 struct Registry {
   std::mutex mu;
   int64_t next_id = 0;
-  std::map<int64_t, ScalingState*> states;  // ordered by creation: the same order on every rank
+  std::map<int64_t, ScalingState*> states;  // by creation
+  std::map<std::string, int64_t> unnamed;   // states created per `what`, for default identities
   std::vector<int64_t> collected;           // ids behind the last registry_amaxes() result
+  // Bumped whenever the registry's signature may change: a state allocated, resized, restored,
+  // reset, renamed, cast with another recipe, or destroyed. The order, descriptions and hash are
+  // recomputed only then, so the per-step check costs a comparison.
+  std::atomic<uint64_t> generation{1};
+  uint64_t cached_generation = 0;
+  std::vector<int64_t> order;  // allocated states by (identity, creation)
+  std::vector<std::string> descriptions;
+  int64_t hash = 0;
+  // A non-empty cast recorded an amax (or a checkpoint brought one) since the last update.
+  std::atomic<bool> observed{false};
 };
 
 Registry& registry() {
@@ -27,8 +44,56 @@ Registry& registry() {
   return r;
 }
 
+void touch() { registry().generation.fetch_add(1); }
+
 Format role_format(Role r, const Recipe& recipe) {
   return r == Role::kGradOutput ? recipe.bwd_format : recipe.fwd_format;
+}
+
+// State tensors are training state. Whatever mode the caller runs in, they are created (and
+// replaced) as normal tensors that no autograd graph records: tensors made under
+// torch.inference_mode() are inference tensors, which training could never update in place again.
+struct NormalTensorMode {
+  c10::InferenceMode not_inference{false};
+  c10::NoGradGuard no_grad;
+};
+
+// "[nan, 1, 0.5]": the values of a small tensor, for error messages.
+std::string values_of(const at::Tensor& t) {
+  const at::Tensor f = t.detach().to(at::kCPU).to(at::kFloat).contiguous().view(-1);
+  std::ostringstream os;
+  os << "[";
+  for (int64_t i = 0; i < f.numel(); ++i) os << (i ? ", " : "") << f.data_ptr<float>()[i];
+  os << "]";
+  return os.str();
+}
+
+// FNV-1a, 64 bits, cut to 62 so that h and -h are both int64 values for the cross-rank check.
+int64_t hash_of(const std::vector<std::string>& lines) {
+  uint64_t h = 1469598103934665603ull;
+  for (const std::string& line : lines) {
+    for (unsigned char c : line) h = (h ^ c) * 1099511628211ull;
+    h = (h ^ '\n') * 1099511628211ull;
+  }
+  return static_cast<int64_t>(h & ((uint64_t{1} << 62) - 1));
+}
+
+// reg.order and friends for the current generation; needs reg.mu.
+void refresh(Registry& reg) {
+  const uint64_t gen = reg.generation.load();
+  if (gen == reg.cached_generation) return;
+  std::vector<std::pair<std::string, int64_t>> keyed;
+  for (auto& [id, st] : reg.states)
+    if (st->allocated()) keyed.emplace_back(st->identity(), id);
+  std::sort(keyed.begin(), keyed.end());
+  reg.order.clear();
+  reg.descriptions.clear();
+  for (auto& [identity, id] : keyed) {
+    reg.order.push_back(id);
+    reg.descriptions.push_back(reg.states.at(id)->describe());
+  }
+  reg.hash = hash_of(reg.descriptions);
+  reg.cached_generation = gen;
 }
 
 }  // namespace
@@ -45,10 +110,11 @@ const char* role_name(Role r) {
   return "?";
 }
 
-ScalingState::ScalingState() {
+ScalingState::ScalingState(const std::string& what) {
   auto& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mu);
   id_ = reg.next_id++;
+  identity_ = "unnamed #" + std::to_string(reg.unnamed[what]++) + " " + what;
   reg.states[id_] = this;
 }
 
@@ -56,15 +122,39 @@ ScalingState::~ScalingState() {
   auto& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mu);
   reg.states.erase(id_);
+  if (allocated()) touch();
+}
+
+void ScalingState::set_identity(std::string identity) {
+  FP8DP_CHECK_ARG(!identity.empty(), "FP8 scaling state identity must not be empty");
+  identity_ = std::move(identity);
+  touch();
+}
+
+std::string ScalingState::describe() const {
+  std::ostringstream os;
+  os << identity_ << " [";
+  if (!allocated()) {
+    os << "no FP8 cast yet]";
+  } else {
+    os << format_name(fwd_format_) << "/" << format_name(bwd_format_)
+       << " history=" << amax_history_.size(0) << " "
+       << (algo_ == AmaxAlgo::kMax ? "max" : "most_recent") << " margin=" << margin_ << "]";
+  }
+  return os.str();
 }
 
 void ScalingState::place(const at::Device& device) {
   if (!unplaced_ || amax_history_.device() == device) return;
   // A checkpoint loaded into a module that had not cast yet (e.g. resuming on a GPU).
-  for (at::Tensor* t : {&amax_history_, &scale_, &scale_inv_, &fp8_max_}) *t = t->to(device);
+  NormalTensorMode normal;
+  for (at::Tensor* t : {&amax_history_, &scale_, &scale_inv_, &fp8_max_, &seen_}) {
+    *t = t->to(device);
+  }
 }
 
 void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
+  NormalTensorMode normal;
   place(device);
   unplaced_ = false;
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
@@ -74,13 +164,16 @@ void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
     scale_ = at::ones({kNumRoles}, f32);
     scale_inv_ = at::ones({kNumRoles}, f32);
     fp8_max_ = at::empty({kNumRoles}, f32);
+    seen_ = at::zeros({kNumRoles}, f32.dtype(at::kBool));
     initialized_.fill(false);
+    touch();
   } else if (amax_history_.size(0) != len) {
     // A recipe with another history length: keep the most recent rows that fit.
     at::Tensor h = at::zeros({len, kNumRoles}, f32);
     const int64_t keep = std::min(len, amax_history_.size(0));
     h.narrow(0, 0, keep).copy_(amax_history_.narrow(0, 0, keep));
     amax_history_ = h;
+    touch();
   }
   FP8DP_CHECK_ARG(amax_history_.device() == device, "FP8 scaling state lives on ",
                   amax_history_.device(), " but a tensor on ", device,
@@ -88,16 +181,38 @@ void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
   for (int r = 0; r < kNumRoles; ++r) {
     fp8_max_[r].fill_(fp8_max(role_format(static_cast<Role>(r), recipe)));
   }
+  if (algo_ != recipe.amax_compute_algo || margin_ != recipe.margin ||
+      fwd_format_ != recipe.fwd_format || bwd_format_ != recipe.bwd_format) {
+    touch();  // the recipe is part of the cross-rank signature (C9)
+  }
   algo_ = recipe.amax_compute_algo;
   margin_ = recipe.margin;
+  fwd_format_ = recipe.fwd_format;
+  bwd_format_ = recipe.bwd_format;
+}
+
+bool ScalingState::has_scale(int r) {
+  if (initialized_[r]) return true;
+  if (seen_.defined() && seen_[r].item<bool>()) initialized_[r] = true;  // see note_reduced
+  return initialized_[r];
 }
 
 at::Tensor ScalingState::prepare_scale(Role role, const Recipe& recipe,
                                        const at::Tensor& device_like,
                                        const std::function<at::Tensor()>& first_amax) {
-  allocate(recipe, device_like.device());
   const int r = static_cast<int>(role);
-  if (!initialized_[r]) {
+  if (c10::InferenceMode::is_enabled()) {
+    // Inference changes no training state (see the header): no allocation, no first scale.
+    if (allocated() && has_scale(r)) return scale_.narrow(0, r, 1).to(device_like.device());
+    if (device_like.numel() == 0) {
+      return at::ones({1}, device_like.options().dtype(at::kFloat));
+    }
+    return current_scale(first_amax(), role_format(role, recipe), recipe.margin);
+  }
+  allocate(recipe, device_like.device());
+  // C9: an empty cast is not an amax observation, so it cannot choose the first scale either
+  // (it would fix the scale at 1 until the next update).
+  if (!has_scale(r) && device_like.numel() > 0) {
     const float a = first_amax().item<float>();
     const float s = compute_scale(a, fp8_max(role_format(role, recipe)), recipe.margin, 1.0f);
     scale_[r].fill_(s);
@@ -107,18 +222,21 @@ at::Tensor ScalingState::prepare_scale(Role role, const Recipe& recipe,
   return scale_.narrow(0, r, 1);
 }
 
-void ScalingState::record_amax(Role role, const at::Tensor& amax) {
+void ScalingState::record_amax(Role role, const at::Tensor& amax, int64_t numel) {
+  // C9: an empty cast says nothing about the range; an inference cast changes no training state.
+  if (numel == 0 || c10::InferenceMode::is_enabled()) return;
   // Row 0 is the max over every cast of this role in the step (NaN propagates, and keeps the
   // previous scale at the update, C7).
   at::Tensor slot = amax_history_.select(0, 0).narrow(0, static_cast<int>(role), 1);
   slot.copy_(at::maximum(slot, amax.to(slot.device())));
+  registry().observed.store(true);
 }
 
 Quantized ScalingState::cast(const at::Tensor& x, Role role, const Recipe& recipe,
                              QuantizeOptions opts) {
   at::Tensor s = prepare_scale(role, recipe, x, [&] { return fp8dp::amax(x); });
   Quantized q = quantize(x, s, role_format(role, recipe), opts);
-  record_amax(role, q.amax);
+  record_amax(role, q.amax, x.numel());
   return q;
 }
 
@@ -138,6 +256,14 @@ ScalingSlot ScalingState::update_slot(const float* row0) {
   return s;
 }
 
+void ScalingState::note_reduced(const at::Tensor& reduced) {
+  // Only while a role has no scale of its own (the first steps, or a role never cast here, such
+  // as grad_output in evaluation): afterwards this costs nothing.
+  if (initialized_[0] && initialized_[1] && initialized_[2]) return;
+  NormalTensorMode normal;
+  seen_.logical_or_(at::logical_and(at::gt(reduced, 0.0), at::isfinite(reduced)));
+}
+
 ScalingState::Snapshot ScalingState::snapshot() const {
   Snapshot s;
   if (!allocated()) return s;
@@ -145,52 +271,103 @@ ScalingState::Snapshot ScalingState::snapshot() const {
   s.scale = scale_.to(at::kCPU, false, true);
   s.scale_inv = scale_inv_.to(at::kCPU, false, true);
   s.fp8_max = fp8_max_.to(at::kCPU, false, true);
+  // A role whose scale an update set from another rank's amax has a scale too.
+  const at::Tensor seen = seen_.to(at::kCPU);
   s.initialized = at::empty({kNumRoles}, at::kBool);
-  for (int r = 0; r < kNumRoles; ++r) s.initialized[r].fill_(initialized_[r]);
+  for (int r = 0; r < kNumRoles; ++r) {
+    s.initialized[r].fill_(initialized_[r] || seen[r].item<bool>());
+  }
   s.algo = static_cast<int64_t>(algo_);
   s.margin = margin_;
   return s;
 }
 
-void ScalingState::restore(const Snapshot& s) {
-  constexpr const char* fn = "set_extra_state";
+void ScalingState::restore(const Snapshot& s, const std::string& where) {
+  const std::string& fn = where;
   if (!s.amax_history.defined()) {
     reset();
     return;
   }
   FP8DP_CHECK_ARG(s.amax_history.dim() == 2 && s.amax_history.size(1) == kNumRoles &&
                       s.amax_history.size(0) >= 1,
-                  fn, ": 'amax_history' must be [L, ", kNumRoles, "], got ",
+                  fn, ": 'amax_history' must be [L, ", kNumRoles, "] with L >= 1, got ",
                   s.amax_history.sizes());
-  for (const at::Tensor* t : {&s.scale, &s.scale_inv, &s.fp8_max, &s.initialized}) {
-    FP8DP_CHECK_ARG(t->defined() && t->numel() == kNumRoles, fn,
-                    ": scale, scale_inv, fp8_max and initialized need ", kNumRoles, " elements");
+  const std::pair<const char*, const at::Tensor*> vectors[] = {{"scale", &s.scale},
+                                                               {"scale_inv", &s.scale_inv},
+                                                               {"fp8_max", &s.fp8_max},
+                                                               {"initialized", &s.initialized}};
+  for (const auto& [key, t] : vectors) {
+    FP8DP_CHECK_ARG(t->defined() && t->numel() == kNumRoles, fn, ": '", key, "' must have ",
+                    kNumRoles, " elements (input, weight, grad_output), got ",
+                    t->defined() ? t->sizes() : at::IntArrayRef{});
   }
-  // The update trusts these (update_fp8_scales can run before the next forward sets them from
-  // the recipe), so a corrupt checkpoint is refused here.
+  const std::pair<const char*, const at::Tensor*> floats[] = {{"amax_history", &s.amax_history},
+                                                              {"scale", &s.scale},
+                                                              {"scale_inv", &s.scale_inv},
+                                                              {"fp8_max", &s.fp8_max}};
+  for (const auto& [key, t] : floats) {
+    FP8DP_CHECK_ARG(at::isFloatingType(t->scalar_type()), fn, ": '", key,
+                    "' must be a floating-point tensor, got ", t->scalar_type());
+  }
+  // The update and the casts trust these (update_fp8_scales can run before the next forward sets
+  // them from the recipe, and the CUDA quantize does not check its scale), so a corrupt
+  // checkpoint is refused here.
   FP8DP_CHECK_ARG(s.algo == static_cast<int64_t>(AmaxAlgo::kMax) ||
                       s.algo == static_cast<int64_t>(AmaxAlgo::kMostRecent),
                   fn, ": 'amax_compute_algo' must be 0 (max) or 1 (most_recent), got ", s.algo);
   FP8DP_CHECK_ARG(std::isfinite(s.margin) && s.margin >= 0.0, fn,
                   ": 'margin' must be finite and >= 0, got ", s.margin);
+  for (const auto& [key, t] : {floats[1], floats[2]}) {
+    const at::Tensor v = t->detach().to(at::kCPU).to(at::kFloat);
+    FP8DP_CHECK_ARG(at::logical_and(at::isfinite(v), at::gt(v, 0.0)).all().item<bool>(), fn,
+                    ": '", key, "' must hold finite values > 0, got ", values_of(v));
+  }
+  const at::Tensor fmax = s.fp8_max.detach().to(at::kCPU).to(at::kFloat).contiguous().view(-1);
+  auto format_of = [](float m, Format* f) {
+    if (m == fp8_max(Format::kE4M3)) *f = Format::kE4M3;
+    else if (m == fp8_max(Format::kE5M2)) *f = Format::kE5M2;
+    else return false;
+    return true;
+  };
+  Format fwd = Format::kE4M3, weight_fmt = Format::kE4M3, bwd = Format::kE5M2;
+  const float* m = fmax.data_ptr<float>();
+  FP8DP_CHECK_ARG(format_of(m[0], &fwd) && format_of(m[1], &weight_fmt) && format_of(m[2], &bwd) &&
+                      fwd == weight_fmt,
+                  fn, ": 'fp8_max' must be the format maxima [f, f, g] of input, weight and ",
+                  "grad_output, each 448 (E4M3) or 57344 (E5M2), got ", values_of(fmax));
+  const at::Tensor hist = s.amax_history.detach().to(at::kCPU).to(at::kFloat);
+  const at::Tensor negative = at::lt(hist, 0.0);  // NaN and Inf are amaxes too (C7 skips them)
+  FP8DP_CHECK_ARG(!negative.any().item<bool>(), fn,
+                  ": 'amax_history' must hold amaxes >= 0 (NaN and Inf allowed), got ",
+                  hist.masked_select(negative)[0].item<float>(), " at row ",
+                  negative.nonzero()[0][0].item<int64_t>());
+
+  NormalTensorMode normal;
   // Keep the current device when the state already lives somewhere; else the saved one (CPU).
   unplaced_ = !allocated() || unplaced_;
   const at::Device dev = allocated() ? amax_history_.device() : at::Device(at::kCPU);
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
-  amax_history_ = s.amax_history.to(f32, false, true).contiguous();
-  scale_ = s.scale.to(f32, false, true).contiguous();
-  scale_inv_ = s.scale_inv.to(f32, false, true).contiguous();
-  fp8_max_ = s.fp8_max.to(f32, false, true).contiguous();
-  at::Tensor init = s.initialized.to(at::kCPU).to(at::kBool);
+  amax_history_ = s.amax_history.detach().to(f32, false, true).contiguous();
+  scale_ = s.scale.detach().to(f32, false, true).contiguous().view({kNumRoles});
+  scale_inv_ = s.scale_inv.detach().to(f32, false, true).contiguous().view({kNumRoles});
+  fp8_max_ = s.fp8_max.detach().to(f32, false, true).contiguous().view({kNumRoles});
+  seen_ = at::zeros({kNumRoles}, f32.dtype(at::kBool));
+  at::Tensor init = s.initialized.detach().to(at::kCPU).to(at::kBool).contiguous().view(-1);
   for (int r = 0; r < kNumRoles; ++r) initialized_[r] = init[r].item<bool>();
   algo_ = static_cast<AmaxAlgo>(s.algo);
   margin_ = static_cast<float>(s.margin);
+  fwd_format_ = fwd;
+  bwd_format_ = bwd;
+  touch();
+  // A checkpoint taken mid-step carries that step's amaxes in row 0: the next update uses them.
+  if (at::ne(hist[0], 0.0).any().item<bool>()) registry().observed.store(true);
 }
 
 void ScalingState::reset() {
+  if (allocated()) touch();
   unplaced_ = false;
   amax_history_ = at::Tensor();
-  scale_ = scale_inv_ = fp8_max_ = at::Tensor();
+  scale_ = scale_inv_ = fp8_max_ = seen_ = at::Tensor();
   initialized_.fill(false);
 }
 
@@ -207,24 +384,44 @@ Quantized cast_current(const at::Tensor& x, Format format, float margin, Quantiz
   return quantize(x, current_scale(fp8dp::amax(x), format, margin), format, opts);
 }
 
+RegistrySignature registry_signature() {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  refresh(reg);
+  RegistrySignature sig;
+  sig.hash = reg.hash;
+  sig.observed = reg.observed.load();
+  sig.size = static_cast<int64_t>(reg.order.size());
+  return sig;
+}
+
+std::vector<std::string> registry_descriptions() {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  refresh(reg);
+  return reg.descriptions;
+}
+
 at::Tensor registry_amaxes() {
   auto& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mu);
+  refresh(reg);
   std::vector<at::Tensor> parts;
   reg.collected.clear();
   // States restored from a checkpoint that no cast has placed yet join the device of the others:
   // an update right after loading a checkpoint into a GPU model would otherwise find them on the
   // CPU beside the GPU states of modules that did cast.
-  for (auto& [id, st] : reg.states) {
-    if (st->allocated() && !st->unplaced()) {
+  for (int64_t id : reg.order) {
+    ScalingState* st = reg.states.at(id);
+    if (!st->unplaced()) {
       const at::Device device = st->amax_history().device();
-      for (auto& [other_id, other] : reg.states)
-        if (other->allocated() && other->unplaced()) other->place(device);
+      for (int64_t other : reg.order) reg.states.at(other)->place(device);
       break;
     }
   }
-  for (auto& [id, st] : reg.states) {
-    if (!st->allocated()) continue;
+  // C9: the order of the signature, (identity, creation), not the order of first casts.
+  for (int64_t id : reg.order) {
+    ScalingState* st = reg.states.at(id);
     if (!parts.empty()) {
       FP8DP_CHECK(parts.front().device() == st->current_amax().device(),
                   "update_fp8_scales: FP8 states live on different devices (",
@@ -246,8 +443,10 @@ void registry_update(const at::Tensor& reduced) {
                   "update_fp8_scales: 'reduced' must be float32 [", n,
                   "] (the result of registry_amaxes), got ", reduced.scalar_type(), " ",
                   reduced.sizes());
+  reg.observed.store(false);
   if (n == 0) return;
   std::vector<ScalingSlot> slots;
+  std::vector<ScalingState*> states;
   slots.reserve(reg.collected.size());
   std::optional<at::Device> device;
   at::Tensor values;  // `reduced` on the states' device; kept alive until the update is enqueued
@@ -262,19 +461,22 @@ void registry_update(const at::Tensor& reduced) {
     // registry_amaxes checked that every collected state lives on one device.
     const int64_t off = static_cast<int64_t>(slots.size()) * kNumRoles;
     slots.push_back(it->second->update_slot(values.data_ptr<float>() + off));
+    states.push_back(it->second);
   }
   // One launch for the whole model on CUDA (the per-state updates were one copy and one launch
   // each, 2 x modules launches per step).
   update_scaling_batched(slots, *device);
+  for (size_t i = 0; i < states.size(); ++i) {
+    states[i]->note_reduced(values.narrow(0, static_cast<int64_t>(i) * kNumRoles, kNumRoles));
+  }
   reg.collected.clear();
 }
 
 int64_t registry_size() {
   auto& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mu);
-  int64_t n = 0;
-  for (auto& [id, st] : reg.states) n += st->allocated() ? 1 : 0;
-  return n;
+  refresh(reg);
+  return static_cast<int64_t>(reg.order.size());
 }
 
 }  // namespace fp8dp

@@ -7,6 +7,8 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <string>
+#include <vector>
 
 #include "fp8/ops.h"
 #include "fp8/recipe.h"
@@ -21,25 +23,35 @@ const char* role_name(Role r);
 // (history length and device come from that cast) and live on the module's device:
 //   amax_history [L, 3]: row 0 collects the max amax of every cast of the current step
 //   scale, scale_inv, fp8_max [3]
-// First scale: a role whose scale was never set takes, on its very first cast, the scale that its
-// own amax gives (current scaling once), so step 0 is not cast with an arbitrary scale of 1.
-// After that the scale only changes in update_fp8_scales(), from the history.
-// Every state registers itself in a per-process registry, ordered by creation, which is the same
-// on every rank when the ranks build the same model.
+// First scale: a role whose scale was never set takes, on its very first non-empty cast, the scale
+// that its own amax gives (current scaling once), so step 0 is not cast with an arbitrary scale
+// of 1. After that the scale only changes in update_fp8_scales(), from the history.
+// Empty casts (0 elements, e.g. a 0-token micro-batch) are not amax observations (C9): they join
+// the registry (the module took part in the step) but record no amax and set no first scale.
+// Inference (torch.inference_mode()) never changes this state: see prepare_scale.
+// Every state registers itself in a per-process registry under an identity (C9): the module's
+// name in the model that DistributedDataParallel wraps (set_identity), or until then
+// "unnamed #k <what>", k counting the states created with the same `what` in this process.
 class ScalingState {
  public:
-  ScalingState();
+  explicit ScalingState(const std::string& what = "ScalingState");
   ~ScalingState();
   ScalingState(const ScalingState&) = delete;
   ScalingState& operator=(const ScalingState&) = delete;
 
   // Casts x for `role` with the recipe's delayed scaling and records the amax in row 0.
   Quantized cast(const at::Tensor& x, Role role, const Recipe& recipe, QuantizeOptions opts);
-  // For casts done elsewhere (the fused norm kernel): the scale to use (a [1] view, the first-cast
-  // rule applied with `first_amax` when it is needed) and the amax to record afterwards.
+  // For casts done elsewhere (the fused norm kernel): the scale to use (a [1] tensor, the
+  // first-cast rule applied with `first_amax` when it is needed) and the amax to record afterwards
+  // (`numel`: the number of elements it was taken over; 0 records nothing).
+  // Under torch.inference_mode() prepare_scale allocates and initialises nothing and record_amax
+  // records nothing: an inference cast uses the scale that training set, or, for a role that has
+  // none yet, the scale its own amax gives (current scaling, not kept). Evaluation must not move
+  // training's scales, and tensors made in inference mode could never be updated in place by
+  // training afterwards. (Casts under torch.no_grad() do record: that is a normal forward.)
   at::Tensor prepare_scale(Role role, const Recipe& recipe, const at::Tensor& device_like,
                            const std::function<at::Tensor()>& first_amax);
-  void record_amax(Role role, const at::Tensor& amax);
+  void record_amax(Role role, const at::Tensor& amax, int64_t numel);
 
   bool allocated() const { return amax_history_.defined(); }
   // Restored from a checkpoint and not yet bound to a device by a cast; place() moves such a
@@ -51,10 +63,22 @@ class ScalingState {
   const at::Tensor& scale() const { return scale_; }
   const at::Tensor& scale_inv() const { return scale_inv_; }
 
+  // C9: the identity that orders this state in the registry's reduction and names it in errors.
+  const std::string& identity() const { return identity_; }
+  void set_identity(std::string identity);
+  // identity plus the recipe this state casts with ("E4M3/E5M2 history=16 max margin=0"): what
+  // every rank must agree on, one entry per state, for the cross-rank reduction to be right.
+  std::string describe() const;
+
   // Registry side: row 0 of the history (the step's amaxes), and this state's part of the batched
   // update after the reduction (row0: its kNumRoles reduced amaxes, on the state's device).
   at::Tensor current_amax() const;
   ScalingSlot update_slot(const float* row0);
+  // After the batched update: `reduced` holds this state's kNumRoles reduced amaxes. A role that
+  // no cast of this process initialised yet, but that another rank observed, now has the scale the
+  // update made from that amax; remember that on the device (no host sync), so that this rank's
+  // first cast keeps it instead of taking its own (the ranks' scales stay equal).
+  void note_reduced(const at::Tensor& reduced);
 
   // state_dict extra state: undefined tensors when never allocated.
   struct Snapshot {
@@ -63,20 +87,27 @@ class ScalingState {
     double margin = 0.0;
   };
   Snapshot snapshot() const;
-  void restore(const Snapshot& s);
+  // Validates everything first (ValueError naming `where`, the key and what came), then restores.
+  void restore(const Snapshot& s, const std::string& where = "set_extra_state");
   void reset();
 
  private:
   void allocate(const Recipe& recipe, const at::Device& device);
+  // True when role r has a scale (initialised by a cast, restored, or set by an update from an
+  // amax another rank observed); may read the device (only while the role has no scale yet).
+  bool has_scale(int r);
 
   int64_t id_;
+  std::string identity_;
   at::Tensor amax_history_, scale_, scale_inv_, fp8_max_;
+  at::Tensor seen_;  // bool [3]: an update gave the role a scale from a reduced amax > 0
   std::array<bool, kNumRoles> initialized_{};
   // Restored from a checkpoint into a state that had no device yet: the tensors sit on the CPU
   // (where checkpoints keep them) only until the first cast says which device the module is on.
   bool unplaced_ = false;
   AmaxAlgo algo_ = AmaxAlgo::kMax;
   float margin_ = 0.0f;
+  Format fwd_format_ = Format::kE4M3, bwd_format_ = Format::kE5M2;
 };
 
 // Current scaling: scale = fp8_max / amax(x) / 2^margin (compute_scale's rule, 1 when amax is 0 or
@@ -84,10 +115,23 @@ class ScalingState {
 Quantized cast_current(const at::Tensor& x, Format format, float margin, QuantizeOptions opts);
 at::Tensor current_scale(const at::Tensor& amax, Format format, float margin);
 
-// The registry (update_fp8_scales is Python glue around these two calls and one all_reduce):
-// registry_amaxes() concatenates row 0 of every allocated state, in registration order, into one
-// flat float32 tensor; registry_update(reduced) writes the (cross-rank MAX-reduced) values back and
-// runs update_scaling on every state: new scales from the history, history rolled once.
+// The registry (update_fp8_scales is Python glue around these calls and two all_reduces).
+// Its states are the allocated ones, ordered by (identity, creation): the same order on every
+// rank that runs the same FP8 modules, whatever order they were created or first cast in (C9).
+// registry_signature(): a 62-bit hash of every state's describe() in that order (recomputed only
+// when the set, an identity or a recipe changed since the last call) and whether any non-empty
+// cast recorded an amax (or a checkpoint brought a step's amaxes) since the last update.
+// registry_descriptions(): the describe() strings in that order (for the error on a mismatch).
+// registry_amaxes() concatenates row 0 of every state, in that order, into one flat float32
+// tensor; registry_update(reduced) writes the (cross-rank MAX-reduced) values back and runs
+// update_scaling on every state: new scales from the history, history rolled once.
+struct RegistrySignature {
+  int64_t hash = 0;  // in [0, 2^62): h and -h both fit an int64 for the cross-rank MAX check
+  bool observed = false;
+  int64_t size = 0;
+};
+RegistrySignature registry_signature();
+std::vector<std::string> registry_descriptions();
 at::Tensor registry_amaxes();
 void registry_update(const at::Tensor& reduced);
 int64_t registry_size();  // allocated states

@@ -1,7 +1,11 @@
 // Binds src/modules: LinearCore (the C++ half of fp8dp.Linear / LayerNormLinear) and the
 // delayed-scaling registry behind fp8dp.update_fp8_scales.
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <string>
+
+#include "common/check.h"
 #include "modules/linear.h"
 #include "modules/scaling_state.h"
 
@@ -49,19 +53,56 @@ py::object extra_state(LinearCore& core) {
   return d;
 }
 
-void set_extra_state(LinearCore& core, const py::object& state) {
+// The keys of the extra state, in the order get_extra_state writes them.
+constexpr const char* kExtraStateKeys[] = {"amax_history", "scale",     "scale_inv",
+                                           "fp8_max",      "initialized", "amax_compute_algo",
+                                           "margin"};
+
+std::string type_name(const py::handle& o) { return py::str(py::type::of(o).attr("__name__")); }
+
+at::Tensor tensor_at(const py::dict& d, const char* key, const std::string& where) {
+  const py::object o = d[key];
+  FP8DP_CHECK_ARG(THPVariable_Check(o.ptr()), where, ": '", key, "' must be a tensor, got ",
+                  type_name(o));
+  return o.cast<at::Tensor>();
+}
+
+// Parses what get_extra_state wrote (checkpoints are user input): a ValueError naming `where`
+// (the state-dict key), the key inside it, what was expected and what came, never a KeyError.
+// ScalingState::restore checks the values.
+void set_extra_state(LinearCore& core, const py::object& state, const std::string& where) {
   ScalingState::Snapshot s;
   if (!state.is_none()) {
+    std::string keys;
+    for (const char* k : kExtraStateKeys) keys += std::string(keys.empty() ? "" : ", ") + k;
+    FP8DP_CHECK_ARG(py::isinstance<py::dict>(state), where,
+                    ": expected None or a dict with keys ", keys, ", got ", type_name(state));
     const py::dict d = state.cast<py::dict>();
-    s.amax_history = d["amax_history"].cast<at::Tensor>();
-    s.scale = d["scale"].cast<at::Tensor>();
-    s.scale_inv = d["scale_inv"].cast<at::Tensor>();
-    s.fp8_max = d["fp8_max"].cast<at::Tensor>();
-    s.initialized = d["initialized"].cast<at::Tensor>();
-    s.algo = d["amax_compute_algo"].cast<int64_t>();
-    s.margin = d["margin"].cast<double>();
+    for (const char* k : kExtraStateKeys) {
+      FP8DP_CHECK_ARG(d.contains(k), where, ": missing key '", k, "' (expected keys: ", keys,
+                      ")");
+    }
+    for (const auto& item : d) {
+      const std::string k = py::str(item.first);
+      bool known = false;
+      for (const char* e : kExtraStateKeys) known = known || k == e;
+      FP8DP_CHECK_ARG(known, where, ": unexpected key '", k, "' (expected keys: ", keys, ")");
+    }
+    s.amax_history = tensor_at(d, "amax_history", where);
+    s.scale = tensor_at(d, "scale", where);
+    s.scale_inv = tensor_at(d, "scale_inv", where);
+    s.fp8_max = tensor_at(d, "fp8_max", where);
+    s.initialized = tensor_at(d, "initialized", where);
+    const py::object algo = d["amax_compute_algo"], margin = d["margin"];
+    FP8DP_CHECK_ARG(py::isinstance<py::int_>(algo) && !py::isinstance<py::bool_>(algo), where,
+                    ": 'amax_compute_algo' must be an int, got ", type_name(algo));
+    FP8DP_CHECK_ARG((py::isinstance<py::int_>(margin) || py::isinstance<py::float_>(margin)) &&
+                        !py::isinstance<py::bool_>(margin),
+                    where, ": 'margin' must be a number, got ", type_name(margin));
+    s.algo = algo.cast<int64_t>();
+    s.margin = margin.cast<double>();
   }
-  core.scaling().restore(s);
+  core.scaling().restore(s, where);
 }
 
 }  // namespace
@@ -127,12 +168,24 @@ void bind_modules(py::module_& m) {
           },
           py::arg("hook"))
       .def("get_extra_state", &extra_state)
-      .def("set_extra_state", &set_extra_state, py::arg("state"))
+      .def("set_extra_state", &set_extra_state, py::arg("state"),
+           py::arg("where") = std::string("_extra_state"))
+      .def_property_readonly("name", [](LinearCore& c) { return c.config().name; })
+      .def_property(
+          "fp8_identity", [](LinearCore& c) { return c.scaling().identity(); },
+          [](LinearCore& c, std::string identity) {
+            c.scaling().set_identity(std::move(identity));
+          })
       .def_property_readonly("amax_history",
                              [](LinearCore& c) { return c.scaling().amax_history(); })
       .def_property_readonly("scale", [](LinearCore& c) { return c.scaling().scale(); })
       .def_property_readonly("scale_inv", [](LinearCore& c) { return c.scaling().scale_inv(); });
 
+  m.def("fp8_registry_signature", [] {
+    const RegistrySignature sig = registry_signature();
+    return py::make_tuple(sig.hash, sig.observed, sig.size);
+  });
+  m.def("fp8_registry_descriptions", &registry_descriptions);
   m.def("fp8_registry_amaxes", &registry_amaxes);
   m.def("fp8_registry_update", &registry_update, py::arg("reduced"));
   m.def("fp8_registry_size", &registry_size);

@@ -1,6 +1,7 @@
-"""fp8dp.update_fp8_scales across 2 processes (gloo): one all_reduce(MAX) of one flat tensor for
-every delayed-scaling state, after which every rank holds the same scales, computed from the
-largest amax any rank saw."""
+"""fp8dp.update_fp8_scales across 2 processes (gloo): after the fixed-size registry check (C9, see
+test_fp8_registry_dist.py), one all_reduce(MAX) of one flat tensor for every delayed-scaling
+state, after which every rank holds the same scales, computed from the largest amax any rank
+saw."""
 
 import os
 import tempfile
@@ -54,7 +55,9 @@ def test_update_fp8_scales_reduces_max_across_ranks():
         mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
         res = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     for r in res:
-        assert r["calls"] == [2 * 3], "one all_reduce of one flat tensor: 2 modules x 3 roles"
+        # C9: first the fixed-size registry check (hash, -hash, observed), then one all_reduce of
+        # one flat tensor: 2 modules x 3 roles.
+        assert r["calls"] == [3, 2 * 3]
     expected_amax = torch.maximum(res[0]["local"], res[1]["local"])
     fp8_max = torch.tensor([448.0, 448.0, 57344.0])
     for r in res:

@@ -1,0 +1,123 @@
+// C9 in ScalingState and its registry: identities order the reduction, the signature changes only
+// with the set, empty casts are no observation, inference casts change no state, and restore
+// refuses impossible values. The Python tests (test_fp8_registry*.py) cover the same through the
+// modules and across ranks.
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/check.h"
+#include "fp8/ops.h"
+#include "modules/scaling_state.h"
+
+namespace fp8dp {
+namespace {
+
+Recipe delayed(int64_t len = 4, float margin = 0.0f) {
+  Recipe r;
+  r.amax_history_len = len;
+  r.margin = margin;
+  return r;
+}
+
+// Clears the registry's "observed" flag left by an earlier test (its states are gone).
+void settle() { registry_update(registry_amaxes()); }
+
+TEST(Fp8Registry, EmptyCastIsNoObservation) {
+  settle();
+  ScalingState st;
+  st.cast(at::empty({0, 16}), Role::kInput, delayed(), QuantizeOptions{});
+  ASSERT_TRUE(st.allocated());  // the module took part in the step: it joins the registry
+  EXPECT_FALSE(registry_signature().observed);
+  EXPECT_EQ(st.amax_history()[0][0].item<float>(), 0.0f);
+  const at::Tensor x = at::tensor({1.0f, -4.0f});
+  st.cast(x, Role::kInput, delayed(), QuantizeOptions{});
+  EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 4.0f);  // the first real cast decides
+  EXPECT_TRUE(registry_signature().observed);
+}
+
+TEST(Fp8Registry, InferenceCastChangesNothing) {
+  ScalingState st;
+  const at::Tensor x = at::tensor({2.0f, -8.0f});
+  {
+    c10::InferenceMode guard;
+    const Quantized q = st.cast(x, Role::kInput, delayed(), QuantizeOptions{});
+    EXPECT_FLOAT_EQ(q.scale_inv.item<float>(), 8.0f / 448.0f);  // its own amax, not kept
+    EXPECT_FALSE(st.allocated());
+  }
+  st.cast(x, Role::kInput, delayed(), QuantizeOptions{});
+  EXPECT_FALSE(st.amax_history().is_inference());
+  {
+    c10::InferenceMode guard;
+    st.cast(x * 10, Role::kInput, delayed(), QuantizeOptions{});  // training's scale, no record
+  }
+  EXPECT_FLOAT_EQ(st.amax_history()[0][0].item<float>(), 8.0f);
+  EXPECT_FLOAT_EQ(st.scale()[0].item<float>(), 448.0f / 8.0f);
+}
+
+TEST(Fp8Registry, ReductionIsOrderedByIdentityNotCreation) {
+  ScalingState zeta("Z"), alpha("A");
+  EXPECT_EQ(alpha.identity().rfind("unnamed #", 0), 0u);
+  zeta.set_identity("zeta");
+  alpha.set_identity("alpha");
+  zeta.cast(at::tensor({2.0f}), Role::kInput, delayed(), QuantizeOptions{});
+  alpha.cast(at::tensor({1.0f}), Role::kInput, delayed(), QuantizeOptions{});
+  const std::vector<std::string> d = registry_descriptions();
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_EQ(d[0], "alpha [E4M3/E5M2 history=4 max margin=0]");
+  EXPECT_EQ(d[1], "zeta [E4M3/E5M2 history=4 max margin=0]");
+  const at::Tensor amaxes = registry_amaxes();
+  EXPECT_EQ(amaxes[0].item<float>(), 1.0f);  // alpha's input first
+  EXPECT_EQ(amaxes[3].item<float>(), 2.0f);
+  registry_update(amaxes);
+}
+
+TEST(Fp8Registry, SignatureChangesOnlyWithTheSet) {
+  ScalingState a;
+  a.cast(at::tensor({1.0f}), Role::kInput, delayed(), QuantizeOptions{});
+  const int64_t h0 = registry_signature().hash;
+  EXPECT_GE(h0, 0);
+  EXPECT_LT(h0, int64_t{1} << 62);
+  a.cast(at::tensor({3.0f}), Role::kInput, delayed(), QuantizeOptions{});
+  EXPECT_EQ(registry_signature().hash, h0);
+  a.cast(at::tensor({3.0f}), Role::kInput, delayed(4, 1.0f), QuantizeOptions{});
+  const int64_t h1 = registry_signature().hash;
+  EXPECT_NE(h1, h0);  // another recipe
+  int64_t h2 = 0;
+  {
+    ScalingState b;
+    b.cast(at::tensor({1.0f}), Role::kInput, delayed(), QuantizeOptions{});
+    h2 = registry_signature().hash;
+    EXPECT_NE(h2, h1);
+    EXPECT_EQ(registry_signature().size, 2);
+  }
+  EXPECT_EQ(registry_signature().hash, h1);  // b gone: back to a alone
+  a.set_identity("renamed");
+  EXPECT_NE(registry_signature().hash, h1);
+}
+
+TEST(Fp8Registry, RestoreRefusesImpossibleScales) {
+  ScalingState st;
+  st.cast(at::tensor({1.0f}), Role::kInput, delayed(), QuantizeOptions{});
+  ScalingState::Snapshot s = st.snapshot();
+  for (float bad : {std::nanf(""), -1.0f, 0.0f, std::numeric_limits<float>::infinity()}) {
+    ScalingState::Snapshot t = s;
+    t.scale = s.scale.clone();
+    t.scale[1].fill_(bad);
+    EXPECT_THROW(st.restore(t, "fc._extra_state"), ValueError) << bad;
+  }
+  ScalingState::Snapshot t = s;
+  t.amax_history = s.amax_history.clone();
+  t.amax_history[0][0].fill_(-1.0f);
+  EXPECT_THROW(st.restore(t), ValueError);
+  t.amax_history[0][0].fill_(std::nanf(""));  // NaN amaxes are legal (C7 keeps the scale)
+  EXPECT_NO_THROW(st.restore(t));
+}
+
+}  // namespace
+}  // namespace fp8dp
