@@ -11,6 +11,7 @@ import torch.distributed as dist
 from . import _C
 from .ddp_config import DistributedDataParallelConfig
 from .modules import _FP8LinearBase
+from .scaling import set_fp8_identities
 
 
 class _GradHook:
@@ -98,6 +99,9 @@ class DistributedDataParallel(torch.nn.Module):
             process_group = dist.group.WORLD
         self.module = module
         self.config = config
+        # C9: each FP8 scaling state is known by its module's name in this model (and shape), so
+        # every rank reduces the same states in the same order whatever order they were built in.
+        set_fp8_identities(module)
         self.process_group = process_group
         dp = process_group.size()
 

@@ -1,6 +1,7 @@
 // FP8 recipes and the fp8_autocast state that the C++ modules read at forward time.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "fp8/format.h"
@@ -10,6 +11,10 @@ namespace fp8dp {
 
 enum class RecipeKind : int { kDelayed = 0, kCurrent = 1 };
 
+// The largest margin that still casts a tensor's own amax to a normal E4M3 number:
+// log2(448 / 2^-6) = 14.807. Past it the whole forward cast underflows (fp8dp.recipe.MAX_MARGIN).
+inline const double kMaxMargin = std::log2(448.0) + 6.0;
+
 // Python's recipe.DelayedScaling / Float8CurrentScaling validate and convert into this.
 struct Recipe {
   RecipeKind kind = RecipeKind::kDelayed;
@@ -17,7 +22,7 @@ struct Recipe {
   Format bwd_format = Format::kE5M2;  // gradients (HYBRID); E4M3 recipes use E4M3 here too
   int64_t amax_history_len = 1024;    // delayed only
   AmaxAlgo amax_compute_algo = AmaxAlgo::kMax;
-  float margin = 0.0f;
+  float margin = 0.0f;  // in [0, kMaxMargin]
 };
 
 struct AutocastState {

@@ -315,8 +315,10 @@ void ScalingState::restore(const Snapshot& s, const std::string& where) {
   FP8DP_CHECK_ARG(s.algo == static_cast<int64_t>(AmaxAlgo::kMax) ||
                       s.algo == static_cast<int64_t>(AmaxAlgo::kMostRecent),
                   fn, ": 'amax_compute_algo' must be 0 (max) or 1 (most_recent), got ", s.algo);
-  FP8DP_CHECK_ARG(std::isfinite(s.margin) && s.margin >= 0.0, fn,
-                  ": 'margin' must be finite and >= 0, got ", s.margin);
+  FP8DP_CHECK_ARG(std::isfinite(s.margin) && s.margin >= 0.0 && s.margin <= kMaxMargin, fn,
+                  ": 'margin' must be finite, >= 0 and <= ", kMaxMargin,
+                  " (log2(448 / 2^-6): past it even the amax casts below E4M3's normals), got ",
+                  s.margin);
   for (const auto& [key, t] : {floats[1], floats[2]}) {
     const at::Tensor v = t->detach().to(at::kCPU).to(at::kFloat);
     FP8DP_CHECK_ARG(at::logical_and(at::isfinite(v), at::gt(v, 0.0)).all().item<bool>(), fn,

@@ -101,8 +101,10 @@ def test_update_fp8_scales_rolls_history(device):
 @pytest.mark.parametrize(
     "key,value,message",
     [
-        ("margin", -1.0, "'margin' must be finite and >= 0, got -1"),
-        ("margin", float("nan"), "'margin' must be finite and >= 0, got nan"),
+        ("margin", -1.0, "'margin' must be finite, >= 0 and <= 14.8"),
+        ("margin", float("nan"), "'margin' must be finite, >= 0 and <= 14.8"),
+        # Accepted before, then every forward cast underflowed to zero (issue 12, item 9).
+        ("margin", 2000.0, "'margin' must be finite, >= 0 and <= 14.8"),
         ("amax_compute_algo", 7, "'amax_compute_algo' must be 0 (max) or 1 (most_recent), got 7"),
     ],
 )
