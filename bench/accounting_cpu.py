@@ -57,17 +57,34 @@ def build(args, ledger: bool):
     return ddp, layers
 
 
-def step(ddp, layers, xs) -> float:
-    t0 = time.perf_counter()
+PHASES = ("forward", "backward", "backward_dw", "zero+finish")
+
+
+def step(ddp, layers, xs) -> dict:
+    """One step; seconds per phase (summed over micro-batches)."""
+    t = dict.fromkeys(PHASES, 0.0)
+    c = time.perf_counter
+    t0 = c()
     ddp.zero_grad_buffer()
+    t["zero+finish"] += c() - t0
     for k, x in enumerate(xs):
         ctx = ddp.no_sync() if k < len(xs) - 1 else _null()
         with ctx:
-            ddp(x).sum().backward()
+            t0 = c()
+            loss = ddp(x).sum()
+            t1 = c()
+            loss.backward()
+            t2 = c()
             for m in reversed(layers):
                 m.backward_dw()
+            t3 = c()
+        t["forward"] += t1 - t0
+        t["backward"] += t2 - t1
+        t["backward_dw"] += t3 - t2
+    t0 = c()
     ddp.finish_grad_sync()
-    return time.perf_counter() - t0
+    t["zero+finish"] += c() - t0
+    return t
 
 
 class _null:
@@ -86,17 +103,26 @@ def main() -> None:
     variants = {"default": build(args, False), "ledger": build(args, True)}
     xs = [torch.randn(args.tokens, args.hidden) for _ in range(args.micro_batches)]
     times = {name: [] for name in variants}
+    phases = {name: {p: [] for p in PHASES} for name in variants}
     for i in range(args.warmup + args.iters):
         for name, (ddp, layers) in variants.items():
             t = step(ddp, layers, xs)
             if i >= args.warmup:
-                times[name].append(t)
+                times[name].append(sum(t.values()))
+                for p in PHASES:
+                    phases[name][p].append(t[p])
     med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+    # The 10th percentile: on a shared machine the least-disturbed steps compare best.
+    p10 = {n: statistics.quantiles(v, n=10)[0] * 1e3 for n, v in times.items()}
+    phase_p10 = {n: {p: statistics.quantiles(v, n=10)[0] * 1e6 for p, v in ph.items()}
+                 for n, ph in phases.items()}
     base = med["default"]
     print(f"{args.layers} x fp8dp.Linear({args.hidden}), {args.micro_batches} micro-batches of "
           f"{args.tokens} tokens, delayed wgrad{', fused' if args.fused else ''}, 1 gloo rank")
     for n, m in med.items():
-        print(f"  {n:8s} median {m:8.3f} ms  ({m / base:.3f}x default)")
+        print(f"  {n:8s} median {m:8.3f} ms  ({m / base:.3f}x default), 10th percentile "
+              f"{p10[n]:8.3f} ms ({p10[n] / p10['default']:.3f}x); per phase (us, p10): "
+              + ", ".join(f"{p} {v:.0f}" for p, v in phase_p10[n].items()))
     # The always-on buffer check alone: one call per forward.
     ddp = variants["default"][0]
     if hasattr(ddp._sync, "check_params_in_buffers"):
@@ -115,6 +141,8 @@ def main() -> None:
         "torch": torch.__version__,
         "args": vars(args),
         "median_ms": med,
+        "p10_ms": p10,
+        "phase_p10_us": phase_p10,
         "check_params_in_buffers_us": per,
     }
     if args.json:
