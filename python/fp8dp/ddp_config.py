@@ -58,9 +58,10 @@ class DistributedDataParallelConfig:
 
     delay_wgrad_compute: bool = False
     """Default False. The model's modules compute weight gradients later, in backward_dw() (contract
-    C3). Parameters marked skip_backward_post_hook then get DDP's hook through their module's
-    register_wgrad_accumulation_and_reduce_hooks() instead of autograd; a marked parameter with this
-    off is an error (its gradient would otherwise be missed)."""
+    C3). fp8dp's own modules then deliver those gradients to the buffers directly (DDP binds itself
+    to them); parameters of other modules marked skip_backward_post_hook get DDP's hook through
+    their module's register_wgrad_accumulation_and_reduce_hooks() instead of autograd. A marked
+    parameter with this off is an error (a reminder that the loop must call backward_dw())."""
 
     grad_ledger: bool = False
     """Default False. Each micro-batch's forward announces the gradient contributions it owes (one

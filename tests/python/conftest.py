@@ -6,6 +6,9 @@ fp8dp.cuda_available(return_reason=True), where the build has no CUDA or torch s
 on a CPU machine pays nothing for them.
 
 `fp8_states_released`: after the test, nothing keeps its FP8 modules alive.
+
+`group`: a gloo process group of one rank (this process), for the tests of
+DistributedDataParallel and its optimizer; one per test module.
 """
 
 import gc
@@ -13,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fp8dp
 
@@ -42,3 +46,12 @@ def device(request, fp8_states_released):
     if request.param == "cuda" and not CUDA_OK:
         pytest.skip(CUDA_REASON)
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

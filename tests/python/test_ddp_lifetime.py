@@ -10,18 +10,8 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fp8dp
-
-
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("delay_wgrad_compute", [False, True])

@@ -23,18 +23,8 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fp8dp
-
-
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _trained(group, steps=1):
