@@ -107,8 +107,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for name, p in named:
+            # (a deep copy of a wrapped model carries the attribute but not the parameter identity)
             other = getattr(p, "_fp8dp_ddp", lambda: None)()
-            if other is not None:
+            if other is not None and id(p) in other._index:
                 raise ValueError(
                     f"module: parameter '{name}' is already managed by another "
                     "fp8dp.DistributedDataParallel (the same model wrapped twice?); its gradients "

@@ -145,7 +145,7 @@ void LinearCore::backward_dw() {
   const WgradResult r = run_wgrad(task);
   if (task.sink) {
     // Bound to DistributedDataParallel: straight into main_grad (fused: already there), counted
-    // against the micro-batch whose backward queued it.
+    // against the micro-batch whose forward announced it.
     task.sink->deliver(task.sink_weight, r.dweight, Route::kDelayed, task.weight_token);
     if (r.dbias.defined() && task.sink_bias >= 0)
       task.sink->deliver(task.sink_bias, r.dbias, Route::kDelayed, task.bias_token);

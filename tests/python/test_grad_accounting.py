@@ -6,6 +6,7 @@ micro-batches, which a float64 autograd reference gives directly.
 Each test says which mutation of its fix it was checked against and how it failed."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -213,6 +214,12 @@ def test_wrapping_twice_is_refused(group):
         fp8dp.DistributedDataParallel(model, process_group=group)
     del first
     fp8dp.DistributedDataParallel(model, process_group=group)  # the first one is gone: fine
+    # A deep copy of a wrapped model carries the marker but has parameters of its own: it may be
+    # wrapped too (fp8dp modules do not deep-copy; a plain model does).
+    plain = torch.nn.Linear(D, D)
+    keep = fp8dp.DistributedDataParallel(plain, process_group=group)
+    fp8dp.DistributedDataParallel(copy.deepcopy(plain), process_group=group)
+    del keep
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
