@@ -8,6 +8,7 @@ validate the constructor's arguments and pass the parameter attributes that C++ 
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from typing import Callable, Optional
@@ -79,6 +80,7 @@ class _FP8LinearBase(torch.nn.Module):
         self._init_param_attrs()
 
     def _make_core(self, **norm) -> None:
+        self._core_args = norm  # for __deepcopy__
         name = (
             f"{type(self).__name__}(in_features={self.in_features}, "
             f"out_features={self.out_features})"
@@ -104,6 +106,20 @@ class _FP8LinearBase(torch.nn.Module):
             zero_out_wgrad=lambda: bool(getattr(module().weight, "zero_out_wgrad", False)),
             mark_grad_added_to_main_grad=mark_added,
         )
+
+    def __deepcopy__(self, memo):
+        """A copy with its own parameters and its own C++ core, the FP8 scaling state copied over
+        (through the extra state); not bound to any DistributedDataParallel, like a new module.
+        (The C++ core itself cannot be copied, so the default deep copy failed.)"""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k != "_core":
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        new._make_core(**self._core_args)
+        new._init_param_attrs()  # Parameter's deep copy keeps no attributes
+        new._core.set_extra_state(self._core.get_extra_state())
+        return new
 
     def _init_param_attrs(self) -> None:
         for p in (self.weight, self.bias):
