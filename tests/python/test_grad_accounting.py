@@ -233,3 +233,46 @@ def test_double_backward_is_refused(fp8):
         y = lin(x)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
+class _ContainerUser(torch.nn.Module):
+    """Parameters read by the parent's forward: an nn.ParameterList (no forward of its own) and a
+    weight tied between an fp8dp.Linear that registers it first but never runs and an
+    nn.Linear that does run."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(D, D))])
+        self.unused = fp8dp.Linear(D, D, bias=False)
+        self.used = torch.nn.Linear(D, D, bias=False)
+        self.used.weight = self.unused.weight
+
+    def forward(self, x):
+        return self.used(x @ self.plain[0])
+
+
+def test_param_gather_waits_where_the_parameters_are_read(group):
+    """overlap_param_gather: the forward that reads a parameter waits for its all-gather first.
+    The race is timing-dependent (the property test saw it only under load), so this checks the
+    waits themselves: the parent of a parameter container waits for the container's parameters,
+    and every module registering a tied weight waits for it, not only the first. Checked by
+    registering waits on the first registering module only (the former rule): the first assert
+    fails (the parent waits for nothing); with the parent rule kept and only the first-owner rule
+    restored, the second fails (the nn.Linear that runs waits for nothing)."""
+    from fp8dp.ddp import _ParamGatherWait
+
+    model = _ContainerUser()
+    cfg = fp8dp.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True,
+        bucket_size=D * D,  # one parameter per bucket group
+    )
+    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+    sync = ddp._sync
+    group_of = {id(p): sync.group_of_param(i) for i, p in enumerate(ddp._params)}
+
+    def waited(module):
+        return {g for h in module._forward_pre_hooks.values() if isinstance(h, _ParamGatherWait)
+                for g in h._groups}
+
+    assert group_of[id(model.plain[0])] in waited(model), "the container's parent must wait"
+    assert group_of[id(model.used.weight)] in waited(model.used), "the running owner must wait"
