@@ -161,8 +161,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._names = [n for n, _ in named]
         self._sync = _C.GradSync(self._params, self._names, comm, opts)
         self._known = {id(p) for p in module.parameters()}
-        index = {id(p): i for i, p in enumerate(self._params)}
-        self._index = index
+        self._index = index = {id(p): i for i, p in enumerate(self._params)}
         self._ledger = config.grad_ledger
         for m, mname in fp8_modules.items():
             bias = index.get(id(m.bias), -1) if m.bias is not None else -1
@@ -194,7 +193,6 @@ class DistributedDataParallel(torch.nn.Module):
                 for c in m.children():
                     if type(c).forward is torch.nn.Module.forward:
                         parents.setdefault(id(c), []).append(m)
-            index = {id(p): i for i, p in enumerate(self._params)}
             groups_of = {}
             for m in module.modules():
                 mine = {

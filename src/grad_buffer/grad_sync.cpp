@@ -89,11 +89,8 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
   readiness_ =
       std::make_unique<Readiness>(group_of_param_, names_, static_cast<int64_t>(groups_.size()));
   ledger_ = std::make_unique<Ledger>(names_);
-  undelivered_.assign(params_.size(), 0);
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < params_.size(); ++i)
     param_ptrs_.push_back(buffers_[where_[i].first].param_view(where_[i].second).data_ptr());
-    p_dtypes_.push_back(params_[i].scalar_type());
-  }
   check_same_layout_on_all_ranks();
 }
 
@@ -174,8 +171,7 @@ GradSink::Token GradSync::expect(int64_t p, int64_t microbatch, const std::strin
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
-  ++undelivered_[p];
-  ++undelivered_by_module_[{p, module}];
+  ++undelivered_[{p, module}];
   return Token{microbatch, iteration_, module};
 }
 
@@ -187,11 +183,11 @@ void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token tok
     FP8DP_CHECK(token.iteration == iteration_, "parameter '", names_[p],
                 "': a weight gradient queued in an earlier iteration was delivered (stale "
                 "backward_dw()); it is not added");
-    FP8DP_CHECK(undelivered_[p] > 0, "parameter '", names_[p],
+    const auto it = undelivered_.find({p, token.module});
+    FP8DP_CHECK(it != undelivered_.end(), "parameter '", names_[p],
                 "': backward_dw() delivered a weight gradient that no backward queued; it is not "
                 "added");
-    --undelivered_[p];
-    --undelivered_by_module_[{p, token.module}];
+    if (--it->second == 0) undelivered_.erase(it);
   }
   accept_locked(p, grad, route, token.microbatch);
 }
@@ -216,8 +212,8 @@ void GradSync::check_params_in_buffers() const {
   // which is what Module._apply does for .to(), changes the data pointer.
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
-    if (p.data_ptr() == param_ptrs_[i] && p.scalar_type() == p_dtypes_[i]) continue;
     const auto& b = buffers_[where_[i].first];
+    if (p.data_ptr() == param_ptrs_[i] && p.scalar_type() == b.param_dtype) continue;
     FP8DP_CHECK_ARG(false, "parameter '", names_[i],
                     "' no longer lives in DistributedDataParallel's buffer: it was ", b.param_dtype,
                     " on ", b.param_data.device(), " when wrapped and is now ", p.scalar_type(),
@@ -242,17 +238,20 @@ void GradSync::start_grad_sync() {
 }
 
 std::string GradSync::undelivered_locked() {
+  // Entries are ordered by parameter, then module: one line per parameter, naming its modules.
   std::vector<std::string> lost;
-  for (size_t p = 0; p < params_.size(); ++p) {
-    if (undelivered_[p] == 0) continue;
+  for (auto it = undelivered_.begin(); it != undelivered_.end();) {
+    const int64_t p = it->first.first;
+    int64_t queued = 0;
     std::vector<std::string> modules;
-    for (const auto& [key, n] : undelivered_by_module_)
-      if (key.first == static_cast<int64_t>(p) && n > 0) modules.push_back("'" + key.second + "'");
-    lost.push_back("'" + names_[p] + "' (" + std::to_string(undelivered_[p]) +
-                   " queued, by module " + join(modules) + ")");
+    for (; it != undelivered_.end() && it->first.first == p; ++it) {
+      queued += it->second;
+      modules.push_back("'" + it->first.second + "'");
+    }
+    lost.push_back("'" + names_[p] + "' (" + std::to_string(queued) + " queued, by module " +
+                   join(modules) + ")");
   }
-  undelivered_.assign(params_.size(), 0);
-  undelivered_by_module_.clear();
+  undelivered_.clear();
   ++iteration_;  // what is still queued belongs to the abandoned iteration: modules drop it
   if (lost.empty()) return "";
   return "weight gradients queued by backward were never computed by backward_dw(): " + join(lost) +
@@ -262,11 +261,7 @@ std::string GradSync::undelivered_locked() {
 
 std::string GradSync::local_errors() {
   std::ostringstream err;
-  {
-    bool any = false;
-    for (int64_t u : undelivered_) any = any || u > 0;
-    if (any) err << undelivered_locked();
-  }
+  if (!undelivered_.empty()) err << undelivered_locked();
   // A forgotten backward_dw() also leaves its bucket incomplete: the message above says why.
   if (err.tellp() == 0 && sync_enabled_ && readiness_->golden_known()) {
     std::vector<std::string> missing;

@@ -150,12 +150,11 @@ class GradSync : public GradSink {
   std::unique_ptr<Ledger> ledger_;
   bool sync_enabled_ = true;
   bool finished_ = false;
-  // Queued weight gradients (expect()) not delivered yet, per parameter, and the iteration they
-  // belong to (zero_grad_buffer() and an abandoned finish_grad_sync() start the next one).
-  std::vector<int64_t> undelivered_;
-  std::map<std::pair<int64_t, std::string>, int64_t> undelivered_by_module_;  // (param, module)
+  // Queued weight gradients (expect()) not delivered yet, per (parameter, queueing module), entries
+  // at zero erased; and the iteration they belong to (zero_grad_buffer() and an abandoned
+  // finish_grad_sync() start the next one).
+  std::map<std::pair<int64_t, std::string>, int64_t> undelivered_;
   std::vector<const void*> param_ptrs_;  // where each parameter's data lives in its buffer
-  std::vector<at::ScalarType> p_dtypes_;
   std::atomic<int64_t> iteration_{0};
   mutable std::mutex mu_;  // hooks may run on autograd's device threads
 };

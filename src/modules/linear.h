@@ -59,7 +59,10 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // backfills the bias gradient only when the deferred GEMM produced one, then runs every hook.
   void backward_dw();
   bool need_backward_dw();  // delay_wgrad_compute and at least one (not stale) wgrad queued
-  int64_t queued_wgrads() { return drop_stale_wgrads(), store_.size(); }
+  int64_t queued_wgrads() {
+    drop_stale_wgrads();
+    return store_.size();
+  }
   void register_wgrad_hook(std::function<void()> hook);
 
   // DistributedDataParallel hands its gradients over here (weight and bias: their indices in the
