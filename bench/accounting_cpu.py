@@ -6,6 +6,8 @@ in one process on identical inputs, each its own model and DDP:
   default   the default config: the checks that are always on (parameters still in their buffers,
             queued wgrads delivered, the bound layer's weight identity, the FP8 weight's version)
   ledger    grad_ledger=True (opt-in: graph walk per forward, bookkeeping per arrival)
+  pyhooks   the default config with DDP's autograd hook in Python for every parameter (the path
+            before the C++ hook, ParamHooks: fp8dp.ddp._PYTHON_HOOKS)
 
 Run it against two builds (PYTHONPATH) to compare trees; it uses only the public API. Prints the
 median step time per variant and writes JSON:
@@ -42,7 +44,7 @@ def parse():
     return ap.parse_args()
 
 
-def build(args, ledger: bool):
+def build(args, ledger: bool, python_hooks: bool = False):
     torch.manual_seed(0)
     layers = [
         fp8dp.Linear(args.hidden, args.hidden, delay_wgrad_compute=True,
@@ -53,7 +55,11 @@ def build(args, ledger: bool):
     kw = dict(delay_wgrad_compute=True, overlap_grad_reduce=True)
     if ledger:
         kw["grad_ledger"] = True
-    ddp = fp8dp.DistributedDataParallel(model, fp8dp.DistributedDataParallelConfig(**kw))
+    fp8dp.ddp._PYTHON_HOOKS = python_hooks
+    try:
+        ddp = fp8dp.DistributedDataParallel(model, fp8dp.DistributedDataParallelConfig(**kw))
+    finally:
+        fp8dp.ddp._PYTHON_HOOKS = False
     return ddp, layers
 
 
@@ -101,6 +107,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     variants = {"default": build(args, False), "ledger": build(args, True)}
+    if hasattr(fp8dp.ddp, "_PYTHON_HOOKS"):
+        variants["pyhooks"] = build(args, False, python_hooks=True)
     xs = [torch.randn(args.tokens, args.hidden) for _ in range(args.micro_batches)]
     times = {name: [] for name in variants}
     phases = {name: {p: [] for p in PHASES} for name in variants}

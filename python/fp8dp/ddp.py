@@ -78,6 +78,17 @@ def _owners(module: torch.nn.Module) -> dict:
     return out
 
 
+# Tests and bench/accounting_cpu.py set this to run every parameter's hook in Python, the path the
+# C++ hook replaced, to compare the two.
+_PYTHON_HOOKS = False
+
+
+def _defined_in_torch(m: torch.nn.Module) -> bool:
+    """Whether m's class comes from torch (nn.Linear, nn.Embedding, ...): such modules never mark a
+    gradient as already added to main_grad (Megatron's protocol for modules that fuse it)."""
+    return type(m).__module__.split(".", 1)[0] == "torch"
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wraps `module` for data-parallel training with one contiguous main_grad buffer per
     (param dtype, grad dtype) (contract C1), exactly-once gradient accumulation (C2) and bucketed
@@ -125,6 +136,13 @@ class DistributedDataParallel(torch.nn.Module):
             if isinstance(m, _FP8LinearBase):
                 fp8_modules.setdefault(m, mname)
         bound = {id(p) for m in fp8_modules for p in m.parameters(recurse=False)}
+        foreign = {
+            id(p)
+            for m in module.modules()
+            if not isinstance(m, _FP8LinearBase) and not _defined_in_torch(m)
+            for p in m._parameters.values()
+            if p is not None
+        }
         delayed = {}
         for name, p in named:
             if id(p) in bound or not getattr(p, "skip_backward_post_hook", False):
@@ -168,14 +186,21 @@ class DistributedDataParallel(torch.nn.Module):
             m._core.bind_grad_sink(self._sync, index.get(id(m.weight), -1), bias, mname or "(root)")
         self._hook_handles = []
         me = weakref.ref(self)
+        native = []  # parameters whose autograd hook runs in C++
         for i, p in enumerate(self._params):
             p.main_grad = self._sync.main_grad(i)
             p.grad_added_to_main_grad = False
             p._fp8dp_ddp = me
             if id(p) in delayed:
                 delayed[id(p)].register_wgrad_accumulation_and_reduce_hooks(_GradHook(self, i))
-            else:
+            elif _PYTHON_HOOKS or id(p) in foreign:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(_GradHook(self, i)))
+            else:
+                native.append(i)
+        # The C++ hook (ParamHooks) hands p.grad to GradSync without entering Python; the Python one
+        # above is kept for parameters a module outside fp8dp and torch registers, which may mark
+        # p.grad as a stand-in (grad_added_to_main_grad, zero_out_wgrad) that only Python can read.
+        self._param_hooks = _C.ParamHooks(self._sync, native, [self._params[i] for i in native])
         self.overlap_param_gather = config.overlap_param_gather
         if self.overlap_param_gather:
             # DistributedOptimizer.step() only launches the all-gathers. Each module that
@@ -254,6 +279,40 @@ class DistributedDataParallel(torch.nn.Module):
             # Parameters whose module did not run (unused in this forward) are complete afterwards.
             self._sync.finish_param_sync()
         return out
+
+    # -- ZeRO-1 (use_distributed_optimizer): what DistributedOptimizer works with -----------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the data-parallel group."""
+        return self._sync.rank
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel group's size."""
+        return self._sync.world_size
+
+    def owned_shards(self) -> list:
+        """The parameter shards this rank owns (chunk `rank` of every bucket): OwnedShard records
+        (param index, param_offset, numel, buffer, buffer_offset), in buffer order."""
+        return self._sync.owned_shards()
+
+    def grad_shard(self, shard) -> torch.Tensor:
+        """The reduce-scattered gradient of `shard` (a view into the grad buffer)."""
+        return self._sync.grad_shard(shard)
+
+    def param_shard(self, shard) -> torch.Tensor:
+        """The elements of the parameters that `shard` covers (a view into the param buffer)."""
+        return self._sync.param_shard(shard)
+
+    def copy_shards(self, masters) -> None:
+        """Copy each updated master (one per owned shard, any float dtype) into its param_shard,
+        after any parameter all-gather still in flight."""
+        self._sync.copy_shards(list(masters))
+
+    def start_param_sync(self) -> None:
+        """Launch the all-gather of every bucket's updated parameters (asynchronously, in forward
+        order); finish_param_sync() or the next forward waits for them."""
+        self._sync.start_param_sync()
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers that DistributedOptimizer.step() left in flight

@@ -6,6 +6,7 @@ parameters."""
 import torch
 
 from .ddp import DistributedDataParallel
+from .scaling import update_fp8_scales
 
 
 class DistributedOptimizer:
@@ -26,10 +27,9 @@ class DistributedOptimizer:
                 f"optimizer_cls: expected a torch.optim.Optimizer class, got {optimizer_cls!r}"
             )
         self._ddp = ddp_model
-        self._sync = ddp_model._sync
-        self._shards = self._sync.owned_shards()
+        self._shards = ddp_model.owned_shards()
         self._masters = [
-            torch.nn.Parameter(self._sync.param_shard(s).detach().float().clone())
+            torch.nn.Parameter(ddp_model.param_shard(s).detach().float().clone())
             for s in self._shards
         ]
         # A rank whose chunks hold only padding owns no element; torch optimizers refuse an empty
@@ -50,22 +50,19 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self):
         """finish_grad_sync(), step the master shards on their gradient chunks, copy them back into
-        the parameter buffer and launch its all-gather; then update FP8 scales when fp8dp provides
-        that. With overlap_param_gather the all-gathers are left in flight for the next forward
+        the parameter buffer and launch its all-gather; then update the FP8 scales
+        (update_fp8_scales over the DDP's group). With overlap_param_gather the all-gathers are left in flight for the next forward
         to wait on (see finish_param_sync()); otherwise step() waits for them."""
         self._ddp.finish_grad_sync()
         for m, s in zip(self._masters, self._shards):
-            g = self._sync.grad_shard(s)
+            g = self._ddp.grad_shard(s)
             m.grad = g if g.dtype == torch.float32 else g.float()
         self.optimizer.step()
-        self._sync.copy_shards(self._masters)
-        self._sync.start_param_sync()
+        self._ddp.copy_shards(self._masters)
+        self._ddp.start_param_sync()
         if not self._ddp.overlap_param_gather:
-            self._sync.finish_param_sync()
-        import fp8dp
-
-        if hasattr(fp8dp, "update_fp8_scales"):
-            fp8dp.update_fp8_scales(self._ddp.process_group)
+            self._ddp.finish_param_sync()
+        update_fp8_scales(self._ddp.process_group)
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers of the last step() (overlap_param_gather). Needed
@@ -77,8 +74,8 @@ class DistributedOptimizer:
         """This rank's part: its master shards, the inner optimizer's state, and where they
         belong."""
         return {
-            "world_size": self._sync.world_size,
-            "rank": self._sync.rank,
+            "world_size": self._ddp.world_size,
+            "rank": self._ddp.rank,
             "shards": [(s.param, s.param_offset, s.numel) for s in self._shards],
             "masters": [m.detach().clone() for m in self._masters],
             "optimizer": self.optimizer.state_dict(),
@@ -105,7 +102,9 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for m, saved in zip(self._masters, state_dict["masters"]):
             m.copy_(saved)
-        self._sync.copy_shards_and_sync_params(self._masters)
+        self._ddp.copy_shards(self._masters)
+        self._ddp.start_param_sync()
+        self._ddp.finish_param_sync()
 
     def _check_state_dict(self, sd) -> None:
         if not isinstance(sd, dict):
@@ -119,7 +118,7 @@ class DistributedOptimizer:
                     f"state_dict['{key}']: expected a key of DistributedOptimizer.state_dict(), "
                     f"got none (keys: {sorted(map(str, sd))})"
                 )
-        ws, rank = self._sync.world_size, self._sync.rank
+        ws, rank = self._ddp.world_size, self._ddp.rank
         if sd["world_size"] != ws:
             # The words after the colon are matched by tests/distributed (case world_size).
             raise ValueError(

@@ -7,6 +7,7 @@
 #include "comm/process_group_communicator.h"
 #include "grad_buffer/grad_sync.h"
 #include "grad_buffer/layout.h"
+#include "grad_buffer/param_hooks.h"
 
 namespace py = pybind11;
 
@@ -86,6 +87,12 @@ void bind_grad_buffer(py::module_& m) {
       .def_readonly("buffer", &OwnedShard::buffer)
       .def_readonly("buffer_offset", &OwnedShard::buffer_offset);
 
+  // DDP's autograd hook in C++ (param_hooks.h); removed when the object is dropped.
+  py::class_<ParamHooks>(m, "ParamHooks")
+      .def(py::init<const std::shared_ptr<GradSync>&, const std::vector<int64_t>&,
+                    const std::vector<at::Tensor>&>(),
+           py::arg("sync"), py::arg("indices"), py::arg("params"))
+      .def("__len__", &ParamHooks::size);
   // Opaque: fp8dp modules take it in bind_grad_sink; its methods are C++-only.
   py::class_<GradSink, std::shared_ptr<GradSink>>(m, "GradSink");
   py::class_<GradSync, GradSink, std::shared_ptr<GradSync>>(m, "GradSync")
