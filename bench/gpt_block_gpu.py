@@ -1,0 +1,242 @@
+"""End to end on one GPU: a stack of GPT blocks, forward + backward, in torch BF16 (the baseline),
+fp8dp (FP8 delayed, FP8 current, FP8 off) and TransformerEngine (FP8 delayed, FP8 off) when
+`import transformer_engine.pytorch` works. All variants are built and timed interleaved in one
+process on identical inputs.
+
+One block: LayerNormLinear(QKV) -> causal SDPA -> Linear(proj) -> residual, LayerNormLinear(fc1, 4x)
+-> GELU -> Linear(fc2) -> residual; activations [seq, batch, hidden], BF16 parameters, bias on,
+head dim 128. One step = forward, backward with a fixed grad_output, gradients dropped, and for
+delayed scaling the per-step scale update (fp8dp.update_fp8_scales(); TE updates at the end of
+its autocast). Reported per variant: ms per step (median of CUDA-event samples), tokens/s, the
+ratio over torch BF16, peak memory of one step, and host enqueue time per step (CPU time from the
+step's first call to its return, without a synchronisation).
+
+    python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--json out.json]
+
+Targets (issue 14, ratios over torch BF16): 2048x8 >= 1.25, 4096x4 >= 1.55, 8192x2 >= 1.60, FP8 off
+>= 0.98 at every width.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_timing import device_info, print_table, time_interleaved, write_json  # noqa: E402
+
+import fp8dp  # noqa: E402
+
+try:
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
+
+    TE_REASON = None
+except Exception as e:  # noqa: BLE001  (any import failure means: no TE on this machine)
+    te, te_recipe, TE_REASON = None, None, f"{type(e).__name__}: {e}"
+
+SEQ, BATCH, HEAD_DIM = 2048, 2, 128
+TARGETS = {(2048, 8): 1.25, (4096, 4): 1.55, (8192, 2): 1.60}
+TARGET_FP8_OFF = 0.98
+
+
+class Block(torch.nn.Module):
+    """One GPT block built from `lib`'s layers: 'torch' (nn.LayerNorm + nn.Linear), 'fp8dp' or
+    'te' (LayerNormLinear + Linear)."""
+
+    def __init__(self, hidden: int, lib: str):
+        super().__init__()
+        kw = dict(params_dtype=torch.bfloat16, device="cuda")
+        self.heads = hidden // HEAD_DIM
+        if lib == "torch":
+            tkw = dict(dtype=torch.bfloat16, device="cuda")
+            self.qkv = torch.nn.Sequential(torch.nn.LayerNorm(hidden, **tkw),
+                                           torch.nn.Linear(hidden, 3 * hidden, **tkw))
+            self.proj = torch.nn.Linear(hidden, hidden, **tkw)
+            self.fc1 = torch.nn.Sequential(torch.nn.LayerNorm(hidden, **tkw),
+                                           torch.nn.Linear(hidden, 4 * hidden, **tkw))
+            self.fc2 = torch.nn.Linear(4 * hidden, hidden, **tkw)
+        else:
+            mod = fp8dp if lib == "fp8dp" else te
+            self.qkv = mod.LayerNormLinear(hidden, 3 * hidden, **kw)
+            self.proj = mod.Linear(hidden, hidden, **kw)
+            self.fc1 = mod.LayerNormLinear(hidden, 4 * hidden, **kw)
+            self.fc2 = mod.Linear(4 * hidden, hidden, **kw)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        qkv = self.qkv(x).view(s, b, 3, self.heads, HEAD_DIM).permute(2, 1, 3, 0, 4)
+        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def make_model(hidden: int, layers: int, lib: str, ref=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(hidden, lib) for _ in range(layers)])
+    if ref is not None:  # the baseline's weights, so that the losses compare
+        with torch.no_grad():
+            for blk, rblk in zip(model, ref):
+                for name in ("qkv", "fc1"):
+                    ln, lin = getattr(rblk, name)
+                    mine = getattr(blk, name)
+                    mine.layer_norm_weight.copy_(ln.weight)
+                    mine.layer_norm_bias.copy_(ln.bias)
+                    mine.weight.copy_(lin.weight)
+                    mine.bias.copy_(lin.bias)
+                for name in ("proj", "fc2"):
+                    getattr(blk, name).weight.copy_(getattr(rblk, name).weight)
+                    getattr(blk, name).bias.copy_(getattr(rblk, name).bias)
+    return model
+
+
+def make_step(model, x, dy, mode: str):
+    """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_current', 'fp8dp_off', 'te_delayed',
+    'te_off'. Returns (step, loss) closures."""
+    if mode == "fp8dp_delayed":
+        recipe = fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=16,
+                                      amax_compute_algo="max")
+        ctx = lambda: fp8dp.fp8_autocast(fp8_recipe=recipe)  # noqa: E731
+    elif mode == "fp8dp_current":
+        recipe = fp8dp.Float8CurrentScaling(fp8_format=fp8dp.Format.HYBRID)
+        ctx = lambda: fp8dp.fp8_autocast(fp8_recipe=recipe)  # noqa: E731
+    elif mode == "fp8dp_off":
+        ctx = lambda: fp8dp.fp8_autocast(enabled=False)  # noqa: E731
+    elif mode == "te_delayed":
+        recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16,
+                                          amax_compute_algo="max")
+        ctx = lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # noqa: E731
+    elif mode == "te_off":
+        ctx = lambda: te.fp8_autocast(enabled=False)  # noqa: E731
+    else:
+        ctx = _nullcontext
+    update = mode == "fp8dp_delayed"
+
+    def step():
+        xa = x.detach().requires_grad_(True)
+        with ctx():
+            y = model(xa)
+        y.backward(dy)
+        for p in model.parameters():
+            p.grad = None
+        if update:
+            fp8dp.update_fp8_scales()
+
+    def loss():
+        with torch.no_grad(), ctx():
+            return float(model(x).float().square().mean())
+
+    return step, loss
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def peak_step_mib(step):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def host_ms(step, n=5):
+    """Median CPU time to enqueue one step (no synchronisation inside); a step whose host time is
+    close to its GPU time is host-bound."""
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def bench_shape(hidden, layers, rounds, skip_te):
+    modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
+    if te is not None and not skip_te:
+        modes += ["te_delayed", "te_off"]
+    torch.manual_seed(1)
+    x = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16) * 1e-2
+    ref = make_model(hidden, layers, "torch")
+    models = {"bf16": ref}
+    for lib in ("fp8dp", "te"):
+        if any(m.startswith(lib) for m in modes):
+            model = make_model(hidden, layers, lib, ref)
+            for m in modes:
+                if m.startswith(lib):
+                    models[m] = model
+    steps, losses = {}, {}
+    for m in modes:
+        steps[m], losses[m] = make_step(models[m], x, dy, m)
+    ms = time_interleaved(steps, warmup=5, rounds=rounds)
+    tokens = SEQ * BATCH
+    base = ms["bf16"]
+    out = {"hidden": hidden, "layers": layers, "tokens": tokens, "variants": {}}
+    for m in modes:
+        out["variants"][m] = {
+            "ms": ms[m],
+            "tokens_per_s": tokens / ms[m] * 1e3,
+            "speedup": base / ms[m],
+            "peak_step_mib": peak_step_mib(steps[m]),
+            "host_ms": host_ms(steps[m]),
+            "loss": losses[m](),
+        }
+    out["target"] = TARGETS.get((hidden, layers))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="2048x8,4096x4,8192x2", help="hidden x layers, comma-separated")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--no-te", action="store_true", help="leave TransformerEngine out")
+    ap.add_argument("--json", default="bench/results/gpt_block_gpu.json")
+    args = ap.parse_args()
+    if te is None:
+        print(f"TransformerEngine: not importable here ({TE_REASON}); its variants are left out",
+              flush=True)
+    results = []
+    for shape in args.shapes.split(","):
+        hidden, layers = (int(v) for v in shape.split("x"))
+        print(f"[gpt_block] {hidden} x {layers} ...", flush=True)
+        try:
+            results.append(bench_shape(hidden, layers, args.rounds, args.no_te))
+        except Exception as e:  # one shape failing must not hide the others
+            print(f"{shape}: FAILED {type(e).__name__}: {e}", flush=True)
+            results.append({"hidden": hidden, "layers": layers, "error": f"{type(e).__name__}: {e}"})
+        torch.cuda.empty_cache()
+    rows = []
+    for r in results:
+        if "error" in r:
+            continue
+        for m, v in r["variants"].items():
+            rows.append([f"{r['hidden']}x{r['layers']}", m, f"{v['ms']:.2f}",
+                         f"{v['tokens_per_s'] / 1e3:.0f}k", f"{v['speedup']:.2f}x",
+                         f"{v['host_ms']:.2f}", f"{v['peak_step_mib']:.0f}", f"{v['loss']:.5f}"])
+    print_table(f"GPT block stack, seq {SEQ} x batch {BATCH}, forward+backward, ratio over torch BF16",
+                ["width x layers", "variant", "ms", "tokens/s", "vs bf16", "host ms", "peak MiB",
+                 "loss"], rows)
+    write_json(args.json, {"benchmark": "gpt_block_gpu", **device_info(),
+                           "te": None if te is None else getattr(te, "__version__", "?"),
+                           "te_reason": TE_REASON, "seq": SEQ, "batch": BATCH,
+                           "targets": {f"{h}x{n}": t for (h, n), t in TARGETS.items()},
+                           "target_fp8_off": TARGET_FP8_OFF,
+                           "command": "python3 bench/gpt_block_gpu.py", "results": results})
+    sys.exit(0 if all("error" not in r for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
