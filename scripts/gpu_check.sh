@@ -99,7 +99,7 @@ else
 fi
 if want matrix; then
   # The whole product of the test matrix on NCCL (cells above the visible GPU count are skipped).
-  run_step matrix "$OUT/matrix.log" "${MATRIX_TIMEOUT:-420}" "$PY" -m fp8dp.testing.matrix --backend nccl \
+  run_step matrix "$OUT/matrix.log" "${MATRIX_TIMEOUT:-420}" "$PY" -m tests.distributed.matrix --backend nccl \
     --full --jobs "${MATRIX_JOBS:-4}" --json "$OUT/matrix_nccl.json"
 fi
 if want demo; then
