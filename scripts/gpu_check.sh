@@ -67,10 +67,11 @@ if want pytest; then
 fi
 if want distributed; then
   if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
-    # The NCCL cases (torchrun, 2 GPUs): the native communicator's own worker and the DDP cases
-    # that CPU CI runs on gloo, here on NCCL. DIST_TESTS narrows it (a pytest node id).
+    # The NCCL cases (torchrun, 2 GPUs, tests/distributed/harness.py): the DDP cases that CPU CI
+    # runs on gloo, here on NCCL, and the native communicator's own cases. DIST_TESTS narrows it
+    # (pytest arguments: a file, a node id, -k EXPR).
     run_step distributed "$OUT/tests.log" "${DIST_TIMEOUT:-480}" "$PY" -m pytest -q -rs \
-      ${DIST_TESTS:-tests/distributed/test_nccl_distributed.py}
+      ${DIST_TESTS:-tests/distributed/test_cases_nccl.py}
     [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
   else
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"

@@ -1,6 +1,6 @@
 """The distributed test matrix.
 
-    python -m tests.distributed.matrix --backend gloo|nccl [--full] [--config configs/test_matrix.yaml]
+    python -m tests.distributed.matrix --backend gloo|nccl [--full] [--config CONFIG.yaml]
 
 Builds the cells from the axes in the config (default: a pairwise covering subset, every pair of
 values of any two axes in some cell; --full: the whole product), launches them with torchrun - all
@@ -107,8 +107,8 @@ def _launch(cells: list, world: int, prob: Problem, backend: str, workdir: str, 
             log, inject: str, chunk=None, devices: str = "") -> dict:
     """Run cells in torchrun launches of `world` ranks until each has a result; returns id ->
     result. A launch that dies blames the first cell without a result and resumes after it.
-    chunk (None: the only launch of this world size) names this launch's files; devices, if given, becomes
-    CUDA_VISIBLE_DEVICES."""
+    chunk (None: the only launch of this world size) names this launch's files; devices, if
+    given, becomes CUDA_VISIBLE_DEVICES."""
     results, pending, attempt = {}, list(cells), 0
     env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
     while pending:
