@@ -8,10 +8,12 @@ case each rank appends {"case", "rank", "status": "started"} to OUT/rank<R>.json
 the lines of the cases it finished and names the case it died in.
 
 Rank side: cases register with @case (cases_ddp.py, cases_nccl.py); worker.py, the torchrun entry,
-sets the run up and calls run_cases(). Pytest side: launch() runs worker.py once and returns a
-Launch; Launch.check(name) fails with every failing rank's traceback, or with the end of the log
-when a rank never finished the case (conftest.py's `launch` fixture launches once per session and
-(run, world size); test_cases_gloo.py and test_cases_nccl.py parametrize over the cases).
+sets the run up and calls run_cases(), which stops after the first case that failed on any rank.
+Pytest side: launch() runs worker.py once, and again for the cases after a failure or a death, and
+returns a Launch; Launch.check(name) fails with every failing rank's traceback, or with the end of
+the log when a rank never finished the case. conftest.py's `launch` fixture launches once per
+session and (run, world size); test_cases_gloo.py and test_cases_nccl.py parametrize over the
+cases.
 torchrun() is the one launcher of tests/distributed: the property test, the training demo's test
 and the matrix runner (matrix/) start their ranks with it too.
 """
@@ -134,6 +136,7 @@ def run_cases(names, out_dir, after_case=None, case_timeout_s=600) -> int:
     cases in a fresh process group rather than let them fail for a case that was not theirs."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -162,9 +165,9 @@ def run_cases(names, out_dir, after_case=None, case_timeout_s=600) -> int:
             print(f"[rank {rank}/{ws}] {rec['status'].upper()} {name}", flush=True)
             if after_case is not None:
                 after_case()
-            statuses = [None] * ws
-            dist.all_gather_object(statuses, rec["status"], group=between_cases)
-            if "fail" in statuses:
+            any_failed = torch.tensor([rec["status"] == "fail"], dtype=torch.int32)
+            dist.all_reduce(any_failed, op=dist.ReduceOp.MAX, group=between_cases)
+            if any_failed.item():
                 break
     return failed
 
