@@ -278,13 +278,19 @@ class Launch:
         case has a result from every rank."""
         import pytest
 
-        missing = [n for n in self.names if not self._complete(n)]
+        problems = []
         failed_in = {k for rec, k in self.records.values() if rec["status"] == "fail"}
         for k, (_, rc, _) in enumerate(self.launches):
-            if rc != (1 if k in failed_in else 0) or missing:
-                pytest.fail(f"{self._where()}: launch {k + 1} of {len(self.launches)} exited "
-                            f"with {rc}; {len(missing)} case(s) without a result from every rank"
-                            + self._log_tail(k), pytrace=False)
+            if rc != (1 if k in failed_in else 0):
+                problems.append(f"launch {k + 1} of {len(self.launches)} exited with {rc}"
+                                + (" after a failed case" if k in failed_in else "")
+                                + self._log_tail(k))
+        missing = [n for n in self.names if not self._complete(n)]
+        if missing:
+            problems.append(f"{len(missing)} case(s) without a result from every rank: "
+                            + ", ".join(missing[:10]))
+        if problems:
+            pytest.fail(f"{self._where()}:\n" + "\n".join(problems), pytrace=False)
 
 
 def launch(run: str, world_size: int, names: list, out_dir) -> Launch:
