@@ -46,7 +46,7 @@ demo: build
 # The distributed test matrix: BACKEND=gloo|nccl, FULL=1 for the whole product.
 BACKEND ?= gloo
 matrix: build
-	$(PY) -m fp8dp.testing.matrix --backend $(BACKEND) $(if $(FULL),--full)
+	$(PY) -m tests.distributed.matrix --backend $(BACKEND) $(if $(FULL),--full)
 
 bench: build
 	$(PY) bench/quantize_cpu.py

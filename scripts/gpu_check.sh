@@ -67,10 +67,11 @@ if want pytest; then
 fi
 if want distributed; then
   if [ "$NGPU" -ge 2 ] && [ -d tests/distributed ]; then
-    # The NCCL cases (torchrun, 2 GPUs): the native communicator's own worker and the DDP cases
-    # that CPU CI runs on gloo, here on NCCL. DIST_TESTS narrows it (a pytest node id).
+    # The NCCL cases (torchrun, 2 GPUs, tests/distributed/harness.py): the DDP cases that CPU CI
+    # runs on gloo, here on NCCL, and the native communicator's own cases. DIST_TESTS narrows it
+    # (pytest arguments: a file, a node id, -k EXPR).
     run_step distributed "$OUT/tests.log" "${DIST_TIMEOUT:-480}" "$PY" -m pytest -q -rs \
-      ${DIST_TESTS:-tests/distributed/test_nccl_distributed.py}
+      ${DIST_TESTS:-tests/distributed/test_cases_nccl.py}
     [ "${RC[distributed]}" = 5 ] && RC[distributed]=0  # pytest's "no tests collected"
   else
     echo "=== [distributed] skipped: $NGPU GPU(s) visible or no tests/distributed" | tee -a "$OUT/tests.log"
@@ -100,7 +101,7 @@ else
 fi
 if want matrix; then
   # The whole product of the test matrix on NCCL (cells above the visible GPU count are skipped).
-  run_step matrix "$OUT/matrix.log" "${MATRIX_TIMEOUT:-420}" "$PY" -m fp8dp.testing.matrix --backend nccl \
+  run_step matrix "$OUT/matrix.log" "${MATRIX_TIMEOUT:-420}" "$PY" -m tests.distributed.matrix --backend nccl \
     --full --jobs "${MATRIX_JOBS:-4}" --json "$OUT/matrix_nccl.json"
 fi
 if want demo; then

@@ -1,7 +1,7 @@
 """The randomized gradient-accounting property test (issue 12): one torchrun launch per world size
-(1, 2, 3 on gloo) runs its share of random configurations (property_worker.py); each rank writes
-one JSON line per case, and this wrapper fails with every failing case's seed, configuration,
-first mismatch and the command that reruns it alone.
+(1, 2, 3 on gloo; harness.torchrun) runs its share of random configurations (property_worker.py);
+each rank writes one JSON line per case, and this wrapper fails with every failing case's seed,
+configuration, first mismatch and the command that reruns it alone.
 
 Environment: FP8DP_PROPERTY_SEED (default 0) picks the sample; FP8DP_PROPERTY_CASES (default 210)
 is the total number of configurations, split over the world sizes as 35% / 35% / 30%;
@@ -11,14 +11,11 @@ tests/distributed/property_worker.py --seed S --cases N` (or `--case-seed C` for
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+from harness import HERE, torchrun
+
 SHARE = {1: 0.35, 2: 0.35, 3: 0.30}
 
 
@@ -42,32 +39,25 @@ def _brief(c: dict) -> str:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_gradient_accounting_property(world_size, tmp_path):
     seed = int(os.environ.get("FP8DP_PROPERTY_SEED", "0"))
-    env = dict(os.environ)
-    if list((ROOT / "python" / "fp8dp").glob("_C*.so")):  # this tree's in-place build, else the
-        # fp8dp already on PYTHONPATH (e.g. a worktree testing another tree's build)
-        env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world_size}", str(HERE / "property_worker.py"),
-           "--seed", str(seed), "--cases", str(_cases(world_size)), "--out", str(tmp_path)]
+    args = ["--seed", seed, "--cases", _cases(world_size), "--out", tmp_path]
     # the minimal configurations of earlier findings, by name, each at its world size
-    cmd += ["--regressions", str(HERE / "property_regressions.json")]
+    args += ["--regressions", HERE / "property_regressions.json"]
     regs = json.loads((HERE / "property_regressions.json").read_text())
     n_reg = sum(r.get("world_size", 1) == world_size for r in regs)
     if os.environ.get("FP8DP_PROPERTY_SHRINK") == "1":
-        cmd.append("--shrink")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        args.append("--shrink")
+    rc, log = torchrun(HERE / "property_worker.py", world_size, args, timeout=900)
     rows = []
     for rank in range(world_size):
         f = tmp_path / f"results_ws{world_size}_rank{rank}.jsonl"
         assert f.exists(), (
-            f"rank {rank} wrote no results\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            f"rank {rank} wrote no results\n{log[-6000:]}")
         rows += [json.loads(line) for line in f.read_text().splitlines()]
     by_case = {}
     for r in rows:
         by_case.setdefault(r["case_seed"], []).append(r)
     assert len(by_case) == _cases(world_size) + n_reg, (
-        f"{len(by_case)} of {_cases(world_size) + n_reg} cases reported\n{proc.stderr[-3000:]}")
+        f"{len(by_case)} of {_cases(world_size) + n_reg} cases reported\n{log[-3000:]}")
     failures = []
     rejected = 0
     for cs, rs in by_case.items():
@@ -100,4 +90,4 @@ def test_gradient_accounting_property(world_size, tmp_path):
           f"{rejected} rejected as allowed (seed {seed})")
     assert not failures, (f"{len(failures)} of {len(by_case)} configurations failed "
                           f"(seed {seed}):\n" + "\n".join(failures))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert rc == 0, log[-6000:]

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import torchrun as launch
+
 REPO = Path(__file__).resolve().parents[2]
 # A small model that still learns: 2 layers x 32, sequences of 32 bytes, 2 ranks x 2 micro-batches.
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32",
@@ -18,13 +20,10 @@ TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=
 
 
 def torchrun(args, nproc=2, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "fp8dp.train", "--config",
-           str(REPO / "configs" / "demo.yaml"), "--no-progress", *args]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    return p
+    rc, log = launch("fp8dp.train", nproc, ["--config", REPO / "configs" / "demo.yaml",
+                                            "--no-progress", *args],
+                     timeout=timeout, module=True, cwd=REPO)
+    assert rc == 0, log[-4000:]
 
 
 def _sets(*kv):

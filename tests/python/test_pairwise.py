@@ -4,14 +4,17 @@ deterministic, and far smaller than the full product."""
 import itertools
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
 
-from fp8dp.testing.matrix import load_matrix, make_cells
-from fp8dp.testing.pairwise import all_pairs, full_product, pairwise
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the matrix lives in tests/distributed/matrix, not in fp8dp
+from tests.distributed.matrix.pairwise import all_pairs, full_product, pairwise  # noqa: E402
+from tests.distributed.matrix.runner import load_matrix, make_cells  # noqa: E402
 
-MATRIX = Path(__file__).resolve().parents[2] / "configs" / "test_matrix.yaml"
+MATRIX = ROOT / "configs" / "test_matrix.yaml"
 
 
 def _covered(cells, axes):

@@ -1,24 +1,17 @@
-"""torchrun worker for the native NCCL communicator (one GPU per rank, >= 2 GPUs). The torch group
-is gloo (the NCCL unique id travels as a CPU tensor) and every fp8dp collective runs on fp8dp's own
-ncclComm_t. Prints one PASS/FAIL line per case, like ddp_worker.py, and exits non-zero on a
-failure."""
+"""The native NCCL communicator's own cases (harness.py's registry), on the "nccl_native" run:
+one GPU per rank (>= 2 GPUs) on a gloo group (the NCCL unique id travels as a CPU tensor), every
+fp8dp collective on fp8dp's own ncclComm_t."""
 
 import copy
-import gc
-import itertools
-import os
-import sys
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-import fp8dp  # noqa: E402
-from _models import mlp  # noqa: E402
-from ddp_worker import (  # noqa: E402
+import fp8dp
+from _models import mlp
+from cases_ddp import (
+    FP32_CUDA,
     cfg,
     check_main_grads,
     data,
@@ -27,23 +20,14 @@ from ddp_worker import (  # noqa: E402
     mse,
     reference_grads,
 )
+from harness import case
 
-CASES = []
-
-
-def case(**grid):
-    def register(fn):
-        for combo in itertools.product(*grid.values()):
-            kw = dict(zip(grid.keys(), combo))
-            CASES.append((f"{fn.__name__}[{','.join(f'{k}={v}' for k, v in kw.items())}]", fn, kw))
-        return fn
-
-    return register
+NATIVE = ("nccl_native",)
 
 # GPU FP32 GEMMs sum the batch in another order than the single-process reference (and without TF32,
-# disabled below, each product is exact to 2^-24 relative): the ddp_worker bound, widened 4x for the
-# GEMM's own reordering within a micro-batch.
-FP32 = dict(rtol=4e-5, atol=4 * 64 * 2.0**-23)
+# disabled by worker.py, each product is exact to 2^-24 relative): cases_ddp's CPU bound, widened 4x
+# for the GEMM's own reordering within a micro-batch.
+FP32 = FP32_CUDA
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,7 +35,7 @@ def dev():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@case(dtype=list(DTYPES), op=["SUM", "AVG"])
+@case(runs=NATIVE, dtype=list(DTYPES), op=["SUM", "AVG"])
 def collectives_exact(rank, ws, dtype, op):
     """all_reduce / reduce_scatter (in place) / all_gather (in place) on 2^24 elements. Values are
     small integers times (rank + 1): every sum and every average (k * (ws+1)/2 with ws = 2) is
@@ -86,8 +70,8 @@ def collectives_exact(rank, ws, dtype, op):
     assert a.tolist() == [ws * (ws + 1) // 2] * 5 and b.tolist() == [ws * (ws + 1) / 2] * 3
 
 
-@case(overlap=[False, True], dist_opt=[False, True], avg=[False, True])
-def grads_match_reference(rank, ws, overlap, dist_opt, avg):
+@case(runs=NATIVE, overlap=[False, True], dist_opt=[False, True], avg=[False, True])
+def native_grads_match_reference(rank, ws, overlap, dist_opt, avg):
     """main_grad (all-reduce) or each rank's owned chunk (reduce-scatter) equals the gradient of a
     single-process FP32 model on the global batch, with fp8dp's NCCL communicator."""
     n_mb = 2
@@ -105,7 +89,7 @@ def grads_match_reference(rank, ws, overlap, dist_opt, avg):
         assert check_main_grads(ddp, reference_grads(ref, x, y), **FP32) > 0 or dist_opt
 
 
-@case()
+@case(runs=NATIVE)
 def auto_picks_nccl_and_optimizer_stays_in_sync(rank, ws):
     """comm_backend='auto' on CUDA parameters picks the native communicator; 3 DistributedOptimizer
     (AdamW) steps (reduce-scatter, shard step, all-gather) leave bit-identical parameters on every
@@ -126,7 +110,7 @@ def auto_picks_nccl_and_optimizer_stays_in_sync(rank, ws):
         assert torch.equal(g, gathered[0])
 
 
-@case(skipper=[1], blocking=[True, False])
+@case(runs=NATIVE, skipper=[1], blocking=[True, False])
 def skipped_collective_times_out(rank, ws, skipper, blocking):
     """One rank skips the gradient all-reduce: the others get an fp8dp error naming the collective
     within the (2 s) timeout instead of hanging, their communicator is aborted, and later calls say
@@ -172,7 +156,7 @@ def skipped_collective_times_out(rank, ws, skipper, blocking):
     dist.barrier()  # gloo: independent of the aborted NCCL communicator
 
 
-@case()
+@case(runs=NATIVE)
 def overlap_param_gather_on_nccl(rank, ws):
     """overlap_param_gather with the native communicator: the last rank joins each step's
     parameter all-gather 0.3 s late, so the other ranks' next forward must wait for it on the
@@ -203,31 +187,3 @@ def overlap_param_gather_on_nccl(rank, ws):
     opt.finish_param_sync()
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
-
-
-def main():
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    only = os.environ.get("FP8DP_DDP_CASES", "")
-    failed = []
-    for name, fn, kw in CASES:
-        if only and only not in name:
-            continue
-        try:
-            fn(rank, ws, **kw)
-            print(f"[rank {rank}/{ws}] PASS {name}", flush=True)
-        except Exception:
-            failed.append(name)
-            print(f"[rank {rank}/{ws}] FAIL {name}\n{traceback.format_exc()}", flush=True)
-        gc.collect()  # each case's communicator is destroyed before the next one is built
-        torch.cuda.synchronize()
-    dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,68 +1,47 @@
-"""torchrun worker for the DDP tests. Runs every case in one process group, prints one PASS/FAIL
-(or SKIP, with the reason) line per case and exits non-zero when any failed. Values are checked
-against references derived analytically: with loss = mean over the global batch, the averaged
-main_grad must equal the gradient of a single-process FP32 model on the whole global batch.
-
-Backends (FP8DP_DDP_BACKEND): "gloo" (default) runs on the CPU; "nccl" runs one GPU per rank
-(LOCAL_RANK), a pure NCCL process group, CUDA models and data, and comm_backend "auto", i.e.
-fp8dp's native NCCL communicator (tests/distributed/test_nccl_distributed.py launches it)."""
+"""The DDP cases (harness.py's registry): every one runs on the "gloo" run (CPU, world sizes 2
+and 3: 3 exercises uneven padding) and, on a machine with 2 GPUs, on the "nccl" run (a pure NCCL
+group, CUDA models and data, comm_backend "auto", i.e. fp8dp's native NCCL communicator). Values
+are checked against references derived analytically: with loss = mean over the global batch, the
+averaged main_grad must equal the gradient of a single-process FP32 model on the whole global
+batch."""
 
 import contextlib
 import copy
-import gc
 import io
-import itertools
-import os
-import sys
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-import fp8dp  # noqa: E402
-import _models  # noqa: E402
+import _models
+import fp8dp
+from harness import case
 
 B = 4  # samples per micro-batch per rank
 # FP32 tolerance: each gradient element is a sum of at most ws * n_mb * B <= 48 per-sample terms of
 # magnitude <= ~1 (tanh MLP, unit-normal data), reduced in a different order than the reference (and
 # scaled by 1/dp); each reordered addition errs by <= 2^-24 relative, so 64 * 2^-23 bounds the sum.
 FP32 = dict(rtol=1e-5, atol=64 * 2.0**-23)
-CASES = []
+# The bound above covers any order of the per-sample sum (the NCCL ring's included: with 2 ranks it
+# adds the two partial sums once). On the GPU the per-sample terms themselves differ too: cuBLAS
+# picks other kernels for the micro-batch and the global-batch shapes, which sum each backprop
+# GEMM's k <= 24 products in another order (<= 24 2^-24 relative per layer, three layers). 4x the
+# CPU bound covers both.
+FP32_CUDA = dict(rtol=4e-5, atol=4 * 64 * 2.0**-23)
 
-# ---- device and backend ---------------------------------------------------------------------
-# Where the cases' models and data live: the CPU for gloo, this rank's GPU for nccl (set by
-# use_backend() before any case runs). The model builders below move what they build there.
+# ---- device ---------------------------------------------------------------------------------
+# Where the cases' models and data live: the CPU on gloo, this rank's GPU on nccl (set by
+# worker.py through use_device() before any case runs). The model builders below move what they
+# build there.
 DEV = torch.device("cpu")
-# Cases whose subject exists only on the CPU group, with the reason printed on SKIP.
-GLOO_ONLY = {
-    "late_rank_times_out": "a late gloo rank rejoins the group; on NCCL the timeout aborts the "
-    "communicator, which nccl_worker.skipped_collective_times_out covers",
-}
 
 
-def use_backend(backend):
-    """Initialise the process group for `backend` and point DEV (and the FP32 tolerance) at its
-    device."""
+def use_device(device):
+    """Point DEV (and the FP32 tolerance) at `device`."""
     global DEV, FP32
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        DEV = torch.device("cuda", local)
-        # FP32 GEMMs stay FP32 (TF32 would round the inputs to 10 mantissa bits).
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        # The bound above covers any order of the per-sample sum (the NCCL ring's included: with
-        # 2 ranks it adds the two partial sums once). On the GPU the per-sample terms themselves
-        # differ too: cuBLAS picks other kernels for the micro-batch and the global-batch shapes,
-        # which sum each backprop GEMM's k <= 24 products in another order (<= 24 2^-24 relative
-        # per layer, three layers). 4x the CPU bound covers both (as in nccl_worker.py).
-        FP32 = dict(rtol=4e-5, atol=4 * 64 * 2.0**-23)
-    elif backend != "gloo":
-        raise ValueError(f"FP8DP_DDP_BACKEND: expected 'gloo' or 'nccl', got {backend!r}")
-    dist.init_process_group(backend, timeout=timedelta(seconds=120 if backend == "nccl" else 60))
+    DEV = torch.device(device)
+    if DEV.type == "cuda":
+        FP32 = FP32_CUDA
 
 
 def mlp(seed: int = 0, dtype=torch.float32) -> nn.Module:
@@ -75,19 +54,6 @@ def delayed_mlp(seed: int = 0) -> nn.Module:
 
 def plain_twin(model: nn.Module) -> nn.Module:
     return _models.plain_twin(model).to(DEV)
-
-
-def case(when=None, **grid):
-    def register(fn):
-        for combo in itertools.product(*grid.values()):
-            kw = dict(zip(grid.keys(), combo))
-            if when is not None and not when(**kw):
-                continue
-            args = ",".join(f"{k}={v}" for k, v in kw.items())
-            CASES.append((f"{fn.__name__}[{args}]", fn, kw))
-        return fn
-
-    return register
 
 
 def data(step, ws, n_mb, din=12, dout=5):
@@ -627,7 +593,12 @@ def broadcast_and_scale(rank, ws, root):
         assert torch.equal(p.main_grad, b * 0.5)
 
 
-@case(late_rank=[-1])
+@case(
+    late_rank=[-1],
+    runs=("gloo",),
+    skip={"nccl": "a late gloo rank rejoins the group; on NCCL the timeout aborts the "
+          "communicator, which cases_nccl.skipped_collective_times_out covers"},
+)
 def late_rank_times_out(rank, ws, late_rank):
     """A rank that does not join a collective makes the others fail with a clear error after the
     communicator's timeout instead of hanging; once it joins late, the group is usable again."""
@@ -828,32 +799,3 @@ def param_reads_wait_for_the_gather(rank, ws, reader):
         for p, q in zip(model.parameters(), ref_model.parameters()):
             assert torch.equal(p, q)
     assert not ddp._sync.param_sync_pending
-
-
-def main():
-    backend = os.environ.get("FP8DP_DDP_BACKEND", "gloo")
-    use_backend(backend)
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    only = os.environ.get("FP8DP_DDP_CASES", "")
-    failed = []
-    for name, fn, kw in CASES:
-        if only and only not in name:
-            continue
-        if backend != "gloo" and fn.__name__ in GLOO_ONLY:
-            print(f"[rank {rank}/{ws}] SKIP {name} ({GLOO_ONLY[fn.__name__]})", flush=True)
-            continue
-        try:
-            fn(rank, ws, **kw)
-            print(f"[rank {rank}/{ws}] PASS {name}", flush=True)
-        except Exception:
-            failed.append(name)
-            print(f"[rank {rank}/{ws}] FAIL {name}\n{traceback.format_exc()}", flush=True)
-        if DEV.type == "cuda":
-            gc.collect()  # each case's NCCL communicator goes before the next one is built
-            torch.cuda.synchronize()
-    dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """The distributed test matrix.
 
-    python -m fp8dp.testing.matrix --backend gloo|nccl [--full] [--config configs/test_matrix.yaml]
+    python -m tests.distributed.matrix --backend gloo|nccl [--full] [--config CONFIG.yaml]
 
 Builds the cells from the axes in the config (default: a pairwise covering subset, every pair of
 values of any two axes in some cell; --full: the whole product), launches them with torchrun - all
@@ -14,16 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import yaml
 
+from ..harness import torchrun
 from .cell import Problem
 from .pairwise import full_product, pairwise
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "test_matrix.yaml"
 
 AXES = {
     "backend": ("gloo", "nccl"),
@@ -104,15 +107,10 @@ def _launch(cells: list, world: int, prob: Problem, backend: str, workdir: str, 
             log, inject: str, chunk=None, devices: str = "") -> dict:
     """Run cells in torchrun launches of `world` ranks until each has a result; returns id ->
     result. A launch that dies blames the first cell without a result and resumes after it.
-    chunk (None: the only launch of this world size) names this launch's files; devices, if given, becomes
-    CUDA_VISIBLE_DEVICES."""
+    chunk (None: the only launch of this world size) names this launch's files; devices, if
+    given, becomes CUDA_VISIBLE_DEVICES."""
     results, pending, attempt = {}, list(cells), 0
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = devices
+    env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
     while pending:
         attempt += 1
         job = os.path.join(workdir, f"ws{world}-{chunk or 0}-{attempt}.json")
@@ -120,16 +118,11 @@ def _launch(cells: list, world: int, prob: Problem, backend: str, workdir: str, 
         with open(job, "w") as f:
             json.dump({"backend": backend, "problem": prob.__dict__, "cells": pending,
                        "inject": inject}, f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", "-m", "fp8dp.testing.matrix_worker", job, out]
         log(f"[matrix] world size {world}: {len(pending)} cell(s) in one torchrun launch"
             + (f" (part {chunk + 1})" if chunk is not None else ""))
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-        except subprocess.TimeoutExpired as e:
-            rc = -1
-            tail = f"launch timed out after {timeout:.0f} s\n" + str(e.stdout or "")[-2000:]
+        rc, output = torchrun("tests.distributed.matrix.worker", world, [job, out], env=env,
+                              timeout=timeout, module=True)
+        tail = output[-3000:]
         if os.path.exists(out):
             with open(out) as f:
                 for line in f:
@@ -226,12 +219,13 @@ def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: f
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8dp.testing.matrix",
+    p = argparse.ArgumentParser(prog="python -m tests.distributed.matrix",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--backend", required=True, choices=["gloo", "nccl"])
     p.add_argument("--full", action="store_true",
                    help="the whole product instead of the pairwise subset")
-    p.add_argument("--config", default="configs/test_matrix.yaml")
+    p.add_argument("--config", default=str(CONFIG),
+                   help="the axes and the problem (default configs/test_matrix.yaml)")
     p.add_argument("--json", default=None,
                    help="report path (default runs/test_matrix_<backend>.json)")
     p.add_argument("--launch-timeout", type=float, default=1800.0,

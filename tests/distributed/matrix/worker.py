@@ -1,9 +1,9 @@
 """torchrun worker of the test matrix: runs a list of cells one after another in one process group
 (so the ~5 s start-up of a torchrun launch is paid once per world size, not once per cell).
 
-    torchrun --standalone --nproc_per_node=W -m fp8dp.testing.matrix_worker CELLS.json RESULTS.jsonl
+    torchrun --standalone --nproc_per_node=W -m tests.distributed.matrix.worker CELLS.json OUT.jsonl
 
-Rank 0 appends one JSON line per finished cell to RESULTS.jsonl: the runner reads them even when a
+Rank 0 appends one JSON line per finished cell to OUT.jsonl: the runner reads them even when a
 later cell kills the job, and relaunches the cells that have no line.
 """
 

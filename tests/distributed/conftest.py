@@ -1,0 +1,48 @@
+"""The `launch` fixture of the distributed cases: one torchrun launch per (run, world size) per
+session, however many tests read it (harness.py)."""
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # harness, the case modules
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests.distributed.matrix
+import harness  # noqa: E402
+
+_LAUNCHES = {}  # (run, world size) -> harness.Launch, or the reason it cannot launch here
+
+
+def _selected(session, key):
+    """The case names that this session's selected tests read from the launch `key` (all of the
+    run's cases when its launch test is selected): `pytest -k` narrows the launch too."""
+    names, everything = set(), False
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("launch") != key:
+            continue
+        if "name" in params:
+            names.add(params["name"])
+        else:
+            everything = True
+    run_cases = harness.cases_of(key[0])
+    return run_cases if everything else [n for n in run_cases if n in names]
+
+
+@pytest.fixture
+def launch(request, tmp_path_factory):
+    """harness.Launch of request.param = (run, world size), launched at first use."""
+    key = tuple(request.param)
+    if key not in _LAUNCHES:
+        run, ws = key
+        reason = harness.skip_reason(run, ws)
+        if reason is None:
+            out = tmp_path_factory.mktemp(f"{run}-ws{ws}")
+            _LAUNCHES[key] = harness.launch(run, ws, _selected(request.session, key), out)
+        else:
+            _LAUNCHES[key] = reason
+    got = _LAUNCHES[key]
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
