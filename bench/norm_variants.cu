@@ -1,4 +1,4 @@
-// Tuning benchmark of the LayerNorm / RMSNorm kernels (src/modules/cuda/norm_*.cu): times their
+// Tuning benchmark of the LayerNorm / RMSNorm kernels (src/norm/cuda/norm_*.cu): times their
 // launch choices against each other and against a device-to-device copy of the input, interleaved
 // (A B C ... A B C ..., median of 20), on random bf16 16384 x 8192 (256 MiB) and 4096 x 8192.
 //   forward (LayerNorm, E4M3 output only): vectors of the row per thread (2, 4, 8: threads per row
@@ -11,10 +11,10 @@
 // Build (no torch needed):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -DFP8DP_WITH_CUDA=1 -I src -o build/norm_variants bench/norm_variants.cu \
-//        src/fp8/cuda/quantize.cu src/fp8/cuda/cast_transpose.cu src/fp8/cuda/cast_workspace.cu
+//        src/fp8/cuda/quantize.cu
 // Run: build/norm_variants
-#include "modules/cuda/norm_bwd.cu"
-#include "modules/cuda/norm_fwd.cu"
+#include "norm/cuda/norm_bwd.cu"
+#include "norm/cuda/norm_fwd.cu"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,14 +1,13 @@
 // Raw-pointer FP8 cast kernels (C7), one signature for the CPU and CUDA versions.
-// Nothing here depends on LibTorch tensors: src/fp8/ops.h checks tensors and passes pointers down.
+// Nothing here depends on LibTorch tensors: src/fp8/cast.h checks tensors and passes pointers down.
 #pragma once
 
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "fp8/format.h"
 
 namespace fp8dp {
-
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // One pass over a row-major [rows, cols] input. Every output pointer is optional (nullptr = skip):
 //   out       [rows, cols]  saturate(rne(x * scale)) as FP8 bytes

@@ -276,8 +276,10 @@ uint32_t quantize_dispatch_dtype(const QuantizeParams& p, float scale) {
       return quantize_dispatch_path<F, c10::BFloat16>(p, scale);
     case DType::kFloat16:
       return quantize_dispatch_path<F, c10::Half>(p, scale);
+    default:
+      break;
   }
-  FP8DP_CHECK(false, "quantize_cpu: unknown input dtype ", static_cast<int>(p.input_dtype));
+  FP8DP_CHECK(false, "quantize_cpu: no kernel for input dtype ", dtype_name(p.input_dtype));
 }
 
 template <typename T>
@@ -318,8 +320,10 @@ void dequantize_cpu(const DequantizeParams& p) {
       return dequantize_typed<c10::BFloat16>(p, lut);
     case DType::kFloat16:
       return dequantize_typed<c10::Half>(p, lut);
+    default:
+      break;
   }
-  FP8DP_CHECK(false, "dequantize_cpu: unknown output dtype ", static_cast<int>(p.out_dtype));
+  FP8DP_CHECK(false, "dequantize_cpu: no kernel for output dtype ", dtype_name(p.out_dtype));
 }
 
 }  // namespace fp8dp

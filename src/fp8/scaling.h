@@ -1,4 +1,5 @@
 // Delayed-scaling state update (C7) over raw buffers: amax history roll and scale computation.
+// Torch-free: src/fp8/scaling_update.h checks tensors and passes pointers down.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// GEMM front end: argument checks shared by every device, and the CPU path.
+// GEMM front end: the argument checks of every device (check_gemm_args), and the CPU path.
 // The CPU path dequantizes FP8 operands exactly (decode(byte) * scale_inv is exact in FP32 unless
 // it underflows), multiplies in FP32 and applies the epilogues in FP32, so its result is the one an
 // FP8 tensor-core GEMM with FP32 accumulation computes, up to the order of the FP32 additions.
@@ -7,33 +7,26 @@
 #include <ATen/ATen.h>
 
 #include "common/check.h"
-#include "fp8/ops.h"
+#include "common/tensor_checks.h"
+#include "fp8/cast.h"
 
 namespace fp8dp {
 namespace {
 
 constexpr const char* kFn = "fp8dp.gemm";
 
-bool is_fp8(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
-}
-
-bool is_high_precision(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
+// name: "a" or "b"; what: "operand 'a'" or "operand 'b'" (literals: the check runs on every GEMM).
 void check_operand(const at::Tensor& t, const at::Tensor& scale_inv, const char* name,
-                   const char* scale_name) {
+                   const char* what, const char* scale_name, GemmStrides strides) {
   FP8DP_CHECK_ARG(t.defined(), kFn, ": operand '", name, "' is undefined");
   FP8DP_CHECK_ARG(t.dim() == 2, kFn, ": operand '", name, "' must be 2-D, got shape ", t.sizes());
-  FP8DP_CHECK_ARG(t.is_contiguous(), kFn, ": operand '", name,
+  FP8DP_CHECK_ARG(strides == GemmStrides::kAny || t.is_contiguous(), kFn, ": operand '", name,
                   "' must be row-major contiguous (TN layout), got strides ", t.strides());
-  FP8DP_CHECK_ARG(is_fp8(t) || is_high_precision(t.scalar_type()), kFn, ": operand '", name,
-                  "' must be float8_e4m3fn, float8_e5m2, float32, bfloat16 or float16, got ",
-                  t.scalar_type());
-  if (is_fp8(t)) {
+  to_dtype(t.scalar_type(), kFn, what);
+  if (is_fp8(t.scalar_type())) {
     FP8DP_CHECK_ARG(scale_inv.defined(), kFn, ": operand '", name, "' is FP8 but '", scale_name,
-                    "' is undefined");
+                    "' is undefined ('", scale_name,
+                    "' is required for an FP8 operand: float32 with one element)");
     FP8DP_CHECK_ARG(scale_inv.scalar_type() == at::kFloat && scale_inv.numel() == 1, kFn, ": '",
                     scale_name, "' must be float32 with one element, got ", scale_inv.scalar_type(),
                     " with ", scale_inv.numel(), " elements");
@@ -42,13 +35,15 @@ void check_operand(const at::Tensor& t, const at::Tensor& scale_inv, const char*
   }
 }
 
-void check_args(const GemmArgs& g) {
-  check_operand(g.a, g.a_scale_inv, "a", "a_scale_inv");
-  check_operand(g.b, g.b_scale_inv, "b", "b_scale_inv");
+}  // namespace
+
+void check_gemm_args(const GemmArgs& g, GemmStrides strides) {
+  check_operand(g.a, g.a_scale_inv, "a", "operand 'a'", "a_scale_inv", strides);
+  check_operand(g.b, g.b_scale_inv, "b", "operand 'b'", "b_scale_inv", strides);
   FP8DP_CHECK_ARG(g.a.device() == g.b.device(), kFn, ": operands on different devices: a on ",
                   g.a.device(), ", b on ", g.b.device());
-  const bool fp8 = is_fp8(g.a);
-  FP8DP_CHECK_ARG(fp8 == is_fp8(g.b), kFn,
+  const bool fp8 = is_fp8(g.a.scalar_type());
+  FP8DP_CHECK_ARG(fp8 == is_fp8(g.b.scalar_type()), kFn,
                   ": operands must be both FP8 or both high precision, got a ", g.a.scalar_type(),
                   " and b ", g.b.scalar_type());
   if (!fp8) {
@@ -72,29 +67,34 @@ void check_args(const GemmArgs& g) {
   if (g.bias.defined()) {
     FP8DP_CHECK_ARG(g.bias.dim() == 1 && g.bias.size(0) == n, kFn, ": 'bias' must have shape [", n,
                     "], got ", g.bias.sizes());
-    FP8DP_CHECK_ARG(is_high_precision(g.bias.scalar_type()), kFn,
-                    ": 'bias' must be float32, bfloat16 or float16, got ", g.bias.scalar_type());
+    to_high_precision_dtype(g.bias.scalar_type(), kFn, "'bias'");
     FP8DP_CHECK_ARG(g.bias.device() == g.a.device(), kFn, ": 'bias' is on ", g.bias.device(),
                     " but the operands are on ", g.a.device());
   }
   FP8DP_CHECK_ARG(!g.accumulate || g.out.defined(), kFn,
-                  ": accumulate=true needs a preallocated 'out' to accumulate into");
+                  ": accumulate=True needs an 'out' tensor of shape [", m, ", ", n,
+                  "] to accumulate into");
   if (g.out.defined()) {
     FP8DP_CHECK_ARG(g.out.dim() == 2 && g.out.size(0) == m && g.out.size(1) == n, kFn,
                     ": 'out' must have shape [", m, ", ", n, "], got ", g.out.sizes());
-    FP8DP_CHECK_ARG(g.out.is_contiguous(), kFn, ": 'out' must be contiguous");
-    FP8DP_CHECK_ARG(is_high_precision(g.out.scalar_type()), kFn,
-                    ": 'out' must be float32, bfloat16 or float16, got ", g.out.scalar_type());
+    if (strides == GemmStrides::kAny) {
+      FP8DP_CHECK_ARG(g.out.stride(1) == 1 && g.out.stride(0) >= n, kFn,
+                      ": 'out' must have contiguous rows, got strides ", g.out.strides());
+    } else {
+      FP8DP_CHECK_ARG(g.out.is_contiguous(), kFn, ": 'out' must be contiguous");
+    }
+    to_high_precision_dtype(g.out.scalar_type(), kFn, "'out'");
     FP8DP_CHECK_ARG(g.out.device() == g.a.device(), kFn, ": 'out' is on ", g.out.device(),
                     " but the operands are on ", g.a.device());
   } else {
-    FP8DP_CHECK_ARG(is_high_precision(g.out_dtype), kFn,
-                    ": 'out_dtype' must be float32, bfloat16 or float16, got ", g.out_dtype);
+    to_high_precision_dtype(g.out_dtype, kFn, "'out_dtype'");
   }
 }
 
+namespace {
+
 at::Tensor to_fp32(const at::Tensor& t, const at::Tensor& scale_inv) {
-  return is_fp8(t) ? dequantize(t, scale_inv, at::kFloat) : t.to(at::kFloat);
+  return is_fp8(t.scalar_type()) ? dequantize(t, scale_inv, at::kFloat) : t.to(at::kFloat);
 }
 
 at::Tensor gemm_cpu(const GemmArgs& g) {
@@ -118,9 +118,9 @@ at::Tensor gemm_cpu(const GemmArgs& g) {
 }  // namespace
 
 at::Tensor gemm(const GemmArgs& args) {
-  check_args(args);
+  check_gemm_args(args, GemmStrides::kContiguous);
 #if defined(FP8DP_WITH_CUDA)
-  if (args.a.is_cuda()) return gemm_cuda(args);
+  if (args.a.is_cuda()) return gemm_cuda_checked(args);
 #endif
   return gemm_cpu(args);
 }

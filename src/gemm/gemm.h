@@ -23,12 +23,27 @@ struct GemmArgs {
   bool use_split_accumulator = true;     // CUDA FP8: exact FP32 accumulation (dgrad / wgrad)
 };
 
-// Checks every argument (dtype, device, shapes; FP8 needs k % 16 == 0 and n % 16 == 0) and names the
-// one that is wrong. Returns `out` (the given one or a new one).
+// What check_gemm_args asks of the strides: gemm() takes contiguous operands and `out`;
+// gemm_cuda() copies operands of any layout and writes into an `out` whose rows are contiguous
+// (a slice of a wider buffer).
+enum class GemmStrides { kContiguous, kAny };
+
+// The one set of GEMM argument checks: dtypes, devices, shapes (FP8 needs k % 16 == 0 and
+// n % 16 == 0), scale_inv, bias, out, accumulate. Throws ValueError naming the argument that is
+// wrong, what was expected and what came. Device limits (cuBLASLt's) are checked by gemm_cuda.
+void check_gemm_args(const GemmArgs& args, GemmStrides strides);
+
+// Checks every argument (check_gemm_args, contiguous) and runs the GEMM on the operands' device.
+// Returns `out` (the given one or a new one).
 at::Tensor gemm(const GemmArgs& args);
 
 #if defined(FP8DP_WITH_CUDA)
-at::Tensor gemm_cuda(const GemmArgs& args);  // cuBLASLt; called by gemm() for CUDA tensors
+// cuBLASLt directly, for the GPU tests and benchmarks (bound as _gemm_cuda): CUDA operands on one
+// device, checked by check_gemm_args with any strides, then as gemm_cuda_checked.
+at::Tensor gemm_cuda(const GemmArgs& args);
+// cuBLASLt on arguments check_gemm_args has passed (gemm() calls it for CUDA tensors); checks only
+// what cuBLASLt adds (no float8_e5m2 x float8_e5m2, FP8 row strides multiples of 16).
+at::Tensor gemm_cuda_checked(const GemmArgs& args);
 #endif
 
 }  // namespace fp8dp

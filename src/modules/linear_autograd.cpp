@@ -8,7 +8,8 @@
 
 #include "common/check.h"
 #include "gemm/gemm.h"
-#include "modules/linear.h"
+#include "modules/linear_autograd.h"
+#include "modules/linear_core.h"
 
 namespace fp8dp {
 namespace {
@@ -28,7 +29,7 @@ struct LinearCtx : torch::CustomClassHolder {
   // dgrad operand b: FP8 Wᵀ [in, out] + scale_inv, or the high-precision weight [out, in]
   at::Tensor w_t, w_scale_inv, w_hp;
   at::Tensor weight, bias, main_grad;
-  // DistributedDataParallel's gradient sink when the module is bound to one (linear.h).
+  // DistributedDataParallel's gradient sink when the module is bound to one (linear_core.h).
   std::shared_ptr<GradSink> sink;
   int64_t sink_weight = -1, sink_bias = -1;
   int64_t microbatch = -1;  // the sink's micro-batch at forward (the ledger's attribution)
@@ -280,79 +281,19 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   }
 };
 
-void check_param(const at::Tensor& p, const char* name, std::vector<int64_t> shape,
-                 const at::Tensor& weight, const std::string& mod) {
-  FP8DP_CHECK_ARG(p.sizes() == at::IntArrayRef(shape), mod, ": parameter '", name,
-                  "' must have shape ", at::IntArrayRef(shape), ", got ", p.sizes());
-  FP8DP_CHECK_ARG(p.scalar_type() == weight.scalar_type() && p.device() == weight.device(), mod,
-                  ": parameter '", name, "' must match 'weight' (", weight.scalar_type(), " on ",
-                  weight.device(), "), got ", p.scalar_type(), " on ", p.device());
-}
-
 }  // namespace
 
-std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tensor& weight,
-                                            const at::Tensor& bias, const at::Tensor& ln_weight,
-                                            const at::Tensor& ln_bias,
-                                            std::optional<bool> is_first_microbatch) {
-  const std::string& mod = cfg_.name;
-  const int64_t in = cfg_.in_features, out = cfg_.out_features;
-  FP8DP_CHECK_ARG(weight.defined(), mod, ": parameter 'weight' is undefined");
-  const at::ScalarType dt = weight.scalar_type();
-  FP8DP_CHECK_ARG(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, mod,
-                  ": parameter 'weight' must be float32, bfloat16 or float16, got ", dt);
-  check_param(weight, "weight", {out, in}, weight, mod);
-  if (bias.defined()) check_param(bias, "bias", {out}, weight, mod);
-  if (cfg_.layernorm) {
-    FP8DP_CHECK_ARG(ln_weight.defined(), mod, ": parameter 'layer_norm_weight' is undefined");
-    check_param(ln_weight, "layer_norm_weight", {in}, weight, mod);
-    if (ln_bias.defined()) check_param(ln_bias, "layer_norm_bias", {in}, weight, mod);
-  }
-  FP8DP_CHECK_ARG(x.defined(), mod, ": input is undefined");
-  FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod, ": input must have in_features=", in,
-                  " as its last dimension, got shape ", x.sizes());
-  FP8DP_CHECK_ARG(x.scalar_type() == dt, mod, ": input has dtype ", x.scalar_type(),
-                  " but the parameters have dtype ", dt, " (cast the input to params_dtype)");
-  FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
-                  " but the parameters are on ", weight.device());
-
-  const AutocastState ac = autocast_current();
-  const bool need_wgrad = at::GradMode::is_enabled() && weight.requires_grad();
-  if (need_wgrad) {
-    if (const auto sink = grad_sink()) {
-      // The sink knows the parameter it was bound to; a weight re-assigned (or unfrozen) after
-      // wrapping would have its gradient delivered into another parameter's main_grad.
-      FP8DP_CHECK_ARG(sink_weight_ >= 0 && sink->param(sink_weight_).unsafeGetTensorImpl() ==
-                                               weight.unsafeGetTensorImpl(),
-                      mod,
-                      ": parameter 'weight' is not the one DistributedDataParallel manages for "
-                      "this module (re-assigned or unfrozen after wrapping?): tie, freeze and "
-                      "unfreeze parameters before wrapping the model");
-      FP8DP_CHECK_ARG(!bias.defined() || !bias.requires_grad() ||
-                          (sink_bias_ >= 0 && sink->param(sink_bias_).unsafeGetTensorImpl() ==
-                                                  bias.unsafeGetTensorImpl()),
-                      mod,
-                      ": parameter 'bias' is not the one DistributedDataParallel manages for "
-                      "this module (re-assigned or unfrozen after wrapping?)");
-    }
-  }
-  if (ac.enabled) {
-    // FP8 GEMMs need multiples of 16 in every inner dimension (fprop: in, dgrad: out, wgrad:
-    // tokens); the same rule on every device, checked before any work is done.
-    FP8DP_CHECK_ARG(in % 16 == 0, mod, ": FP8 needs in_features to be a multiple of 16, got ", in);
-    FP8DP_CHECK_ARG(out % 16 == 0, mod, ": FP8 needs out_features to be a multiple of 16, got ",
-                    out);
-    const int64_t tokens = x.numel() / in;
-    FP8DP_CHECK_ARG(!need_wgrad || tokens % 16 == 0, mod,
-                    ": FP8 training needs the number of tokens (the product of the input's leading "
-                    "dimensions) to be a multiple of 16, got ",
-                    tokens, " from input shape ", x.sizes());
-  }
+std::vector<at::Tensor> apply_linear_function(const at::Tensor& x, const at::Tensor& weight,
+                                              const at::Tensor& bias, const at::Tensor& ln_weight,
+                                              const at::Tensor& ln_bias,
+                                              std::shared_ptr<LinearCore> core,
+                                              std::optional<bool> is_first_microbatch,
+                                              const AutocastState& ac, bool need_wgrad) {
   auto opt = [](const at::Tensor& t) {
     return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
   };
-  return LinearFunction::apply(x, weight, opt(bias), opt(ln_weight), opt(ln_bias),
-                               shared_from_this(), is_first_microbatch, ac, need_wgrad);
+  return LinearFunction::apply(x, weight, opt(bias), opt(ln_weight), opt(ln_bias), std::move(core),
+                               is_first_microbatch, ac, need_wgrad);
 }
 
 }  // namespace fp8dp

@@ -1,10 +1,13 @@
-// LinearCore: FP8 casts per role, weight cache, fused-wgrad helpers, backward_dw (C2–C4).
+// LinearCore: argument checks of forward, FP8 casts per role, weight cache, fused-wgrad helpers,
+// backward_dw (C2–C4). The autograd function itself is in linear_autograd.cpp.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 
 #include "common/check.h"
-#include "modules/linear.h"
+#include "common/tensor_checks.h"
+#include "modules/linear_autograd.h"
+#include "modules/linear_core.h"
 
 namespace fp8dp {
 namespace {
@@ -19,6 +22,15 @@ void accumulate_into_grad(const at::Tensor& param, const at::Tensor& g) {
   } else {
     grad.add_(g);
   }
+}
+
+void check_param(const at::Tensor& p, const char* name, std::vector<int64_t> shape,
+                 const at::Tensor& weight, const std::string& mod) {
+  FP8DP_CHECK_ARG(p.sizes() == at::IntArrayRef(shape), mod, ": parameter '", name,
+                  "' must have shape ", at::IntArrayRef(shape), ", got ", p.sizes());
+  FP8DP_CHECK_ARG(p.scalar_type() == weight.scalar_type() && p.device() == weight.device(), mod,
+                  ": parameter '", name, "' must match 'weight' (", weight.scalar_type(), " on ",
+                  weight.device(), "), got ", p.scalar_type(), " on ", p.device());
 }
 
 }  // namespace
@@ -161,6 +173,66 @@ void LinearCore::backward_dw() {
   // gradient it accumulates into a bias.grad left by an earlier micro-batch instead of being lost.
   if (r.dbias.defined() && task.bias.defined()) accumulate_into_grad(task.bias, r.dbias);
   for (const auto& hook : hooks_) hook();
+}
+
+std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tensor& weight,
+                                            const at::Tensor& bias, const at::Tensor& ln_weight,
+                                            const at::Tensor& ln_bias,
+                                            std::optional<bool> is_first_microbatch) {
+  const std::string& mod = cfg_.name;
+  const int64_t in = cfg_.in_features, out = cfg_.out_features;
+  FP8DP_CHECK_ARG(weight.defined(), mod, ": parameter 'weight' is undefined");
+  const at::ScalarType dt = weight.scalar_type();
+  to_high_precision_dtype(dt, mod, "parameter 'weight'");
+  check_param(weight, "weight", {out, in}, weight, mod);
+  if (bias.defined()) check_param(bias, "bias", {out}, weight, mod);
+  if (cfg_.layernorm) {
+    FP8DP_CHECK_ARG(ln_weight.defined(), mod, ": parameter 'layer_norm_weight' is undefined");
+    check_param(ln_weight, "layer_norm_weight", {in}, weight, mod);
+    if (ln_bias.defined()) check_param(ln_bias, "layer_norm_bias", {in}, weight, mod);
+  }
+  FP8DP_CHECK_ARG(x.defined(), mod, ": input is undefined");
+  FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod, ": input must have in_features=", in,
+                  " as its last dimension, got shape ", x.sizes());
+  FP8DP_CHECK_ARG(x.scalar_type() == dt, mod, ": input has dtype ", x.scalar_type(),
+                  " but the parameters have dtype ", dt, " (cast the input to params_dtype)");
+  FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
+                  " but the parameters are on ", weight.device());
+
+  const AutocastState ac = autocast_current();
+  const bool need_wgrad = at::GradMode::is_enabled() && weight.requires_grad();
+  if (need_wgrad) {
+    if (const auto sink = grad_sink()) {
+      // The sink knows the parameter it was bound to; a weight re-assigned (or unfrozen) after
+      // wrapping would have its gradient delivered into another parameter's main_grad.
+      FP8DP_CHECK_ARG(sink_weight_ >= 0 && sink->param(sink_weight_).unsafeGetTensorImpl() ==
+                                               weight.unsafeGetTensorImpl(),
+                      mod,
+                      ": parameter 'weight' is not the one DistributedDataParallel manages for "
+                      "this module (re-assigned or unfrozen after wrapping?): tie, freeze and "
+                      "unfreeze parameters before wrapping the model");
+      FP8DP_CHECK_ARG(!bias.defined() || !bias.requires_grad() ||
+                          (sink_bias_ >= 0 && sink->param(sink_bias_).unsafeGetTensorImpl() ==
+                                                  bias.unsafeGetTensorImpl()),
+                      mod,
+                      ": parameter 'bias' is not the one DistributedDataParallel manages for "
+                      "this module (re-assigned or unfrozen after wrapping?)");
+    }
+  }
+  if (ac.enabled) {
+    // FP8 GEMMs need multiples of 16 in every inner dimension (fprop: in, dgrad: out, wgrad:
+    // tokens); the same rule on every device, checked before any work is done.
+    FP8DP_CHECK_ARG(in % 16 == 0, mod, ": FP8 needs in_features to be a multiple of 16, got ", in);
+    FP8DP_CHECK_ARG(out % 16 == 0, mod, ": FP8 needs out_features to be a multiple of 16, got ",
+                    out);
+    const int64_t tokens = x.numel() / in;
+    FP8DP_CHECK_ARG(!need_wgrad || tokens % 16 == 0, mod,
+                    ": FP8 training needs the number of tokens (the product of the input's leading "
+                    "dimensions) to be a multiple of 16, got ",
+                    tokens, " from input shape ", x.sizes());
+  }
+  return apply_linear_function(x, weight, bias, ln_weight, ln_bias, shared_from_this(),
+                               is_first_microbatch, ac, need_wgrad);
 }
 
 }  // namespace fp8dp

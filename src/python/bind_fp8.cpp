@@ -1,8 +1,9 @@
 // Binds src/fp8: formats, recipes, the autocast stack and the tensor-level casts.
 #include <torch/csrc/utils/pybind.h>
 
-#include "fp8/ops.h"
+#include "fp8/cast.h"
 #include "fp8/recipe.h"
+#include "fp8/scaling_update.h"
 
 namespace py = pybind11;
 

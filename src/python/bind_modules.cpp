@@ -6,8 +6,8 @@
 #include <string>
 
 #include "common/check.h"
-#include "modules/linear.h"
-#include "modules/scaling_state.h"
+#include "fp8/scaling_state.h"
+#include "modules/linear_core.h"
 
 namespace py = pybind11;
 

@@ -1,8 +1,8 @@
-// Binds the tensor-level LayerNorm / RMSNorm of src/modules/norm.h (for the kernel tests and the
+// Binds the tensor-level LayerNorm / RMSNorm of src/norm/norm.h (for the kernel tests and the
 // benchmarks; the modules call them from C++).
 #include <torch/csrc/utils/pybind.h>
 
-#include "modules/norm.h"
+#include "norm/norm.h"
 
 namespace py = pybind11;
 

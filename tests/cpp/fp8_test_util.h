@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "fp8/cast.h"
 #include "fp8/format.h"
-#include "fp8/ops.h"
 
 namespace fp8dp::test {
 

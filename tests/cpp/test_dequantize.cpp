@@ -8,7 +8,7 @@
 #include <tuple>
 
 #include "common/check.h"
-#include "fp8/ops.h"
+#include "fp8/cast.h"
 #include "fp8_test_util.h"
 
 namespace fp8dp::test {

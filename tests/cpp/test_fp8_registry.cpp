@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "common/check.h"
-#include "fp8/ops.h"
-#include "modules/scaling_state.h"
+#include "fp8/cast.h"
+#include "fp8/scaling_state.h"
 
 namespace fp8dp {
 namespace {

@@ -9,11 +9,11 @@
 #include <tuple>
 
 #include "common/check.h"
-#include "fp8/ops.h"
+#include "fp8/cast.h"
 #include "gemm/gemm.h"
-#include "modules/norm.h"
-#include "modules/scaling_state.h"
+#include "fp8/scaling_state.h"
 #include "modules/wgrad_store.h"
+#include "norm/norm.h"
 
 namespace fp8dp {
 namespace {

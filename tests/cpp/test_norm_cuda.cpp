@@ -14,8 +14,8 @@
 #include <string>
 #include <tuple>
 
-#include "fp8/ops.h"
-#include "modules/norm.h"
+#include "fp8/cast.h"
+#include "norm/norm.h"
 #include "cuda_test_util.h"
 
 namespace fp8dp {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/check.h"
-#include "fp8/ops.h"
+#include "fp8/cast.h"
 #include "fp8_test_util.h"
 
 namespace fp8dp::test {

@@ -42,8 +42,6 @@ uint32_t bits(float f) {
   return u;
 }
 
-size_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
-
 // Host input of `dtype` as raw bytes, plus its exact float values.
 struct Input {
   std::vector<uint8_t> bytes;

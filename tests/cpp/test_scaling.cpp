@@ -11,8 +11,9 @@
 #include <vector>
 
 #include "common/check.h"
-#include "fp8/ops.h"
+#include "fp8/cast.h"
 #include "fp8/scaling.h"
+#include "fp8/scaling_update.h"
 
 namespace fp8dp {
 namespace {

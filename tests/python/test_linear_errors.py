@@ -216,7 +216,7 @@ def fp8(shape, fmt=torch.float8_e4m3fn):
         ),
         (
             lambda: dict(a=torch.randn(4, 8), b=torch.randn(5, 8), accumulate=True),
-            r"accumulate=true needs a preallocated 'out'",
+            r"accumulate=True needs an 'out' tensor of shape \[4, 5\]",
         ),
         (
             lambda: dict(a=torch.randn(4, 8), b=torch.randn(5, 8), bias=torch.randn(4)),

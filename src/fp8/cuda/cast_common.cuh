@@ -1,4 +1,5 @@
-// Device helpers shared by the CUDA cast kernels: element loads, amax on float bits, block reduction.
+// Device helpers shared by the CUDA cast kernels (and the norm kernels): element conversions, amax
+// on float bits, block reduction.
 // Torch-free (compiled in CUDA compile-only CI builds too).
 #pragma once
 
@@ -26,6 +27,22 @@ __device__ __forceinline__ float to_float(__half v) {
   const float f = __half2float(v);
   const uint32_t sign = static_cast<uint32_t>(__half_as_ushort(v) & 0x8000u) << 16;
   return f != f ? __uint_as_float(kQuietNaNBits | sign) : f;
+}
+
+// The way back: a float rounded to nearest even into a storage type.
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
 }
 
 // amax is tracked as the bits of |x|: for non-negative floats the unsigned order of the bits is the

@@ -69,8 +69,9 @@ void dispatch(const DequantizeParams& p, cudaStream_t st) {
     case DType::kFloat32: return launch<F, float>(p, st);
     case DType::kBFloat16: return launch<F, __nv_bfloat16>(p, st);
     case DType::kFloat16: return launch<F, __half>(p, st);
+    default: break;
   }
-  FP8DP_CHECK(false, "dequantize_cuda: unknown output dtype ", static_cast<int>(p.out_dtype));
+  FP8DP_CHECK(false, "dequantize_cuda: no kernel for output dtype ", dtype_name(p.out_dtype));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include "common/cuda_check.h"
 #include "fp8/cuda/cast_common.cuh"
+#include "fp8/cuda/column_sum.cuh"
 #include "fp8/quantize.h"
 
 namespace fp8dp {
@@ -276,24 +277,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(co
   }
 }
 
-// dbias[c] = sum over strips, in strip order.
-__global__ void dbias_finalize_kernel(const float* __restrict__ partial, int64_t strips, int64_t cols,
-                                      float* __restrict__ dbias) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  // Sixteen independent loads in flight per step; the adds stay in strip order (deterministic).
-  constexpr int kUnroll = 16;
-  float s = 0.0f;
-  for (int64_t i0 = 0; i0 < strips; i0 += kUnroll) {
-    float v[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) v[j] = i0 + j < strips ? partial[(i0 + j) * cols + c] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) s += v[j];
-  }
-  dbias[c] = s;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <Format F, typename T>
@@ -358,10 +341,10 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
   if (p.dbias != nullptr) {
-    // 64-thread blocks: enough of them to spread a few thousand columns over every SM.
-    dbias_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.cols, 64)), 64, 0, st>>>(
-        a.dbias_partial, strips, p.cols, p.dbias);
-    FP8DP_CHECK_CUDA(cudaGetLastError());
+    // dbias[c] = sum over strips, in strip order. 64-thread blocks: enough of them to spread a few
+    // thousand columns over every SM.
+    const ColumnSums<float> sums{{a.dbias_partial, nullptr}, {p.dbias, nullptr}, strips, p.cols};
+    launch_column_sums(sums, 1, 64, st);
     FP8DP_CHECK_CUDA(cudaFreeAsync(a.dbias_partial, st));
   }
 }
@@ -381,8 +364,9 @@ void dispatch_dtype(const QuantizeParams& p, cudaStream_t st) {
     case DType::kFloat32: return launch<F, float>(p, st);
     case DType::kBFloat16: return launch<F, __nv_bfloat16>(p, st);
     case DType::kFloat16: return launch<F, __half>(p, st);
+    default: break;
   }
-  FP8DP_CHECK(false, "quantize_cuda: unknown input dtype ", static_cast<int>(p.input_dtype));
+  FP8DP_CHECK(false, "quantize_cuda: no kernel for input dtype ", dtype_name(p.input_dtype));
 }
 
 }  // namespace

@@ -26,27 +26,16 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 constexpr int kMaxAlgos = 8;
 constexpr int kTimedReps = 5;
 
-cudaDataType_t to_cuda(GemmDType t) {
+cudaDataType_t to_cuda(DType t) {
   switch (t) {
-    case GemmDType::kFloat32: return CUDA_R_32F;
-    case GemmDType::kBFloat16: return CUDA_R_16BF;
-    case GemmDType::kFloat16: return CUDA_R_16F;
-    case GemmDType::kE4M3: return CUDA_R_8F_E4M3;
-    case GemmDType::kE5M2: return CUDA_R_8F_E5M2;
+    case DType::kFloat32: return CUDA_R_32F;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    case DType::kE4M3: return CUDA_R_8F_E4M3;
+    case DType::kE5M2: return CUDA_R_8F_E5M2;
   }
   return CUDA_R_32F;
 }
-
-size_t elem_size(GemmDType t) {
-  switch (t) {
-    case GemmDType::kFloat32: return 4;
-    case GemmDType::kBFloat16:
-    case GemmDType::kFloat16: return 2;
-    default: return 1;
-  }
-}
-
-bool is_fp8(GemmDType t) { return t == GemmDType::kE4M3 || t == GemmDType::kE5M2; }
 
 // Largest power of two (<= 256) dividing the address: cuBLASLt picks kernels by operand alignment.
 uint32_t alignment(const void* p) {
@@ -59,8 +48,8 @@ uint32_t alignment(const void* p) {
 std::string shape_of(const LtGemmParams& p) {
   using std::to_string;
   return "(GEMM m=" + to_string(p.m) + " n=" + to_string(p.n) + " k=" + to_string(p.k) +
-         " a=" + gemm_dtype_name(p.a_type) + " b=" + gemm_dtype_name(p.b_type) +
-         " out=" + gemm_dtype_name(p.out_type) + (p.bias ? " +bias" : "") +
+         " a=" + dtype_name(p.a_type) + " b=" + dtype_name(p.b_type) +
+         " out=" + dtype_name(p.out_type) + (p.bias ? " +bias" : "") +
          (p.accumulate ? " accumulate" : "") + (p.fast_accum ? " fast_accum" : "") + ")";
 }
 
@@ -150,7 +139,7 @@ cublasStatus_t matmul(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p, void*
 int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
                  const cublasLtMatmulHeuristicResult_t* res, int count, void* ws, cudaStream_t st) {
   void* target = p.out;
-  const size_t out_bytes = static_cast<size_t>(p.m) * p.ldo * elem_size(p.out_type);
+  const size_t out_bytes = static_cast<size_t>(p.m) * p.ldo * dtype_size(p.out_type);
   if (p.accumulate) {
     FP8DP_CHECK_CUDA(cudaMallocAsync(&target, out_bytes, st));
     FP8DP_CHECK_CUDA(cudaMemsetAsync(target, 0, out_bytes, st));
@@ -247,17 +236,6 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
 }
 
 }  // namespace
-
-const char* gemm_dtype_name(GemmDType t) {
-  switch (t) {
-    case GemmDType::kFloat32: return "float32";
-    case GemmDType::kBFloat16: return "bfloat16";
-    case GemmDType::kFloat16: return "float16";
-    case GemmDType::kE4M3: return "float8_e4m3fn";
-    case GemmDType::kE5M2: return "float8_e5m2";
-  }
-  return "?";
-}
 
 void gemm_lt(const LtGemmParams& p, void* stream) {
   FP8DP_CHECK(p.m > 0 && p.n > 0 && p.k > 0, "gemm_lt: empty shape ", shape_of(p));

@@ -5,26 +5,24 @@
 
 #include <cstdint>
 
+#include "common/dtype.h"
+
 namespace fp8dp {
-
-enum class GemmDType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kE4M3 = 3, kE5M2 = 4 };
-
-const char* gemm_dtype_name(GemmDType t);
 
 struct LtGemmParams {
   int64_t m = 0, n = 0, k = 0;
   const void* a = nullptr;  // [m, k], rows lda elements apart
-  GemmDType a_type = GemmDType::kBFloat16;
+  DType a_type = DType::kBFloat16;
   int64_t lda = 0;
   const void* b = nullptr;  // [n, k], rows ldb elements apart
-  GemmDType b_type = GemmDType::kBFloat16;
+  DType b_type = DType::kBFloat16;
   int64_t ldb = 0;
   const float* a_scale_inv = nullptr;  // device float[1] (FP8 only): a's dequantization factor
   const float* b_scale_inv = nullptr;
   const void* bias = nullptr;  // [n] of bias_type, or null
-  GemmDType bias_type = GemmDType::kBFloat16;
+  DType bias_type = DType::kBFloat16;
   void* out = nullptr;  // [m, n], rows ldo elements apart
-  GemmDType out_type = GemmDType::kBFloat16;
+  DType out_type = DType::kBFloat16;
   int64_t ldo = 0;
   bool accumulate = false;  // out += a·bᵀ (beta = 1)
   bool fast_accum = false;  // FP8: tensor-core accumulation without periodic FP32 promotion

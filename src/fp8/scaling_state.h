@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "fp8/ops.h"
+#include "fp8/cast.h"
 #include "fp8/recipe.h"
 
 namespace fp8dp {

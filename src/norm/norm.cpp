@@ -1,12 +1,14 @@
 // Tensor-level LayerNorm / RMSNorm: checks, allocation, kernel dispatch (CPU forward kernel, CUDA
 // forward and backward kernels; CPU backward in FP32 ATen).
-#include "modules/norm.h"
+#include "norm/norm.h"
 
 #include <ATen/ATen.h>
 
 #include "common/check.h"
-#include "fp8/ops.h"
-#include "modules/norm_kernel.h"
+#include "common/dispatch.h"
+#include "common/tensor_checks.h"
+#include "fp8/cast.h"
+#include "norm/norm_kernel.h"
 
 #if defined(FP8DP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -16,34 +18,9 @@
 namespace fp8dp {
 namespace {
 
-DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    case at::kHalf:
-      return DType::kFloat16;
-    default:
-      FP8DP_CHECK_ARG(false, "norm: input must be float32, bfloat16 or float16, got ",
-                      t.scalar_type());
-  }
-}
-
 void check_device(const at::Tensor& t, const at::Tensor& x, const char* arg) {
   FP8DP_CHECK_ARG(t.device() == x.device(), "norm: ", arg, " must be on the input's device ",
                   x.device(), ", got ", t.device());
-}
-
-void check_device_supported(const at::Tensor& x) {
-#if defined(FP8DP_WITH_CUDA)
-  FP8DP_CHECK_ARG(x.is_cpu() || x.is_cuda(),
-                  "norm: input must be on the CPU or a CUDA device, got ", x.device());
-#else
-  FP8DP_CHECK_ARG(x.is_cpu(),
-                  "norm: input must be on the CPU (this build of fp8dp has no CUDA), got ",
-                  x.device());
-#endif
 }
 
 }  // namespace
@@ -76,8 +53,8 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   FP8DP_CHECK_ARG(x_in.dim() == 2, "norm: input must be [rows, cols], got ", x_in.sizes());
   const int64_t rows = x_in.size(0), cols = x_in.size(1);
   FP8DP_CHECK_ARG(cols > 0, "norm: input must have at least one column, got ", x_in.sizes());
-  check_device_supported(x_in);
-  const DType dt = dtype_of(x_in);
+  check_device_supported(x_in, "norm", "input");
+  const DType dt = to_high_precision_dtype(x_in.scalar_type(), "norm", "input");
   check_device(gamma_in, x_in, "gamma");
   if (beta_in.defined()) check_device(beta_in, x_in, "beta");
   if (scale.defined()) {
@@ -120,14 +97,7 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   p.amax = r.amax.data_ptr<float>();
   p.mu = r.mu.data_ptr<float>();
   p.rsigma = r.rsigma.data_ptr<float>();
-#if defined(FP8DP_WITH_CUDA)
-  if (x.is_cuda()) {
-    c10::cuda::CUDAGuard guard(x.device());
-    norm_fwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
-    return r;
-  }
-#endif
-  norm_fwd_cpu(p);
+  dispatch_kernel(x.device(), norm_fwd_cpu, FP8DP_CUDA_KERNEL(norm_fwd_cuda), p);
   return r;
 }
 
@@ -146,7 +116,7 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
                     "norm_backward: mu and rsigma must be float32 [", rows, "], got ", s->sizes(),
                     " of ", s->scalar_type());
   }
-  check_device_supported(x_in);
+  check_device_supported(x_in, "norm", "input");
   check_device(dz_in, x_in, "dz");
   check_device(gamma, x_in, "gamma");
   check_device(mu, x_in, "mu");
@@ -165,7 +135,7 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
     NormBwdParams p;
     p.dz = dz.data_ptr();
     p.x = x.data_ptr();
-    p.dtype = dtype_of(x);
+    p.dtype = to_high_precision_dtype(x.scalar_type(), "norm", "input");
     p.rows = rows;
     p.cols = cols;
     p.mu = m.data_ptr<float>();

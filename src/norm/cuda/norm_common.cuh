@@ -33,22 +33,6 @@ union Vec {
   T t[kV];
 };
 
-// Element `c` of a row, exactly widened to float (cast_common's to_float keeps a half NaN's sign).
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-
 // Vector `vi` of a row: one 16-byte load when kVec (row start and cols aligned), else element-wise
 // with zeros past the row end. kStream: the data is read once, so keep it out of the caches' way.
 template <typename T, bool kVec, bool kStream>

@@ -1,13 +1,13 @@
 // Raw-pointer LayerNorm / RMSNorm kernels: the forward fused with the FP8 cast of its output (one
 // pass over each row reads x and writes the normalized row, high precision and/or FP8, and the row
 // statistics), and the backward (CUDA). One signature for the CPU and CUDA forwards;
-// src/modules/norm.h checks tensors above them.
+// src/norm/norm.h checks tensors above them.
 #pragma once
 
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "fp8/format.h"
-#include "fp8/quantize.h"
 
 namespace fp8dp {
 

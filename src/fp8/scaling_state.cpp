@@ -1,5 +1,5 @@
 // Delayed-scaling state per module and the per-process registry that update_fp8_scales() walks.
-#include "modules/scaling_state.h"
+#include "fp8/scaling_state.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "fp8/scaling_update.h"
 
 namespace fp8dp {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "common/check.h"
-#include "modules/norm_kernel.h"
+#include "norm/norm_kernel.h"
 
 namespace fp8dp {
 namespace {
@@ -89,8 +89,10 @@ void norm_dispatch_dtype(const NormFwdParams& p) {
       return norm_dispatch<F, c10::BFloat16>(p);
     case DType::kFloat16:
       return norm_dispatch<F, c10::Half>(p);
+    default:
+      break;
   }
-  FP8DP_CHECK(false, "norm_fwd_cpu: unknown dtype ", static_cast<int>(p.dtype));
+  FP8DP_CHECK(false, "norm_fwd_cpu: no kernel for dtype ", dtype_name(p.dtype));
 }
 
 }  // namespace

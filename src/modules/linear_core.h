@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "fp8/recipe.h"
+#include "fp8/scaling_state.h"
 #include "grad_buffer/grad_sink.h"
-#include "modules/norm.h"
-#include "modules/scaling_state.h"
 #include "modules/wgrad_store.h"
+#include "norm/norm.h"
 
 namespace fp8dp {
 

@@ -16,8 +16,8 @@
 
 #include "common/cuda_check.h"
 #include "fp8/cuda/cast_common.cuh"
-#include "modules/cuda/norm_common.cuh"
-#include "modules/norm_kernel.h"
+#include "norm/cuda/norm_common.cuh"
+#include "norm/norm_kernel.h"
 
 namespace fp8dp {
 namespace cuda::norm {
@@ -255,8 +255,10 @@ void dispatch_dtype(const NormFwdParams& p, cudaStream_t st) {
       return dispatch<__nv_bfloat16>(p, st);
     case DType::kFloat16:
       return dispatch<__half>(p, st);
+    default:
+      break;
   }
-  FP8DP_CHECK(false, "norm_fwd_cuda: unknown dtype ", static_cast<int>(p.dtype));
+  FP8DP_CHECK(false, "norm_fwd_cuda: no kernel for dtype ", dtype_name(p.dtype));
 }
 
 }  // namespace

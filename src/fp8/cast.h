@@ -1,13 +1,10 @@
 // Tensor-level FP8 casts: check at::Tensor arguments, allocate outputs, dispatch to the CPU or CUDA
-// kernel of quantize.h / scaling.h. Everything above src/fp8 casts through these functions.
+// kernel of quantize.h. Everything above src/fp8 casts through these functions.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <vector>
-
 #include "fp8/format.h"
-#include "fp8/scaling.h"
 
 namespace fp8dp {
 
@@ -39,15 +36,5 @@ at::Tensor amax(const at::Tensor& x);
 
 // data: an FP8 tensor; returns decode(data) * scale_inv as `dtype`.
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scale_inv, at::ScalarType dtype);
-
-// In-place update of delayed-scaling state (see ScalingUpdateParams). amax_history [L, n],
-// scale / scale_inv / fp8_max [n], all float32 contiguous on one device.
-void update_scaling(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
-                    const at::Tensor& fp8_max, AmaxAlgo algo, float margin);
-
-// update_scaling of many states at once (ScalingSlot, scaling.h), whose buffers all live on
-// `device`: one launch on the current stream on CUDA, a loop on the CPU. The caller owns the
-// buffers and has checked them (ScalingState does).
-void update_scaling_batched(const std::vector<ScalingSlot>& slots, const at::Device& device);
 
 }  // namespace fp8dp

@@ -13,8 +13,9 @@
 
 #include "common/cuda_check.h"
 #include "fp8/cuda/cast_common.cuh"
-#include "modules/cuda/norm_common.cuh"
-#include "modules/norm_kernel.h"
+#include "fp8/cuda/column_sum.cuh"
+#include "norm/cuda/norm_common.cuh"
+#include "norm/norm_kernel.h"
 
 namespace fp8dp {
 namespace cuda::norm {
@@ -192,28 +193,6 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
   }
 }
 
-// out[c] = sum over groups of part[g][c], in group order, rounded once to T. blockIdx.y picks
-// dgamma (0) or dbeta (1).
-template <typename T>
-__global__ void column_sum_kernel(const float* __restrict__ dg_part,
-                                  const float* __restrict__ db_part, int64_t groups, int64_t cols,
-                                  T* __restrict__ dgamma, T* __restrict__ dbeta) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  const float* part = blockIdx.y == 0 ? dg_part : db_part;
-  // Sixteen independent loads in flight per step; the adds stay in group order.
-  constexpr int kUnroll = 16;
-  float s = 0.0f;
-  for (int64_t g0 = 0; g0 < groups; g0 += kUnroll) {
-    float v[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) v[k] = g0 + k < groups ? part[(g0 + k) * cols + c] : 0.0f;
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) s += v[k];
-  }
-  (blockIdx.y == 0 ? dgamma : dbeta)[c] = from_float<T>(s);
-}
-
 template <typename T, bool kVec, int kNV, int kMinBlocks>
 void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks>;
@@ -237,13 +216,11 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   if (kNV == 0) FP8DP_CHECK_CUDA(cudaMemsetAsync(part, 0, nparts * part_bytes, st));
   kernel<<<static_cast<unsigned>(blocks), block, 0, st>>>(a);
   FP8DP_CHECK_CUDA(cudaGetLastError());
-  constexpr int kColThreads = 128;
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.cols, kColThreads)),
-                  static_cast<unsigned>(nparts));
-  column_sum_kernel<T><<<grid, kColThreads, 0, st>>>(a.dgamma_part, a.dbeta_part, groups, p.cols,
-                                                     static_cast<T*>(p.dgamma),
-                                                     static_cast<T*>(p.dbeta));
-  FP8DP_CHECK_CUDA(cudaGetLastError());
+  // dgamma / dbeta[c] = sum over groups of the partial rows, in group order, rounded once to T.
+  launch_column_sums(ColumnSums<T>{{a.dgamma_part, a.dbeta_part},
+                                   {static_cast<T*>(p.dgamma), static_cast<T*>(p.dbeta)},
+                                   groups, p.cols},
+                     static_cast<int>(nparts), 128, st);
   FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
 }
 
@@ -280,7 +257,7 @@ void norm_bwd_cuda(const NormBwdParams& p, void* stream) {
               "norm_bwd_cuda: dz, x, rsigma, dx or (LayerNorm) mu is null");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (p.rows == 0) {  // sums over no rows; zero bits are 0.0 in every dtype
-    const size_t bytes = static_cast<size_t>(p.cols) * (p.dtype == DType::kFloat32 ? 4 : 2);
+    const size_t bytes = static_cast<size_t>(p.cols) * dtype_size(p.dtype);
     FP8DP_CHECK_CUDA(cudaMemsetAsync(p.dgamma, 0, bytes, st));
     if (p.dbeta != nullptr) FP8DP_CHECK_CUDA(cudaMemsetAsync(p.dbeta, 0, bytes, st));
     return;
@@ -292,8 +269,10 @@ void norm_bwd_cuda(const NormBwdParams& p, void* stream) {
       return cuda::norm::dispatch<__nv_bfloat16>(p, st);
     case DType::kFloat16:
       return cuda::norm::dispatch<__half>(p, st);
+    default:
+      break;
   }
-  FP8DP_CHECK(false, "norm_bwd_cuda: unknown dtype ", static_cast<int>(p.dtype));
+  FP8DP_CHECK(false, "norm_bwd_cuda: no kernel for dtype ", dtype_name(p.dtype));
 }
 
 }  // namespace fp8dp

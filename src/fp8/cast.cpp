@@ -1,0 +1,122 @@
+// Tensor-level FP8 casts: argument checks, output allocation, CPU / CUDA dispatch.
+#include "fp8/cast.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "common/check.h"
+#include "common/dispatch.h"
+#include "common/tensor_checks.h"
+#include "fp8/quantize.h"
+
+namespace fp8dp {
+namespace {
+
+Format format_of(at::ScalarType t, const char* fn, const char* arg) {
+  if (t == at::kFloat8_e4m3fn) return Format::kE4M3;
+  if (t == at::kFloat8_e5m2) return Format::kE5M2;
+  FP8DP_CHECK_ARG(false, fn, ": argument '", arg, "' must be float8_e4m3fn or float8_e5m2, got ",
+                  t);
+}
+
+void check_scalar_float(const at::Tensor& s, const at::Tensor& x, const char* fn, const char* arg) {
+  FP8DP_CHECK_ARG(s.defined(), fn, ": argument '", arg, "' is undefined");
+  FP8DP_CHECK_ARG(s.scalar_type() == at::kFloat, fn, ": argument '", arg, "' must be float32, got ",
+                  s.scalar_type());
+  FP8DP_CHECK_ARG(s.numel() == 1, fn, ": argument '", arg, "' must have one element, got ",
+                  s.numel());
+  FP8DP_CHECK_ARG(s.device() == x.device(), fn, ": argument '", arg, "' is on ", s.device(),
+                  " but the input is on ", x.device());
+}
+
+}  // namespace
+
+at::ScalarType fp8_dtype(Format f) {
+  return f == Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
+namespace {
+
+// quantize() and amax() share the checks and the kernel; fn names the public entry point in errors.
+Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format format,
+                        QuantizeOptions opts, const char* fn) {
+  FP8DP_CHECK_ARG(x_in.defined(), fn, ": argument 'x' is undefined");
+  check_device_supported(x_in, fn, "argument 'x'");
+  const DType dt = to_high_precision_dtype(x_in.scalar_type(), fn, "argument 'x'");
+  check_scalar_float(scale, x_in, fn, "scale");
+  if (scale.is_cpu()) {
+    const float s = scale.item<float>();
+    FP8DP_CHECK_ARG(std::isfinite(s) && s > 0.0f, fn,
+                    ": argument 'scale' must be finite and > 0, got ", s);
+  }
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor sc = scale.contiguous();
+  // x is viewed as [rows, cols] = [numel / last_dim, last_dim]; a 0-d tensor is [1, 1].
+  const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  auto f32 = x.options().dtype(at::kFloat);
+  auto f8 = x.options().dtype(fp8_dtype(format));
+
+  Quantized q;
+  q.amax = at::empty({1}, f32);
+  q.scale_inv = at::empty({1}, f32);
+  if (opts.data) q.data = at::empty(x.sizes(), f8);
+  if (opts.transpose) q.data_t = at::empty({cols, rows}, f8);
+  if (opts.dbias) q.dbias = at::empty({cols}, f32);
+
+  QuantizeParams p;
+  p.input = x.data_ptr();
+  p.input_dtype = dt;
+  p.rows = rows;
+  p.cols = cols;
+  p.scale = sc.data_ptr<float>();
+  p.format = format;
+  p.out = opts.data ? static_cast<uint8_t*>(q.data.data_ptr()) : nullptr;
+  p.out_t = opts.transpose ? static_cast<uint8_t*>(q.data_t.data_ptr()) : nullptr;
+  p.amax = q.amax.data_ptr<float>();
+  p.scale_inv = q.scale_inv.data_ptr<float>();
+  p.dbias = opts.dbias ? q.dbias.data_ptr<float>() : nullptr;
+  dispatch_kernel(x.device(), quantize_cpu, FP8DP_CUDA_KERNEL(quantize_cuda), p);
+  return q;
+}
+
+}  // namespace
+
+Quantized quantize(const at::Tensor& x, const at::Tensor& scale, Format format,
+                   QuantizeOptions opts) {
+  return quantize_impl(x, scale, format, opts, "fp8dp.quantize");
+}
+
+at::Tensor amax(const at::Tensor& x) {
+  constexpr const char* fn = "fp8dp.amax";
+  FP8DP_CHECK_ARG(x.defined(), fn, ": argument 'x' is undefined");
+  // Same one-pass kernel without writing bytes; the scale is never applied to anything.
+  auto one = at::ones({1}, x.options().dtype(at::kFloat));
+  return quantize_impl(x, one, Format::kE4M3, QuantizeOptions{false, false, false}, fn).amax;
+}
+
+at::Tensor dequantize(const at::Tensor& data_in, const at::Tensor& scale_inv,
+                      at::ScalarType dtype) {
+  constexpr const char* fn = "fp8dp.dequantize";
+  FP8DP_CHECK_ARG(data_in.defined(), fn, ": argument 'data' is undefined");
+  check_device_supported(data_in, fn, "argument 'data'");
+  const Format format = format_of(data_in.scalar_type(), fn, "data");
+  check_scalar_float(scale_inv, data_in, fn, "scale_inv");
+  const DType out_dtype = to_high_precision_dtype(dtype, fn, "argument 'dtype'");
+  const at::Tensor data = data_in.contiguous();
+  const at::Tensor si = scale_inv.contiguous();
+  at::Tensor out = at::empty(data.sizes(), data.options().dtype(dtype));
+  DequantizeParams p;
+  p.input = static_cast<const uint8_t*>(data.data_ptr());
+  p.numel = data.numel();
+  p.format = format;
+  p.scale_inv = si.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.out_dtype = out_dtype;
+  dispatch_kernel(data.device(), dequantize_cpu, FP8DP_CUDA_KERNEL(dequantize_cuda), p);
+  return out;
+}
+
+}  // namespace fp8dp

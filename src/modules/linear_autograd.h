@@ -1,0 +1,28 @@
+// The autograd function of Linear / LayerNormLinear (linear_autograd.cpp) behind a plain call, so
+// that only linear_autograd.cpp sees the autograd headers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "fp8/recipe.h"
+
+namespace fp8dp {
+
+class LinearCore;
+
+// Runs core's forward through the autograd function and returns {y} or, with
+// return_layernorm_output, {y, ln_out}. Takes the arguments LinearCore::forward has checked
+// (undefined bias / ln_weight / ln_bias = absent); ac is the autocast state at the call and
+// need_wgrad whether a weight gradient will be wanted.
+std::vector<at::Tensor> apply_linear_function(const at::Tensor& x, const at::Tensor& weight,
+                                              const at::Tensor& bias, const at::Tensor& ln_weight,
+                                              const at::Tensor& ln_bias,
+                                              std::shared_ptr<LinearCore> core,
+                                              std::optional<bool> is_first_microbatch,
+                                              const AutocastState& ac, bool need_wgrad);
+
+}  // namespace fp8dp
