@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "common/tensor_checks.h"
 
 namespace fp8dp {
 namespace {
@@ -36,8 +37,8 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
     const auto dt = params_[i].scalar_type();
     FP8DP_CHECK_ARG(params_[i].device() == dev, "parameter '", names_[i], "': expected device ",
                     dev, " like '", names_[0], "', got ", params_[i].device());
-    FP8DP_CHECK_ARG(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "parameter '",
-                    names_[i], "': expected dtype float32, bfloat16 or float16, got ", dt);
+    FP8DP_CHECK_ARG(is_high_precision(dt), "parameter '", names_[i],
+                    "': expected dtype float32, bfloat16 or float16, got ", dt);
   }
   settings_.reduce_scatter = opts_.use_distributed_optimizer;
   settings_.average_in_collective = opts_.average_in_collective;
