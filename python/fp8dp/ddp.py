@@ -30,6 +30,22 @@ class _GradHook:
             ddp._on_grad(self._i)
 
 
+class _BackwardBegins:
+    """Hook on a forward's outputs (grad_ledger only): when their gradient arrives, that
+    micro-batch's backward has begun, and the ledger counts the autograd-hook contributions that
+    follow against it, not against the latest forward (pipelined forwards run ahead: ledger.h).
+    Holds the DDP weakly, like _GradHook."""
+
+    def __init__(self, ddp, microbatch: int):
+        self._ddp = weakref.ref(ddp)
+        self._mb = microbatch
+
+    def __call__(self, _grad) -> None:
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp._sync.set_backward_microbatch(self._mb)
+
+
 class _ParamGatherWait:
     """The forward / state_dict / load_state_dict pre-hook of a module that owns parameters
     (overlap_param_gather): waits for the bucket groups holding them. Holds the DDP weakly, like
@@ -275,6 +291,10 @@ class DistributedDataParallel(torch.nn.Module):
         out = self.module(*args, **kwargs)
         if self._ledger:
             self._sync.announce_hooks(_hooked_params(out, self._index))
+            hook = _BackwardBegins(self, self._sync.ledger_microbatch())
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
         if self._sync.param_sync_pending:
             # Parameters whose module did not run (unused in this forward) are complete afterwards.
             self._sync.finish_param_sync()

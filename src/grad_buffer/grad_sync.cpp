@@ -168,6 +168,11 @@ void GradSync::announce_hooks(const std::vector<int64_t>& params) {
   for (int64_t p : params) ledger_->expect(p);
 }
 
+void GradSync::set_backward_microbatch(int64_t mb) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (opts_.grad_ledger) ledger_->set_backward_microbatch(mb);
+}
+
 GradSink::Token GradSync::expect(int64_t p, int64_t microbatch, const std::string& module) {
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),

@@ -67,6 +67,9 @@ class GradSync : public GradSink {
   // The ledger's announcement of the autograd-hook contributions of one forward: one for each
   // parameter whose autograd hook the forward's graph reaches (DDP's forward finds them).
   void announce_hooks(const std::vector<int64_t>& params);
+  // The backward of micro-batch mb began (DDP's hook on the forward's outputs; for the ledger,
+  // which counts the autograd-hook contributions that follow against mb: ledger.h).
+  void set_backward_microbatch(int64_t mb);
   int64_t iteration() const override { return iteration_; }
   void deliver(int64_t p, const at::Tensor& grad, Route route, Token token) override;
 

@@ -13,7 +13,10 @@ Ledger::Ledger(std::vector<std::string> names)
   for (auto& r : routes_) r.assign(names_.size(), 0);
 }
 
-void Ledger::begin_microbatch() { ++microbatches_; }
+void Ledger::begin_microbatch() {
+  ++microbatches_;
+  backward_microbatch_ = -1;
+}
 
 namespace {
 
@@ -53,8 +56,21 @@ void Ledger::record(int64_t p, Route route, int64_t microbatch) {
                   "param index: expected in [0, ", names_.size(), "), got ", p);
   // A contribution before any forward (a gradient computed outside the wrapped model's forward)
   // counts against micro-batch 1, which announced nothing for it: reported as counted twice.
-  bump(received_[p], microbatch >= 0 ? microbatch : current_microbatch());
+  if (microbatch < 0) microbatch = attribute(p);
+  bump(received_[p], microbatch);
   ++routes_[static_cast<int>(route)][p];
+}
+
+int64_t Ledger::attribute(int64_t p) const {
+  const int64_t preferred =
+      backward_microbatch_ >= 0 ? backward_microbatch_ : current_microbatch();
+  const auto& want = expected_[p];
+  const auto& got = received_[p];
+  const auto owes = [&](int64_t mb) { return at(got, mb) < at(want, mb); };
+  if (owes(preferred)) return preferred;
+  for (int64_t mb = 0; mb < static_cast<int64_t>(want.size()); ++mb)
+    if (owes(mb)) return mb;
+  return preferred;
 }
 
 std::string Ledger::end_iteration() {
@@ -87,6 +103,7 @@ std::string Ledger::end_iteration() {
 
 void Ledger::reset() {
   microbatches_ = 0;
+  backward_microbatch_ = -1;
   for (auto& v : expected_) v.clear();
   for (auto& v : received_) v.clear();
   for (auto& r : routes_) std::fill(r.begin(), r.end(), 0);

@@ -5,6 +5,14 @@
 // forward announced it. At the end of the iteration any difference is reported, naming the
 // parameter, the micro-batch and the routes. Because the forward announces what each micro-batch
 // will deliver, parameters that are unused, or used only in some micro-batches, are exact too.
+//
+// Which micro-batch an autograd-hook contribution belongs to: the hook does not say, and under
+// pipeline parallelism the forwards run ahead of the backwards (F0 F1 B0 F2 B1 ...), so "the
+// latest forward" is wrong there. DDP's forward puts a hook on its outputs that names the
+// micro-batch whose backward begins (set_backward_microbatch); an autograd contribution counts
+// against that one. When it owes nothing more (one backward through several micro-batches'
+// outputs summed), the oldest micro-batch that still owes the parameter one takes it; when none
+// does, it is reported as counted twice.
 #pragma once
 
 #include <algorithm>
@@ -28,8 +36,12 @@ class Ledger {
   // The current micro-batch will deliver one contribution of p (announced during its forward: one
   // per backward that reaches p's autograd hook, one per fp8dp use that delivers to the sink).
   void expect(int64_t p);
-  // One contribution of p arrived. microbatch: the one it belongs to, or -1 for the current one.
+  // One contribution of p arrived. microbatch: the one it belongs to, or -1 for an autograd-hook
+  // contribution: the backward's micro-batch (else the current one), as the header says.
   void record(int64_t p, Route route, int64_t microbatch = -1);
+  // The backward of micro-batch mb (0-based) began; -1: no backward named (the current forward's
+  // micro-batch is assumed). begin_microbatch() clears it.
+  void set_backward_microbatch(int64_t mb) { backward_microbatch_ = mb; }
 
   // Checks the iteration and starts the next one: "" when every parameter received exactly what
   // each micro-batch announced, else a message naming each parameter and micro-batch that got too
@@ -40,11 +52,15 @@ class Ledger {
   int64_t microbatches() const { return microbatches_; }
 
  private:
+  // The micro-batch an autograd-hook contribution of p counts against (see the header comment).
+  int64_t attribute(int64_t p) const;
+
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> expected_;  // [param][microbatch]
   std::vector<std::vector<int64_t>> received_;  // [param][microbatch]
   std::vector<int64_t> routes_[kNumRoutes];     // [route][param] contributions
   int64_t microbatches_ = 0;
+  int64_t backward_microbatch_ = -1;
 };
 
 }  // namespace fp8dp

@@ -127,6 +127,42 @@ TEST(Ledger, DeferredContributionCountsForItsOwnMicrobatch) {
   EXPECT_EQ(l.end_iteration(), "");
 }
 
+// Pipelined forwards run ahead (1F1B on a first stage: F0 F1 B0 F2 B1 B2): an autograd-hook
+// contribution counts against the micro-batch whose backward DDP's output hook named, not the
+// latest forward. Keyed by the latest forward (the former rule), this reports micro-batch 3 with
+// 3 of 1 and micro-batches 1 and 2 missing.
+TEST(Ledger, PipelinedBackwardCountsForItsOwnMicrobatch) {
+  Ledger l({"w"});
+  const auto forward = [&] {
+    l.begin_microbatch();
+    l.expect(0);
+  };
+  const auto backward = [&](int64_t mb) {
+    l.set_backward_microbatch(mb);
+    l.record(0, Route::kAutograd);
+  };
+  forward();
+  forward();
+  backward(0);
+  forward();
+  backward(1);
+  backward(2);
+  EXPECT_EQ(l.end_iteration(), "");
+}
+
+// A genuine loss in a pipelined iteration is still named by its micro-batch.
+TEST(Ledger, PipelinedMissingIsNamed) {
+  Ledger l({"w"});
+  l.begin_microbatch();
+  l.expect(0);
+  l.begin_microbatch();
+  l.expect(0);
+  l.set_backward_microbatch(1);  // micro-batch 1's backward never delivered; 2's did
+  l.record(0, Route::kAutograd);
+  const std::string msg = l.end_iteration();
+  EXPECT_NE(msg.find("'w': micro-batch 1: 0 of 1 (missing 1)"), std::string::npos) << msg;
+}
+
 // An unused parameter announces nothing and receives nothing: not an error (the former ledger,
 // which learned counts, reported it missing).
 TEST(Ledger, UnusedParameterIsFine) {

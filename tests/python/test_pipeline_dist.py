@@ -1,0 +1,221 @@
+"""fp8dp.pipeline (contract C10) across gloo ranks: after one step of each torch schedule, with
+fp8dp's deferred W through dw_builder, fp8dp's sync policy and scaling, and the gradient ledger
+on, every stage's main_grad and every parameter after one SGD step equal a float64
+single-process reference of the same model on the same global batch.
+
+Layouts: PP 2 × DP 1 (2 ranks) and PP 2 × DP 2 (4 ranks, Megatron rank order); schedules 1f1b
+(one stage per rank), interleaved_1f1b, zero_bubble and zbv (two stages per rank), zero_bubble
+with one stage per rank; fused and unfused wgrad; FP8 off (the exact comparison) and on (a
+sanity bound). One spawn per world size runs every case, to keep process start-up (seconds on a
+small machine) out of the loop.
+
+Tolerances, derived:
+- FP8 off: the ranks compute in FP32, the reference in FP64. Each weight gradient is a sum over
+  the batch's T = 64 rows and each activation a dot product over H = 16 features; the forward
+  and backward chain through L = 4 blocks passes ~ 2L + 2 such reductions, each with relative
+  error at most gamma_n = n·u, u = 2^-24. Bound: (2L + 2)·T·u ≈ 3.8e-5 relative (norm of the
+  difference over the norm of the reference, per parameter), asserted as is — the worst-case
+  bound, which rounding errors of either sign stay far below (typically 1e-7 here).
+- FP8 on: HYBRID quantizes forward operands to E4M3 (unit roundoff 2^-4) and gradients to E5M2
+  (2^-3). A weight gradient is one GEMM of an E5M2 and an E4M3 operand, each already carrying
+  the error of the casts before it; per parameter we assert a relative error below
+  2·(2^-4 + 2^-3) = 0.375, and above the FP8-off bound, which shows FP8 really ran.
+  It is a sanity check that the pipeline wiring (static stage metadata: no shape-inference
+  forward poisons the first scale; amax reduction over the stage's DP group) gives gradients of
+  the right size and direction, not a numerics test (test_linear_fp8_numerics.py is).
+
+Evidence that it catches the bugs it is about (tried on this branch, then reverted):
+- torch's own scale_grads instead of Pipeline's main_grad scaling: every gradient 4× too large
+  (n_microbatches = 4), relative error 3.0.
+- the ledger keyed by the latest forward (before set_backward_microbatch): finish_grad_sync
+  raises "gradient ledger: ... missing" on every schedule that runs forwards ahead.
+"""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+H, ROWS, N_MB, N_BLOCKS, LR = 16, 8, 4, 4, 0.5
+FP32_TOL = (2 * N_BLOCKS + 2) * (N_MB * ROWS * 2) * 2.0**-24  # (2L + 2)·T·u ≈ 3.8e-5: docstring
+FP8_TOL = 2 * (2.0**-4 + 2.0**-3)
+
+CASES = [
+    # (schedule, virtual_stages, fused, fp8)
+    ("1f1b", 1, False, False),
+    ("1f1b", 1, True, False),
+    ("interleaved_1f1b", 2, False, False),
+    ("interleaved_1f1b", 2, True, False),
+    ("zero_bubble", 2, False, False),
+    ("zero_bubble", 2, True, False),
+    ("zero_bubble", 1, True, False),
+    ("zbv", 2, False, False),
+    ("zbv", 2, True, False),
+    ("1f1b", 1, True, True),
+    ("zbv", 2, False, True),
+]
+
+
+class Block(torch.nn.Module):
+    """x + fc2(gelu(fc1(layernorm(x)))): LayerNormLinear's norm parameters take the autograd
+    route at the B step, the weights and biases the deferred W step."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        import fp8dp
+
+        kw = dict(fuse_wgrad_accumulation=fused, delay_wgrad_compute=True)
+        self.fc1 = fp8dp.LayerNormLinear(H, H, **kw)
+        self.fc2 = fp8dp.Linear(H, H, **kw)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def _reference_block(x, p, i):
+    g = lambda n: p[f"{i}.{n}"]  # noqa: E731
+    h = F.layer_norm(x, (H,), g("fc1.layer_norm_weight"), g("fc1.layer_norm_bias"), 1e-5)
+    h = F.gelu(F.linear(h, g("fc1.weight"), g("fc1.bias")))
+    return x + F.linear(h, g("fc2.weight"), g("fc2.bias"))
+
+
+def _blocks(fused):
+    torch.manual_seed(1234)  # the same model on every rank and in the reference
+    return [Block(fused) for _ in range(N_BLOCKS)]
+
+
+def _data(dp):
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(dp, N_MB * ROWS, H, generator=g)
+    y = torch.randn(dp, N_MB * ROWS, H, generator=g)
+    return x, y
+
+
+def _reference(blocks, dp):
+    """float64, one process: the mean over all dp × n_microbatches micro-batches of each one's
+    MSE (what DDP's 1/dp average and Pipeline's 1/n_microbatches scaling compute)."""
+    params = {
+        f"{i}.{n}": p.detach().double().requires_grad_(True)
+        for i, b in enumerate(blocks)
+        for n, p in b.named_parameters()
+    }
+    x, y = _data(dp)
+    losses = []
+    for r in range(dp):
+        for xm, ym in zip(x[r].double().chunk(N_MB), y[r].double().chunk(N_MB)):
+            h = xm
+            for i in range(N_BLOCKS):
+                h = _reference_block(h, params, i)
+            losses.append(F.mse_loss(h, ym))
+    torch.stack(losses).mean().backward()
+    return {k: (v.grad, (v - LR * v.grad).detach()) for k, v in params.items()}
+
+
+def _run_case(groups, schedule, virtual, fused, fp8):
+    import fp8dp
+    from fp8dp.pipeline import Pipeline
+
+    blocks = _blocks(fused)
+    ref = _reference(blocks, groups.dp_size)
+    cfg = fp8dp.DistributedDataParallelConfig(
+        delay_wgrad_compute=True, overlap_grad_reduce=True, bucket_size=300, grad_ledger=True
+    )
+    ex = torch.empty(ROWS, H)
+    pp = Pipeline(
+        blocks, groups, schedule=schedule, n_microbatches=N_MB, loss_fn=F.mse_loss,
+        microbatch_input=ex, activation=ex, microbatch_output=ex, virtual_stages=virtual,
+        ddp_config=cfg,
+    )
+    x, y = _data(groups.dp_size)
+    args = (x[groups.dp_rank],) if pp.is_first else ()
+    target = y[groups.dp_rank] if pp.is_last else None
+    with fp8dp.fp8_autocast(enabled=fp8, fp8_recipe=fp8dp.DelayedScaling()):
+        pp.step(*args, target=target)
+    fp8dp.update_fp8_scales(groups.dp_group)  # the registry check passes within a DP group
+    worst = 0.0
+    for ddp in pp.modules:
+        for name, p in ddp.module.named_parameters():
+            key = name.removeprefix("blocks.")
+            g_ref, p_ref = ref[key]
+            g = p.main_grad.double()
+            err = ((g - g_ref).norm() / g_ref.norm()).item()
+            with torch.no_grad():
+                p -= LR * p.main_grad  # the optimizer step
+            perr = ((p.double() - p_ref).norm() / p_ref.norm()).item()
+            tol = FP8_TOL if fp8 else FP32_TOL
+            assert err < tol, f"{key}: main_grad relative error {err:.3g} >= {tol:.3g}"
+            assert perr < tol, f"{key}: parameter relative error {perr:.3g} >= {tol:.3g}"
+            worst = max(worst, err)
+    return worst
+
+
+def _worker(rank, world, pp_size, init_file, out_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    from fp8dp.pipeline import make_groups
+
+    results = {}
+    try:
+        groups = make_groups(pp_size)
+        for case in CASES:
+            try:
+                results[case] = ("pass", _run_case(groups, *case))
+            except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
+                import traceback
+
+                results[case] = ("fail", f"{e}\n{traceback.format_exc()}")
+                break  # the other ranks may now wait on this one: stop here
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+_RESULTS = {}
+
+
+def _launch(world, pp_size):
+    if (world, pp_size) not in _RESULTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            ctx = mp.get_context("spawn")
+            procs = [
+                ctx.Process(target=_worker,
+                            args=(r, world, pp_size, os.path.join(tmp, "init"), tmp))
+                for r in range(world)
+            ]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=240)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            res = []
+            for r in range(world):
+                path = os.path.join(tmp, f"rank{r}.pt")
+                res.append(torch.load(path) if os.path.exists(path) else {})
+        _RESULTS[(world, pp_size)] = res
+    return _RESULTS[(world, pp_size)]
+
+
+@pytest.mark.parametrize("layout", [(2, 2), (4, 2)], ids=["pp2xdp1", "pp2xdp2"])
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"{s}-v{v}-{'fused' if f else 'unfused'}-{'fp8' if q else 'fp32'}"
+                        for s, v, f, q in CASES]
+)
+def test_pipeline_step_matches_float64_reference(layout, case):
+    world, pp_size = layout
+    res = _launch(world, pp_size)
+    for r, rank_res in enumerate(res):
+        if case not in rank_res:
+            failed = [(c, v[1]) for c, v in rank_res.items() if v[0] == "fail"]
+            pytest.fail(f"rank {r} did not run {case}; earlier failure: {failed or 'none (died?)'}")
+        status, detail = rank_res[case]
+        assert status == "pass", f"rank {r}: {detail}"
+        if case[3]:  # FP8 on: the error shows the casts ran
+            assert detail > FP32_TOL, f"rank {r}: FP8 on but error {detail:.3g} as small as FP32's"
