@@ -11,9 +11,9 @@ small machine) out of the loop.
 
 Tolerances, derived:
 - FP8 off: the ranks compute in FP32, the reference in FP64. Each weight gradient is a sum over
-  the batch's T = 64 rows and each activation a dot product over H = 16 features; the forward
+  the batch's T = 128 rows and each activation a dot product over H = 16 features; the forward
   and backward chain through L = 4 blocks passes ~ 2L + 2 such reductions, each with relative
-  error at most gamma_n = n·u, u = 2^-24. Bound: (2L + 2)·T·u ≈ 3.8e-5 relative (norm of the
+  error at most gamma_n = n·u, u = 2^-24. Bound: (2L + 2)·T·u ≈ 7.6e-5 relative (norm of the
   difference over the norm of the reference, per parameter), asserted as is — the worst-case
   bound, which rounding errors of either sign stay far below (typically 1e-7 here).
 - FP8 on: HYBRID quantizes forward operands to E4M3 (unit roundoff 2^-4) and gradients to E5M2
@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-H, ROWS, N_MB, N_BLOCKS, LR = 16, 8, 4, 4, 0.5
-FP32_TOL = (2 * N_BLOCKS + 2) * (N_MB * ROWS * 2) * 2.0**-24  # (2L + 2)·T·u ≈ 3.8e-5: docstring
+H, ROWS, N_MB, N_BLOCKS, LR = 16, 16, 4, 4, 0.5
+FP32_TOL = (2 * N_BLOCKS + 2) * (N_MB * ROWS * 2) * 2.0**-24  # (2L + 2)·T·u ≈ 7.6e-5: docstring
 FP8_TOL = 2 * (2.0**-4 + 2.0**-3)
 
 CASES = [

@@ -27,7 +27,7 @@ def test_stage_placement():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(n_blocks=3, virtual_stages=2), r"blocks: expected at least one per stage \(4 stages.*got 3"),
+        (dict(schedule="zbv", n_blocks=3, virtual_stages=2), r"blocks: expected at least one per stage \(4 stages.*got 3"),
         (dict(schedule="zbv", virtual_stages=1), r"virtual_stages: schedule 'zbv' expected 2 .*got 1"),
         (dict(schedule="1f1b", virtual_stages=2), r"virtual_stages: schedule '1f1b' expected 1 .*got 2"),
         (dict(n_microbatches=1), r"n_microbatches: .*expected at least pipeline_parallel_size = 2, got 1"),
