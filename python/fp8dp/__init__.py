@@ -3,7 +3,7 @@
 import torch  # noqa: F401  (loads libtorch before the extension that links against it)
 
 from . import _C
-from . import recipe
+from . import pipeline, recipe
 from .autocast import fp8_autocast, is_fp8_enabled
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig
@@ -45,6 +45,7 @@ __all__ = [
     "cuda_available",
     "fp8_autocast",
     "is_fp8_enabled",
+    "pipeline",
     "recipe",
     "update_fp8_scales",
 ]

@@ -51,8 +51,8 @@ kwargs would apply it to every micro-batch.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,6 @@ class PipelineGroups:
     dp_rank: int
     pp_group: object  # the pipeline ranks that hold this rank's data-parallel slice
     dp_group: object  # the ranks that hold the same stages (gradient and amax reductions)
-
 
 
 def make_groups(pipeline_parallel_size: int, backend: str | None = None) -> PipelineGroups:
@@ -179,7 +178,8 @@ class _StageSync:
         self.ddp = ddp
         self.n = n_microbatches
         self.delayed = [
-            m for m in ddp.module.modules()
+            m
+            for m in ddp.module.modules()
             if isinstance(m, _FP8LinearBase) and m.delay_wgrad_compute
         ]
         self.b_done = 0

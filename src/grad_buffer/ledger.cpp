@@ -62,8 +62,7 @@ void Ledger::record(int64_t p, Route route, int64_t microbatch) {
 }
 
 int64_t Ledger::attribute(int64_t p) const {
-  const int64_t preferred =
-      backward_microbatch_ >= 0 ? backward_microbatch_ : current_microbatch();
+  const int64_t preferred = backward_microbatch_ >= 0 ? backward_microbatch_ : current_microbatch();
   const auto& want = expected_[p];
   const auto& got = received_[p];
   const auto owes = [&](int64_t mb) { return at(got, mb) < at(want, mb); };

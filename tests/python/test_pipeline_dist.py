@@ -68,7 +68,7 @@ class Block(torch.nn.Module):
         super().__init__()
         import fp8dp
 
-        kw = dict(fuse_wgrad_accumulation=fused, delay_wgrad_compute=True)
+        kw = {"fuse_wgrad_accumulation": fused, "delay_wgrad_compute": True}
         self.fc1 = fp8dp.LayerNormLinear(H, H, **kw)
         self.fc2 = fp8dp.Linear(H, H, **kw)
 
@@ -77,7 +77,7 @@ class Block(torch.nn.Module):
 
 
 def _reference_block(x, p, i):
-    g = lambda n: p[f"{i}.{n}"]  # noqa: E731
+    g = lambda n: p[f"{i}.{n}"]
     h = F.layer_norm(x, (H,), g("fc1.layer_norm_weight"), g("fc1.layer_norm_bias"), 1e-5)
     h = F.gelu(F.linear(h, g("fc1.weight"), g("fc1.bias")))
     return x + F.linear(h, g("fc2.weight"), g("fc2.bias"))
@@ -126,8 +126,15 @@ def _run_case(groups, schedule, virtual, fused, fp8):
     )
     ex = torch.empty(ROWS, H)
     pp = Pipeline(
-        blocks, groups, schedule=schedule, n_microbatches=N_MB, loss_fn=F.mse_loss,
-        microbatch_input=ex, activation=ex, microbatch_output=ex, virtual_stages=virtual,
+        blocks,
+        groups,
+        schedule=schedule,
+        n_microbatches=N_MB,
+        loss_fn=F.mse_loss,
+        microbatch_input=ex,
+        activation=ex,
+        microbatch_output=ex,
+        virtual_stages=virtual,
         ddp_config=cfg,
     )
     x, y = _data(groups.dp_size)
@@ -160,8 +167,7 @@ def _run_case(groups, schedule, virtual, fused, fp8):
 def _worker(rank, world, pp_size, init_file, out_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from fp8dp.pipeline import make_groups
 
     results = {}
@@ -188,8 +194,9 @@ def _launch(world, pp_size):
         with tempfile.TemporaryDirectory() as tmp:
             ctx = mp.get_context("spawn")
             procs = [
-                ctx.Process(target=_worker,
-                            args=(r, world, pp_size, os.path.join(tmp, "init"), tmp))
+                ctx.Process(
+                    target=_worker, args=(r, world, pp_size, os.path.join(tmp, "init"), tmp)
+                )
                 for r in range(world)
             ]
             for p in procs:
@@ -209,8 +216,11 @@ def _launch(world, pp_size):
 
 @pytest.mark.parametrize("layout", [(2, 2), (4, 2)], ids=["pp2xdp1", "pp2xdp2"])
 @pytest.mark.parametrize(
-    "case", CASES, ids=[f"{s}-v{v}-{'fused' if f else 'unfused'}-{'fp8' if q else 'fp32'}"
-                        for s, v, f, q in CASES]
+    "case",
+    CASES,
+    ids=[
+        f"{s}-v{v}-{'fused' if f else 'unfused'}-{'fp8' if q else 'fp32'}" for s, v, f, q in CASES
+    ],
 )
 def test_pipeline_step_matches_float64_reference(layout, case):
     world, pp_size = layout

@@ -7,12 +7,11 @@ import tempfile
 
 import pytest
 import torch.distributed as dist
-
 from fp8dp.pipeline import check_layout, split_blocks, stage_ranks
 
 
 def test_split_blocks_is_contiguous_and_even():
-    assert split_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_blocks(5, 2) == [range(3), range(3, 5)]
     assert split_blocks(4, 4) == [range(i, i + 1) for i in range(4)]
 
 
@@ -27,18 +26,38 @@ def test_stage_placement():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(schedule="zbv", n_blocks=3, virtual_stages=2), r"blocks: expected at least one per stage \(4 stages.*got 3"),
-        (dict(schedule="zbv", virtual_stages=1), r"virtual_stages: schedule 'zbv' expected 2 .*got 1"),
-        (dict(schedule="1f1b", virtual_stages=2), r"virtual_stages: schedule '1f1b' expected 1 .*got 2"),
-        (dict(n_microbatches=1), r"n_microbatches: .*expected at least pipeline_parallel_size = 2, got 1"),
-        (dict(schedule="zero_bubble", virtual_stages=2, n_microbatches=5),
-         r"n_microbatches: .*multiple of its 2 rounds.*got 5"),
-        (dict(schedule="gpipe"), r"schedule: expected one of .*got 'gpipe'"),
+        (
+            {"schedule": "zbv", "n_blocks": 3, "virtual_stages": 2},
+            r"blocks: expected at least one per stage \(4 stages.*got 3",
+        ),
+        (
+            {"schedule": "zbv", "virtual_stages": 1},
+            r"virtual_stages: schedule 'zbv' expected 2 .*got 1",
+        ),
+        (
+            {"schedule": "1f1b", "virtual_stages": 2},
+            r"virtual_stages: schedule '1f1b' expected 1 .*got 2",
+        ),
+        (
+            {"n_microbatches": 1},
+            r"n_microbatches: .*expected at least pipeline_parallel_size = 2, got 1",
+        ),
+        (
+            {"schedule": "zero_bubble", "virtual_stages": 2, "n_microbatches": 5},
+            r"n_microbatches: .*multiple of its 2 rounds.*got 5",
+        ),
+        ({"schedule": "gpipe"}, r"schedule: expected one of .*got 'gpipe'"),
     ],
     ids=["blocks", "zbv-one-stage", "1f1b-two-stages", "microbatches", "rounds", "schedule"],
 )
 def test_impossible_layouts(kwargs, match):
-    args = dict(schedule="1f1b", pp_size=2, virtual_stages=1, n_blocks=4, n_microbatches=4)
+    args = {
+        "schedule": "1f1b",
+        "pp_size": 2,
+        "virtual_stages": 1,
+        "n_blocks": 4,
+        "n_microbatches": 4,
+    }
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         check_layout(**args)
@@ -53,7 +72,8 @@ def test_world_not_divisible():
         )
         try:
             with pytest.raises(
-                ValueError, match=r"pipeline_parallel_size: expected a divisor of the world size 1, got 2"
+                ValueError,
+                match=r"pipeline_parallel_size: expected a divisor of the world size 1, got 2",
             ):
                 make_groups(2)
         finally:
