@@ -293,7 +293,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._sync.announce_hooks(_hooked_params(out, self._index))
             hook = _BackwardBegins(self, self._sync.ledger_microbatch())
             for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+                # (not on a leaf, e.g. a parameter returned as is: its hooks would pile up)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                     t.register_hook(hook)
         if self._sync.param_sync_pending:
             # Parameters whose module did not run (unused in this forward) are complete afterwards.

@@ -3,7 +3,8 @@ fp8dp's deferred W through dw_builder, fp8dp's sync policy and scaling, and the 
 on, every stage's main_grad and every parameter after one SGD step equal a float64
 single-process reference of the same model on the same global batch.
 
-Layouts: PP 2 × DP 1 (2 ranks) and PP 2 × DP 2 (4 ranks, Megatron rank order); schedules 1f1b
+Layouts: PP 2 × DP 1 (2 ranks), PP 2 × DP 2 (4 ranks, Megatron rank order) and PP 4 × DP 1
+(4 ranks; only the cases with one stage per rank: 4 blocks make 4 stages); schedules 1f1b
 (one stage per rank), interleaved_1f1b, zero_bubble and zbv (two stages per rank), zero_bubble
 with one stage per rank; fused and unfused wgrad; FP8 off (the exact comparison) and on (a
 sanity bound). One spawn per world size runs every case, to keep process start-up (seconds on a
@@ -15,11 +16,12 @@ Tolerances, derived:
   and backward chain through L = 4 blocks passes ~ 2L + 2 such reductions, each with relative
   error at most gamma_n = n·u, u = 2^-24. Bound: (2L + 2)·T·u ≈ 7.6e-5 relative (norm of the
   difference over the norm of the reference, per parameter), asserted as is — the worst-case
-  bound, which rounding errors of either sign stay far below (typically 1e-7 here).
+  bound, which rounding errors of either sign stay far below (measured: at most 1.9e-7).
 - FP8 on: HYBRID quantizes forward operands to E4M3 (unit roundoff 2^-4) and gradients to E5M2
   (2^-3). A weight gradient is one GEMM of an E5M2 and an E4M3 operand, each already carrying
   the error of the casts before it; per parameter we assert a relative error below
-  2·(2^-4 + 2^-3) = 0.375, and above the FP8-off bound, which shows FP8 really ran.
+  2·(2^-4 + 2^-3) = 0.375 (measured: 0.06-0.07), and above the FP8-off bound, which shows FP8
+  really ran.
   It is a sanity check that the pipeline wiring (static stage metadata: no shape-inference
   forward poisons the first scale; amax reduction over the stage's DP group) gives gradients of
   the right size and direction, not a numerics test (test_linear_fp8_numerics.py is).
@@ -183,6 +185,11 @@ def _run_case(groups, schedule, virtual, fused, fp8, distopt=False):
     return worst
 
 
+def _cases(pp_size):
+    """The cases a layout can run: one block per stage at least."""
+    return [c for c in CASES if pp_size * c[1] <= N_BLOCKS]
+
+
 def _worker(rank, world, pp_size, init_file, out_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -192,7 +199,7 @@ def _worker(rank, world, pp_size, init_file, out_dir):
     results = {}
     try:
         groups = make_groups(pp_size)
-        for case in CASES:
+        for case in _cases(pp_size):
             try:
                 results[case] = ("pass", _run_case(groups, *case))
             except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
@@ -233,7 +240,7 @@ def _launch(world, pp_size):
     return _RESULTS[(world, pp_size)]
 
 
-@pytest.mark.parametrize("layout", [(2, 2), (4, 2)], ids=["pp2xdp1", "pp2xdp2"])
+@pytest.mark.parametrize("layout", [(2, 2), (4, 2), (4, 4)], ids=["pp2xdp1", "pp2xdp2", "pp4xdp1"])
 @pytest.mark.parametrize(
     "case",
     CASES,
@@ -245,6 +252,8 @@ def _launch(world, pp_size):
 )
 def test_pipeline_step_matches_float64_reference(layout, case):
     world, pp_size = layout
+    if case not in _cases(pp_size):
+        pytest.skip(f"{case[1]} stages per rank × pp {pp_size} > {N_BLOCKS} blocks")
     res = _launch(world, pp_size)
     for r, rank_res in enumerate(res):
         if case not in rank_res:
