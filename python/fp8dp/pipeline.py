@@ -78,10 +78,15 @@ class PipelineGroups:
     dp_group: object  # the ranks that hold the same stages (gradient and amax reductions)
 
 
-def make_groups(pipeline_parallel_size: int, backend: str | None = None) -> PipelineGroups:
+def make_groups(
+    pipeline_parallel_size: int, backend: str | None = None, timeout=None
+) -> PipelineGroups:
     """Split the initialised world into pipeline_parallel_size pipeline ranks × dp = world /
     pipeline_parallel_size data-parallel ranks, Megatron's rank order (module docstring). Every
-    rank must call it (new_group is collective)."""
+    rank must call it (new_group is collective). timeout (a datetime.timedelta; default torch's
+    new_group default, 30 minutes on gloo, not the world group's): how long a pipeline send/receive or a gradient collective waits for a peer before
+    it raises, so that a rank that died or skipped a step ends the others' steps with an error,
+    not a hang."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("make_groups: call torch.distributed.init_process_group() first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -93,11 +98,11 @@ def make_groups(pipeline_parallel_size: int, backend: str | None = None) -> Pipe
     dp = world // pp
     pp_group = dp_group = None
     for d in range(dp):  # every rank creates every group, in the same order
-        g = dist.new_group([p * dp + d for p in range(pp)], backend=backend)
+        g = dist.new_group([p * dp + d for p in range(pp)], backend=backend, timeout=timeout)
         if rank % dp == d:
             pp_group = g
     for p in range(pp):
-        g = dist.new_group([p * dp + d for d in range(dp)], backend=backend)
+        g = dist.new_group([p * dp + d for d in range(dp)], backend=backend, timeout=timeout)
         if rank // dp == p:
             dp_group = g
     return PipelineGroups(pp, dp, rank // dp, rank % dp, pp_group, dp_group)
