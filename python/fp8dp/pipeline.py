@@ -83,10 +83,10 @@ def make_groups(
 ) -> PipelineGroups:
     """Split the initialised world into pipeline_parallel_size pipeline ranks × dp = world /
     pipeline_parallel_size data-parallel ranks, Megatron's rank order (module docstring). Every
-    rank must call it (new_group is collective). timeout (a datetime.timedelta; default torch's
-    new_group default, 30 minutes on gloo, not the world group's): how long a pipeline send/receive or a gradient collective waits for a peer before
-    it raises, so that a rank that died or skipped a step ends the others' steps with an error,
-    not a hang."""
+    rank must call it (new_group is collective). timeout (a datetime.timedelta; default: torch's
+    new_group default, 30 minutes on gloo, not the world group's): how long a pipeline send or
+    receive or a gradient collective waits for a peer before it raises, so that a rank that died
+    or skipped a step ends the others' steps with an error, not a hang."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("make_groups: call torch.distributed.init_process_group() first")
     world, rank = dist.get_world_size(), dist.get_rank()
