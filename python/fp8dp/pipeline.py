@@ -40,7 +40,7 @@ A step::
     with fp8dp.fp8_autocast(fp8_recipe=r):
         pp.step(x if pp.is_first else None, target=y if pp.is_last else None, losses=losses)
     for m in pp.modules: ...                      # optimizer step on each stage's main_grad
-    fp8dp.update_fp8_scales(groups.dp_group)      # amaxes reduce over the stage's DP group
+    pp.update_fp8_scales()                        # amaxes reduce over the stage's DP group
 
 Amax reduction must run over ``groups.dp_group``: the world group would mix different layers'
 amaxes (and the FP8 registry check fails, as the ranks of different stages hold other states).
@@ -60,6 +60,7 @@ import torch.distributed as dist
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig
 from .modules import _FP8LinearBase
+from .scaling import update_fp8_scales
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 # How many stages per pipeline rank each schedule takes.
@@ -288,6 +289,12 @@ class Pipeline:
         stage_arg = stages[0] if schedule == "1f1b" else stages
         # fp8dp scales main_grad itself: torch's scale_grads would divide p.grad (module doc).
         self.schedule = cls(stage_arg, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def update_fp8_scales(self) -> None:
+        """fp8dp.update_fp8_scales over this rank's data-parallel group: the ranks that hold the
+        same stages (the world group would mix different layers' amaxes). Once per step, after
+        the optimizer step; DistributedOptimizer.step() on a stage's DDP does it too."""
+        update_fp8_scales(self.groups.dp_group)
 
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """One iteration: zero every stage's main_grad, run the schedule over the batch (split
