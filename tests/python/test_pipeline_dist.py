@@ -50,6 +50,7 @@ CASES = [
     # (schedule, virtual_stages, fused, fp8)
     ("1f1b", 1, False, False),
     ("1f1b", 1, True, False),
+    ("interleaved_1f1b", 1, False, False),
     ("interleaved_1f1b", 2, False, False),
     ("interleaved_1f1b", 2, True, False),
     ("zero_bubble", 2, False, False),
