@@ -7,8 +7,8 @@ Layouts: PP 2 × DP 1 (2 ranks), PP 2 × DP 2 (4 ranks, Megatron rank order) and
 (4 ranks; only the cases with one stage per rank: 4 blocks make 4 stages); schedules 1f1b
 (one stage per rank), interleaved_1f1b, zero_bubble and zbv (two stages per rank), zero_bubble
 with one stage per rank; fused and unfused wgrad; FP8 off (the exact comparison) and on (a
-sanity bound). One spawn per world size runs every case, to keep process start-up (seconds on a
-small machine) out of the loop.
+sanity bound). One spawn per world size (2 and 4) runs every case of every layout that fits it,
+to keep process start-up (seconds on a small machine) out of the loop.
 
 Tolerances, derived:
 - FP8 off: the ranks compute in FP32, the reference in FP64. Each weight gradient is a sum over
@@ -191,7 +191,12 @@ def _cases(pp_size):
     return [c for c in CASES if pp_size * c[1] <= N_BLOCKS]
 
 
-def _worker(rank, world, pp_size, init_file, out_dir):
+# Each world runs every layout that fits it, one after the other (make_groups on the same world):
+# one process start-up per world size, the slow part on a small machine.
+PP_SIZES = {2: (2,), 4: (2, 4)}
+
+
+def _worker(rank, world, init_file, out_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -199,15 +204,16 @@ def _worker(rank, world, pp_size, init_file, out_dir):
 
     results = {}
     try:
-        groups = make_groups(pp_size)
-        for case in _cases(pp_size):
-            try:
-                results[case] = ("pass", _run_case(groups, *case))
-            except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
-                import traceback
+        for pp_size in PP_SIZES[world]:
+            groups = make_groups(pp_size)
+            for case in _cases(pp_size):
+                try:
+                    results[pp_size, case] = ("pass", _run_case(groups, *case))
+                except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
+                    import traceback
 
-                results[case] = ("fail", f"{e}\n{traceback.format_exc()}")
-                break  # the other ranks may now wait on this one: stop here
+                    results[pp_size, case] = ("fail", f"{e}\n{traceback.format_exc()}")
+                    return  # the other ranks may now wait on this one: stop here
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -216,14 +222,12 @@ def _worker(rank, world, pp_size, init_file, out_dir):
 _RESULTS = {}
 
 
-def _launch(world, pp_size):
-    if (world, pp_size) not in _RESULTS:
+def _launch(world):
+    if world not in _RESULTS:
         with tempfile.TemporaryDirectory() as tmp:
             ctx = mp.get_context("spawn")
             procs = [
-                ctx.Process(
-                    target=_worker, args=(r, world, pp_size, os.path.join(tmp, "init"), tmp)
-                )
+                ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), tmp))
                 for r in range(world)
             ]
             for p in procs:
@@ -237,8 +241,8 @@ def _launch(world, pp_size):
             for r in range(world):
                 path = os.path.join(tmp, f"rank{r}.pt")
                 res.append(torch.load(path) if os.path.exists(path) else {})
-        _RESULTS[(world, pp_size)] = res
-    return _RESULTS[(world, pp_size)]
+        _RESULTS[world] = res
+    return _RESULTS[world]
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (4, 2), (4, 4)], ids=["pp2xdp1", "pp2xdp2", "pp4xdp1"])
@@ -255,12 +259,13 @@ def test_pipeline_step_matches_float64_reference(layout, case):
     world, pp_size = layout
     if case not in _cases(pp_size):
         pytest.skip(f"{case[1]} stages per rank × pp {pp_size} > {N_BLOCKS} blocks")
-    res = _launch(world, pp_size)
+    res = _launch(world)
+    case_key = (pp_size, case)
     for r, rank_res in enumerate(res):
-        if case not in rank_res:
+        if case_key not in rank_res:
             failed = [(c, v[1]) for c, v in rank_res.items() if v[0] == "fail"]
             pytest.fail(f"rank {r} did not run {case}; earlier failure: {failed or 'none (died?)'}")
-        status, detail = rank_res[case]
+        status, detail = rank_res[case_key]
         assert status == "pass", f"rank {r}: {detail}"
         if case[3]:  # FP8 on: the error shows the casts ran
             assert detail > FP32_TOL, f"rank {r}: FP8 on but error {detail:.3g} as small as FP32's"
