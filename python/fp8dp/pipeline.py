@@ -178,7 +178,14 @@ class _StageModule(torch.nn.Module):
 class _StageSync:
     """fp8dp's sync policy and W runner for one stage (module docstring). torch calls dw_builder()
     right after each B step (in micro-batch order) and the runner it returns at that micro-batch's
-    W step (also in order; at once for schedules without a separate W)."""
+    W step (also in order; at once for schedules without a separate W).
+
+    Readiness is on exactly while the last micro-batch's gradients arrive: during its B step and
+    its W step, and off for an earlier micro-batch's W that a zero-bubble schedule runs after the
+    last B. (Leaving it on from the last B to the end of the step also gives right gradients today,
+    found by trying it: readiness learns its counts in the first iteration, so such a W counts as
+    one more expected report every step, as long as the schedule's order never changes. This
+    policy does not depend on that.)"""
 
     def __init__(self, ddp: DistributedDataParallel, n_microbatches: int):
         self.ddp = ddp
@@ -278,6 +285,7 @@ class Pipeline:
             )
             self.modules.append(ddp)
             self._syncs.append(sync)
+        self.stages = stages  # torch's PipelineStage of each local stage
         self.is_last = (n_stages - 1) in self.stage_indices
         self.is_first = 0 in self.stage_indices
         cls = {
