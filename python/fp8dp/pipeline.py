@@ -181,11 +181,11 @@ class _StageSync:
     W step (also in order; at once for schedules without a separate W).
 
     Readiness is on exactly while the last micro-batch's gradients arrive: during its B step and
-    its W step, and off for an earlier micro-batch's W that a zero-bubble schedule runs after the
-    last B. (Leaving it on from the last B to the end of the step also gives right gradients today,
-    found by trying it: readiness learns its counts in the first iteration, so such a W counts as
-    one more expected report every step, as long as the schedule's order never changes. This
-    policy does not depend on that.)"""
+    its W step, and off for an earlier micro-batch's W, which a schedule that defers W steps may
+    run after the last B. (Leaving it on from the last B to the end of the step also passed
+    test_pipeline_dist.py when tried: readiness learns its counts in the first iteration, so any
+    such W would count as one more expected report every step, as long as the schedule's order
+    never changes. This policy does not depend on that.)"""
 
     def __init__(self, ddp: DistributedDataParallel, n_microbatches: int):
         self.ddp = ddp
