@@ -56,7 +56,8 @@ PY
 "$VPY" -m venv --without-pip "$WORK/venv"
 site=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 parent=$("$VPY" -c 'import site; print(site.getsitepackages())')
-echo "import site; [site.addsitedir(d) for d in $parent]" >"$site/_parent_packages.pth"
+# map, not a comprehension: before Python 3.12 a comprehension in a .pth line cannot see `site`.
+echo "import site; list(map(site.addsitedir, $parent))" >"$site/_parent_packages.pth"
 # .venv's pip installs into the fresh environment; --no-index: the dependencies it declares must
 # already be there (torch, from .venv), nothing is downloaded.
 "$VPY" -m pip --python "$WORK/venv/bin/python" install -q --no-index "$wheel" \

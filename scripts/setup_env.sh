@@ -57,11 +57,12 @@ system_torch=$($PY -c 'import torch; print(torch.__version__, torch.version.cuda
 # base interpreter's packages, not $PY's, and torch would be missing.
 reuse_packages_of() {
   local dirs site
-  dirs=$($1 -c 'import site, sys; print("\n".join(site.getsitepackages() + [site.getusersitepackages()] * (site.ENABLE_USER_SITE is True)))')
+  dirs=$($1 -c 'import site; print(site.getsitepackages() + [site.getusersitepackages()] * (site.ENABLE_USER_SITE is True))')
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # map, not a comprehension: before Python 3.12 a comprehension in a .pth line cannot see `site`.
   {
     echo "# Written by scripts/setup_env.sh: the packages of $1 (torch among them), after .venv's own."
-    echo "import site; [site.addsitedir(d) for d in $(printf '%s\n' "$dirs" | $1 -c 'import sys; print([l for l in sys.stdin.read().splitlines() if l])')]"
+    echo "import site; list(map(site.addsitedir, $dirs))"
   } >"$site/_fp8dp_system_packages.pth"
 }
 
