@@ -10,9 +10,13 @@ export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 setup:
 	bash scripts/setup_env.sh
 
+# ccache, where installed: rebuilds, and the wheel that test-wheel builds from the same sources with
+# the same flags, reuse these objects instead of compiling everything a second time.
+CCACHE_ARGS := $(if $(shell command -v ccache 2>/dev/null),-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+
 # In-place build: the extension is copied into python/fp8dp, so PYTHONPATH=python imports it.
 build: setup
-	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(CURDIR)/$(PY) -DFP8DP_INPLACE=ON $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(CURDIR)/$(PY) -DFP8DP_INPLACE=ON $(CCACHE_ARGS) $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
 test-cpp: build

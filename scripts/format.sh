@@ -6,7 +6,6 @@
 #
 # Without the pinned tools (setup could not install them: offline) the check is skipped with a
 # message, except under CI=true, where it fails: CI must never pass a format check it did not run.
-# The check runs all three tools and reports each before failing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-check}
@@ -36,26 +35,29 @@ if [ ${#problems[@]} -gt 0 ]; then
   exit 1
 fi
 
+# Every tool runs, and each failure is reported, before the script fails.
+failed=()
 case "$mode" in
   fix)
-    set -e
-    "$BIN/clang-format" -i "${CXX_FILES[@]}"
-    "$BIN/ruff" check --fix -q "${PY_DIRS[@]}"  # before black: black has the last word on layout
-    "$BIN/black" -q "${PY_DIRS[@]}"
+    "$BIN/clang-format" -i "${CXX_FILES[@]}" || failed+=(clang-format)
+    # ruff before black, so that black has the last word on layout; ruff fails on what it cannot fix.
+    "$BIN/ruff" check --fix -q "${PY_DIRS[@]}" || failed+=("ruff (fix the rest by hand)")
+    "$BIN/black" -q "${PY_DIRS[@]}" || failed+=(black)
     ;;
   check)
-    failed=()
     "$BIN/clang-format" --dry-run -Werror "${CXX_FILES[@]}" || failed+=(clang-format)
     "$BIN/ruff" check "${PY_DIRS[@]}" || failed+=(ruff)
     "$BIN/black" --check "${PY_DIRS[@]}" || failed+=(black)
-    if [ ${#failed[@]} -gt 0 ]; then
-      echo "[format] FAILED: ${failed[*]} (make format fixes what they can)" >&2
-      exit 1
-    fi
-    echo "[format] clean: ${#CXX_FILES[@]} C++/CUDA files, Python in ${PY_DIRS[*]}"
     ;;
   *)
     echo "usage: scripts/format.sh check|fix" >&2
     exit 2
     ;;
 esac
+if [ ${#failed[@]} -gt 0 ]; then
+  hint=""
+  [ "$mode" = check ] && hint=" (make format fixes what it can)"
+  echo "[format] FAILED: ${failed[*]}$hint" >&2
+  exit 1
+fi
+echo "[format] $mode: ok, ${#CXX_FILES[@]} C++/CUDA files and the Python in ${PY_DIRS[*]}"
