@@ -3,9 +3,11 @@ one, across 4 processes (gloo) in two groups {0, 1} and {2, 3}: the amaxes are r
 group only, the registry check (C9) runs over the same group, the next step without fp8_group
 reduces across the world again, and a conflicting group is refused before any collective.
 
-Evidence: with the fp8_group ignored (update_fp8_scales reducing across its argument only, as
-before), step 1's histories hold the world's maximum and the first assertion fails; with the
-record not cleared after an update, step 2 reduces within the pairs and the second one fails."""
+Evidence (both tried): with the fp8_group ignored (update_fp8_scales reducing across its argument
+only, as before), step 1's histories hold the world's maximum and the first test fails
+("Mismatched elements: 1 / 3"); with the recorded groups never forgotten after an update, step 2
+reduces within the pairs and the workers' last update raises ValueError (the pair and the world
+both still recorded), so every test fails."""
 
 import os
 import tempfile
