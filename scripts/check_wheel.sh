@@ -52,8 +52,20 @@ if problems:
 print(f"[wheel] {sys.argv[1].rsplit('/', 1)[1]}: {len(names)} files, {ext[0]}, requires {requires}")
 PY
 
-# A fresh environment that sees .venv's packages (torch), not the source tree.
+# A fresh environment; first without torch, as pip's build isolation leaves it: CMake must stop
+# before probing a compiler, with the one line that says --no-build-isolation (the README quotes it).
 "$VPY" -m venv --without-pip "$WORK/venv"
+if PYTHONPATH=/tmp/pip-build-env-check/site cmake -S . -B "$WORK/isolated" \
+    -DPython3_EXECUTABLE="$ROOT/$WORK/venv/bin/python" >"$WORK/isolated.log" 2>&1; then
+  echo "[wheel] FAILED: CMake configured without torch" >&2; exit 1
+fi
+msg="fp8dp: pip's build isolation hides your torch; install fp8dp with \`pip install --no-build-isolation .\` into the environment that has torch"
+grep -qxF "   $msg" "$WORK/isolated.log" \
+  || { cat "$WORK/isolated.log"; echo "[wheel] FAILED: isolated build message" >&2; exit 1; }
+! grep -q "compiler identification" "$WORK/isolated.log" || { echo "[wheel] FAILED: not early" >&2; exit 1; }
+echo "[wheel] an isolated build stops before any compiler probe: $msg"
+
+# Now it sees .venv's packages (torch), not the source tree.
 site=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 parent=$("$VPY" -c 'import site; print(site.getsitepackages())')
 # map, not a comprehension: before Python 3.12 a comprehension in a .pth line cannot see `site`.

@@ -107,10 +107,9 @@ def _raise_mismatch(group) -> None:
 def _ranks(group):
     """The global ranks of ``group`` (None: the default group), for comparing groups by what they
     reduce over; the group itself where it is not registered with torch.distributed."""
+    dist = torch.distributed
     try:
-        return tuple(torch.distributed.get_process_group_ranks(
-            group if group is not None else torch.distributed.group.WORLD
-        ))
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     except (RuntimeError, ValueError, KeyError, AttributeError):
         return group
 
@@ -134,7 +133,7 @@ def _amax_group(group):
             f"fp8_group's (ranks {' and '.join(_show(r) for r in distinct)}); every amax is "
             "reduced in one collective, so every context of a step must name the same group"
         )
-    (step_ranks, step_group), = distinct.items()
+    [(step_ranks, step_group)] = distinct.items()
     if group is not None and _ranks(group) != step_ranks:
         raise ValueError(
             f"update_fp8_scales: group (ranks {_show(_ranks(group))}) differs from the fp8_group "

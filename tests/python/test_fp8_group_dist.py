@@ -48,7 +48,12 @@ def _worker(rank, init_file, result_dir):
         real_all_reduce = dist.all_reduce
 
         def recording_all_reduce(t, *args, group=None, **kwargs):
-            calls.append((t.numel(), dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)))
+            calls.append(
+                (
+                    t.numel(),
+                    dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
+                )
+            )
             return real_all_reduce(t, *args, group=group, **kwargs)
 
         dist.all_reduce = recording_all_reduce
@@ -64,7 +69,10 @@ def _worker(rank, init_file, result_dir):
         # Conflicts: refused on every rank alike, before any collective, nothing updated.
         history = lin._core.amax_history.clone()
         errors = []
-        for kwargs, groups in (({"group": dist.group.WORLD}, [mine]), ({}, [mine, None, dist.group.WORLD])):
+        for kwargs, groups in (
+            ({"group": dist.group.WORLD}, [mine]),
+            ({}, [mine, None, dist.group.WORLD]),
+        ):
             for g in groups:
                 with fp8dp.fp8_autocast(fp8_recipe=_recipe(fp8dp), fp8_group=g):
                     lin(torch.randn(16, 32)).sum().backward()
