@@ -20,6 +20,12 @@ defines=()
 if command -v ccache >/dev/null; then
   defines+=(-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache
             -Ccmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  # ccache hits only for the same compiler command: scikit-build-core picks Python's CXX (g++)
+  # where CMake alone picks c++, so take the compilers `make build` configured.
+  for lang in CXX CUDA; do
+    c=$(sed -n "s/^CMAKE_${lang}_COMPILER:[A-Z]*=//p" "${BUILD:-build/dev}/CMakeCache.txt" 2>/dev/null)
+    [ -z "$c" ] || defines+=("-Ccmake.define.CMAKE_${lang}_COMPILER=$c")
+  done
 fi
 echo "[wheel] building (pip wheel --no-build-isolation)${defines:+ with ccache}"
 "$VPY" -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/dist" "${defines[@]}" . \
