@@ -32,7 +32,7 @@ echo "[wheel] building (pip wheel --no-build-isolation)${defines:+ with ccache}"
   >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; echo "[wheel] FAILED: build" >&2; exit 1; }
 wheel=$(ls "$WORK"/dist/fp8dp-*.whl)
 
-# The wheel holds every tracked Python file of the package and one extension, nothing else.
+# The wheel holds every tracked Python file of the package, one extension and no bytecode.
 "$VPY" - "$wheel" <<'PY'
 import subprocess, sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
