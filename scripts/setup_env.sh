@@ -46,6 +46,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     exit 1
   fi
 fi
+# ccache is optional: with it, `make test`'s wheel check reuses make build's objects instead of
+# compiling the extension a second time. Offline (the GPU machine) it is skipped with a message.
+if ! command -v ccache >/dev/null && command -v apt-get >/dev/null; then
+  log "installing ccache (optional)"
+  { as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq ccache; } \
+    >/dev/null 2>&1 || log "ccache not installable here (offline?): the wheel check compiles again"
+fi
 
 # --- which torch -----------------------------------------------------------------------------
 # Prints "version cuda" of the torch that $PY imports, or nothing.
