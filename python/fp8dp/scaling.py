@@ -78,20 +78,18 @@ def _raise_mismatch(group) -> None:
     torch.distributed.all_gather_object(lists, mine, group=group)
     longest = max(len(lst) for lst in lists)
     first = next(
-        (
-            i
-            for i in range(longest)
-            if len({lst[i] if i < len(lst) else None for lst in lists}) > 1
-        ),
+        (i for i in range(longest) if len({lst[i] if i < len(lst) else None for lst in lists}) > 1),
         None,
     )
     if first is None:  # pragma: no cover - equal lists hash equally
         detail = "the lists are equal but their hashes differ"
     else:
         detail = "; ".join(
-            f"rank {r}: {lst[first]!r}"
-            if first < len(lst)
-            else f"rank {r}: none ({len(lst)} states)"
+            (
+                f"rank {r}: {lst[first]!r}"
+                if first < len(lst)
+                else f"rank {r}: none ({len(lst)} states)"
+            )
             for r, lst in enumerate(lists)
         )
         detail = f"first difference at position {first} of the amax reduction: {detail}"

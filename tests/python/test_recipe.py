@@ -104,8 +104,10 @@ def test_margin_above_the_bound_is_refused(cls, margin):
     Evidence (2026-12-01, then restored): with `or not 0 <= value <= MAX_MARGIN` in
     recipe._check_margin put back to `or value < 0`, all 8 cases fail with
     `Failed: DID NOT RAISE <class 'ValueError'>`."""
-    message = (r"^margin: expected a finite number >= 0 and <= 14\.807 "
-               r"\(log2\(448 / 2\*\*-6\).*\), got " + re.escape(repr(margin)) + "$")
+    message = (
+        r"^margin: expected a finite number >= 0 and <= 14\.807 "
+        r"\(log2\(448 / 2\*\*-6\).*\), got " + re.escape(repr(margin)) + "$"
+    )
     with pytest.raises(ValueError, match=message):
         cls(margin=margin)
 
