@@ -5,14 +5,18 @@ JOBS      ?= $(shell nproc)
 CMAKE_ARGS ?=
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: setup build test test-cpp test-python bench format install clean demo matrix
+.PHONY: setup build test test-cpp test-python test-wheel bench format format-check install clean demo matrix
 
 setup:
 	bash scripts/setup_env.sh
 
+# ccache, where installed: rebuilds, and the wheel that test-wheel builds from the same sources with
+# the same flags, reuse these objects instead of compiling everything a second time.
+CCACHE_ARGS := $(if $(shell command -v ccache 2>/dev/null),-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+
 # In-place build: the extension is copied into python/fp8dp, so PYTHONPATH=python imports it.
 build: setup
-	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(CURDIR)/$(PY) -DFP8DP_INPLACE=ON $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(CURDIR)/$(PY) -DFP8DP_INPLACE=ON $(CCACHE_ARGS) $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
 test-cpp: build
@@ -24,7 +28,12 @@ PYTEST_DIRS := $(wildcard tests/python tests/distributed)
 test-python: build
 	$(PY) -m pytest -q $(PYTEST_DIRS)
 
-test: test-cpp test-python
+# The wheel as a user installs it (pip --no-build-isolation), imported from a fresh environment.
+test-wheel: build
+	bash scripts/check_wheel.sh
+
+# The format check runs last, so that a formatting slip does not hide test results.
+test: test-cpp test-python test-wheel format-check
 
 # The training demo: torchrun with one rank per GPU (NCCL) when fp8dp was built with CUDA and sees
 # GPUs, else 2 CPU ranks (gloo). DEMO_CONFIG overrides the config, DEMO_ARGS the extra arguments.
@@ -55,10 +64,13 @@ bench: build
 install: setup
 	$(PY) -m pip install --no-build-isolation .
 
-format:
-	clang-format -i $$(git ls-files 'src/*.h' 'src/*.cpp' 'src/*.cu' 'tests/cpp/*.cpp')
-	$(PY) -m black -q python tests bench
-	$(PY) -m ruff check --fix -q python tests bench
+# clang-format, ruff and black at the versions pinned in pyproject.toml (extra "format"), from .venv.
+# format-check skips with a message when setup could not install them (offline), fails under CI=true.
+format: setup
+	bash scripts/format.sh fix
+
+format-check: setup
+	bash scripts/format.sh check
 
 clean:
 	rm -rf build python/fp8dp/_C*.so

@@ -26,9 +26,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from machine import cpu_name
 
 import fp8dp
-from machine import cpu_name
 
 
 def parse():
@@ -47,8 +47,9 @@ def parse():
 def build(args, ledger: bool, python_hooks: bool = False):
     torch.manual_seed(0)
     layers = [
-        fp8dp.Linear(args.hidden, args.hidden, delay_wgrad_compute=True,
-                     fuse_wgrad_accumulation=args.fused)
+        fp8dp.Linear(
+            args.hidden, args.hidden, delay_wgrad_compute=True, fuse_wgrad_accumulation=args.fused
+        )
         for _ in range(args.layers)
     ]
     model = torch.nn.Sequential(*layers)
@@ -122,15 +123,21 @@ def main() -> None:
     med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
     # The 10th percentile: on a shared machine the least-disturbed steps compare best.
     p10 = {n: statistics.quantiles(v, n=10)[0] * 1e3 for n, v in times.items()}
-    phase_p10 = {n: {p: statistics.quantiles(v, n=10)[0] * 1e6 for p, v in ph.items()}
-                 for n, ph in phases.items()}
+    phase_p10 = {
+        n: {p: statistics.quantiles(v, n=10)[0] * 1e6 for p, v in ph.items()}
+        for n, ph in phases.items()
+    }
     base = med["default"]
-    print(f"{args.layers} x fp8dp.Linear({args.hidden}), {args.micro_batches} micro-batches of "
-          f"{args.tokens} tokens, delayed wgrad{', fused' if args.fused else ''}, 1 gloo rank")
+    print(
+        f"{args.layers} x fp8dp.Linear({args.hidden}), {args.micro_batches} micro-batches of "
+        f"{args.tokens} tokens, delayed wgrad{', fused' if args.fused else ''}, 1 gloo rank"
+    )
     for n, m in med.items():
-        print(f"  {n:8s} median {m:8.3f} ms  ({m / base:.3f}x default), 10th percentile "
-              f"{p10[n]:8.3f} ms ({p10[n] / p10['default']:.3f}x); per phase (us, p10): "
-              + ", ".join(f"{p} {v:.0f}" for p, v in phase_p10[n].items()))
+        print(
+            f"  {n:8s} median {m:8.3f} ms  ({m / base:.3f}x default), 10th percentile "
+            f"{p10[n]:8.3f} ms ({p10[n] / p10['default']:.3f}x); per phase (us, p10): "
+            + ", ".join(f"{p} {v:.0f}" for p, v in phase_p10[n].items())
+        )
     # The always-on buffer check alone: one call per forward.
     ddp = variants["default"][0]
     if hasattr(ddp._sync, "check_params_in_buffers"):
@@ -139,8 +146,10 @@ def main() -> None:
         for _ in range(n):
             ddp._sync.check_params_in_buffers()
         per = (time.perf_counter() - t0) / n * 1e6
-        print(f"  check_params_in_buffers: {per:.2f} us per forward "
-              f"({per * args.micro_batches / (base * 1e3) * 100:.3f}% of a step)")
+        print(
+            f"  check_params_in_buffers: {per:.2f} us per forward "
+            f"({per * args.micro_batches / (base * 1e3) * 100:.3f}% of a step)"
+        )
     else:
         per = None
     out = {

@@ -23,10 +23,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from machine import cpu_name
-
+from torch import nn
 
 
 def parse():

@@ -82,8 +82,12 @@ def timed_steps(step, steps, rounds, drain):
                 per_phase[p].append(bounds[k][0].elapsed_time(bounds[k + 1][0]))
                 host_phase[p].append(1e3 * (bounds[k + 1][1] - bounds[k][1]))
     med = statistics.median
-    return (med(per_step), {p: med(v) for p, v in per_phase.items()},
-            med(host_step), {p: med(v) for p, v in host_phase.items()})
+    return (
+        med(per_step),
+        {p: med(v) for p, v in per_phase.items()},
+        med(host_step),
+        {p: med(v) for p, v in host_phase.items()},
+    )
 
 
 def comm_alone(sync, grad_dtype, param_dtype, rounds):
@@ -101,8 +105,10 @@ def comm_alone(sync, grad_dtype, param_dtype, rounds):
 
     out = {}
     for name, fn in (
-        ("reduce_scatter_ms", lambda: [comm.reduce_scatter([g], [chunk(g)], fp8dp._C.ReduceOp.AVG)
-                                       for g in grads]),
+        (
+            "reduce_scatter_ms",
+            lambda: [comm.reduce_scatter([g], [chunk(g)], fp8dp._C.ReduceOp.AVG) for g in grads],
+        ),
         ("all_gather_ms", lambda: [comm.all_gather([chunk(p)], [p]) for p in params]),
     ):
         samples = []
@@ -145,16 +151,26 @@ def run_config(args, bucket_size, rank, ws):
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     h = args.hidden
-    model = torch.nn.Sequential(*[
-        fp8dp.Linear(h, h, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True)
-        for _ in range(args.layers)])
+    model = torch.nn.Sequential(
+        *[
+            fp8dp.Linear(
+                h, h, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True
+            )
+            for _ in range(args.layers)
+        ]
+    )
     # AVG in the collective: NCCL applies 1/dp inside the reduce-scatter kernel, where a pre-scale
     # is one more pass over the whole FP32 gradient buffer on the compute stream.
     cfg = fp8dp.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True,
-        average_in_collective=not args.prescale, bucket_size=bucket_size, comm_backend="nccl",
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=True,
+        overlap_param_gather=True,
+        average_in_collective=not args.prescale,
+        bucket_size=bucket_size,
+        comm_backend="nccl",
         grad_reduce_in_fp32=args.grad_dtype == "fp32",
-        nccl_high_priority_stream=not args.nccl_low_priority)
+        nccl_high_priority_stream=not args.nccl_low_priority,
+    )
     ddp = fp8dp.DistributedDataParallel(model, cfg)
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-5)
     recipe = fp8dp.DelayedScaling()
@@ -237,8 +253,7 @@ def run_config(args, bucket_size, rank, ws):
     ph_med = {n: {p: statistics.median(v) for p, v in d.items()} for n, d in phase_ms.items()}
     # The host's enqueue times: rank 0's (the ranks run the same Python).
     host_med = {n: statistics.median(v) for n, v in host_ms.items()}
-    host_ph = {n: {p: statistics.median(v) for p, v in d.items()}
-               for n, d in host_phase_ms.items()}
+    host_ph = {n: {p: statistics.median(v) for p, v in d.items()} for n, d in host_phase_ms.items()}
     alone = comm_alone(sync, ddp._params[0].main_grad.dtype, ddp._params[0].dtype, 5)
     if args.profile:
         profile_variants(args.profile, variants, opt.finish_param_sync, rank, bucket_size)
@@ -253,23 +268,31 @@ def run_config(args, bucket_size, rank, ws):
     worst = torch.stack(every).max(0).values.tolist()
     med = dict(zip(names, worst[: len(names)]))
     k = len(names)
-    ph_med = {n: dict(zip(PHASES, worst[k + i * len(PHASES) : k + (i + 1) * len(PHASES)]))
-              for i, n in enumerate(names)}
+    ph_med = {
+        n: dict(zip(PHASES, worst[k + i * len(PHASES) : k + (i + 1) * len(PHASES)]))
+        for i, n in enumerate(names)
+    }
     alone = {"reduce_scatter_ms": worst[-2], "all_gather_ms": worst[-1]}
     comp = med["compute_only"]
     result = {
-        "layers": args.layers, "hidden": h, "tokens_per_gpu": args.tokens, "world": ws,
+        "layers": args.layers,
+        "hidden": h,
+        "tokens_per_gpu": args.tokens,
+        "world": ws,
         "micro_batches": args.micro_batches,
         "params": sum(p.numel() for p in model.parameters()),
         "communicator": sync.communicator().name,
-        "bucket_groups": sync.num_bucket_groups, "bucket_size": cfg.resolved_bucket_size(ws),
+        "bucket_groups": sync.num_bucket_groups,
+        "bucket_size": cfg.resolved_bucket_size(ws),
         "average_in_collective": cfg.average_in_collective,
         "grad_dtype": args.grad_dtype,
         "nccl_high_priority_stream": cfg.nccl_high_priority_stream,
         "overlap_param_gather": ddp.overlap_param_gather,
-        "full_step_ms": med["full"], "compute_only_step_ms": comp,
+        "full_step_ms": med["full"],
+        "compute_only_step_ms": comp,
         "full_no_param_overlap_step_ms": med["full_no_param_overlap"],
-        "ratio": med["full"] / comp, "exposed_comm_ms": med["full"] - comp,
+        "ratio": med["full"] / comp,
+        "exposed_comm_ms": med["full"] - comp,
         "ratio_no_param_overlap": med["full_no_param_overlap"] / comp,
         "phase_ms": ph_med,
         "host_step_ms": host_med,
@@ -279,30 +302,40 @@ def run_config(args, bucket_size, rank, ws):
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
     if rank == 0:
-        print_table(f"DDP step, {args.layers} x fp8dp.Linear({h}), {args.micro_batches} x {args.tokens} "
-                    "tokens/GPU, "
-                    f"{ws} GPUs, bucket_size {result['bucket_size']} = "
-                    f"{sync.num_bucket_groups} bucket groups, "
-                    f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'}, "
-                    f"{args.grad_dtype} grads, NCCL stream "
-                    f"{'high' if cfg.nccl_high_priority_stream else 'normal'} priority "
-                    "(target ratio <= 1.05; slowest rank)",
-                    ["variant", "step ms", "ratio", "exposed comm ms"],
-                    [[n, f"{med[n]:.2f}", f"{med[n] / comp:.3f}x", f"{med[n] - comp:.2f}"]
-                     for n in names])
-        print_table("Per phase (ms, median, slowest rank); delta = full - compute_only",
-                    ["phase"] + names + ["delta"],
-                    [[p] + [f"{ph_med[n][p]:.2f}" for n in names]
-                     + [f"{ph_med['full'][p] - ph_med['compute_only'][p]:+.2f}"] for p in PHASES])
-        print_table("Host (rank 0): ms spent enqueueing each phase (GPU ms in brackets); host "
-                    "close to GPU = launch-bound",
-                    ["phase"] + names,
-                    [[p] + [f"{host_ph[n][p]:.2f} ({ph_med[n][p]:.2f})" for n in names]
-                     for p in PHASES]
-                    + [["step"] + [f"{host_med[n]:.2f} ({med[n]:.2f})" for n in names]])
-        print(f"collectives alone (no compute): reduce-scatter of every bucket "
-              f"{alone['reduce_scatter_ms']:.2f} ms, all-gather {alone['all_gather_ms']:.2f} ms",
-              flush=True)
+        print_table(
+            f"DDP step, {args.layers} x fp8dp.Linear({h}), {args.micro_batches} x {args.tokens} "
+            "tokens/GPU, "
+            f"{ws} GPUs, bucket_size {result['bucket_size']} = "
+            f"{sync.num_bucket_groups} bucket groups, "
+            f"{'AVG in collective' if cfg.average_in_collective else '1/dp pre-scale'}, "
+            f"{args.grad_dtype} grads, NCCL stream "
+            f"{'high' if cfg.nccl_high_priority_stream else 'normal'} priority "
+            "(target ratio <= 1.05; slowest rank)",
+            ["variant", "step ms", "ratio", "exposed comm ms"],
+            [[n, f"{med[n]:.2f}", f"{med[n] / comp:.3f}x", f"{med[n] - comp:.2f}"] for n in names],
+        )
+        print_table(
+            "Per phase (ms, median, slowest rank); delta = full - compute_only",
+            ["phase"] + names + ["delta"],
+            [
+                [p]
+                + [f"{ph_med[n][p]:.2f}" for n in names]
+                + [f"{ph_med['full'][p] - ph_med['compute_only'][p]:+.2f}"]
+                for p in PHASES
+            ],
+        )
+        print_table(
+            "Host (rank 0): ms spent enqueueing each phase (GPU ms in brackets); host "
+            "close to GPU = launch-bound",
+            ["phase"] + names,
+            [[p] + [f"{host_ph[n][p]:.2f} ({ph_med[n][p]:.2f})" for n in names] for p in PHASES]
+            + [["step"] + [f"{host_med[n]:.2f} ({med[n]:.2f})" for n in names]],
+        )
+        print(
+            f"collectives alone (no compute): reduce-scatter of every bucket "
+            f"{alone['reduce_scatter_ms']:.2f} ms, all-gather {alone['all_gather_ms']:.2f} ms",
+            flush=True,
+        )
     return result
 
 
@@ -312,28 +345,51 @@ def main():
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per step")
-    ap.add_argument("--micro-batches", type=int, default=1,
-                    help="micro-batches per step (of --tokens each); all but the last run under "
-                         "no_sync(), as in Megatron's gradient accumulation")
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per step (of --tokens each); all but the last run under "
+        "no_sync(), as in Megatron's gradient accumulation",
+    )
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per sample")
-    ap.add_argument("--bucket-sizes", default="default,16000000",
-                    help="comma-separated bucket sizes in elements, each its own model "
-                         "('default': DDP's; 16000000: one layer per bucket at hidden 4096)")
-    ap.add_argument("--prescale", action="store_true",
-                    help="pre-scale buckets by 1/dp (average_in_collective=False) instead of AVG")
-    ap.add_argument("--nccl-low-priority", action="store_true",
-                    help="the NCCL stream at normal priority (nccl_high_priority_stream=False): "
-                         "compute takes SMs first")
-    ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
-                    help="main_grad and reduce-scatter dtype (grad_reduce_in_fp32); bf16 halves "
-                         "the bytes the collectives move")
-    ap.add_argument("--profile", metavar="DIR",
-                    help="also write a torch.profiler trace of 3 steps of each variant to DIR")
+    ap.add_argument(
+        "--bucket-sizes",
+        default="default,16000000",
+        help="comma-separated bucket sizes in elements, each its own model "
+        "('default': DDP's; 16000000: one layer per bucket at hidden 4096)",
+    )
+    ap.add_argument(
+        "--prescale",
+        action="store_true",
+        help="pre-scale buckets by 1/dp (average_in_collective=False) instead of AVG",
+    )
+    ap.add_argument(
+        "--nccl-low-priority",
+        action="store_true",
+        help="the NCCL stream at normal priority (nccl_high_priority_stream=False): "
+        "compute takes SMs first",
+    )
+    ap.add_argument(
+        "--grad-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="main_grad and reduce-scatter dtype (grad_reduce_in_fp32); bf16 halves "
+        "the bytes the collectives move",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="also write a torch.profiler trace of 3 steps of each variant to DIR",
+    )
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl", timeout=timedelta(seconds=180),
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    dist.init_process_group(
+        "nccl",
+        timeout=timedelta(seconds=180),
+        device_id=torch.device("cuda", torch.cuda.current_device()),
+    )
     rank, ws = dist.get_rank(), dist.get_world_size()
     results = []
     for b in args.bucket_sizes.split(","):
@@ -341,12 +397,21 @@ def main():
         gc.collect()  # the model, its buffers and its NCCL communicator, before the next one
         torch.cuda.empty_cache()
     if rank == 0:
-        cmd = (f"torchrun --standalone --nproc_per_node={ws} bench/ddp_gpu.py "
-               + " ".join(sys.argv[1:]))
+        cmd = f"torchrun --standalone --nproc_per_node={ws} bench/ddp_gpu.py " + " ".join(
+            sys.argv[1:]
+        )
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-        write_json(args.json, {"benchmark": "ddp_gpu", **device_info(), "command": cmd,
-                               "nccl_env": env, "result": results[0],
-                               "bucket_sweep": results[1:]})
+        write_json(
+            args.json,
+            {
+                "benchmark": "ddp_gpu",
+                **device_info(),
+                "command": cmd,
+                "nccl_env": env,
+                "result": results[0],
+                "bucket_sweep": results[1:],
+            },
+        )
     dist.barrier()
     dist.destroy_process_group()
 

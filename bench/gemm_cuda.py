@@ -29,12 +29,19 @@ def bench_shape(m, n, k, fast):
     bt = b.t()  # [k, n] column-major: the layout _scaled_mm wants for its second operand
 
     def ours():
-        return _C._gemm_cuda(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.bfloat16,
-                             use_split_accumulator=not fast)
+        return _C._gemm_cuda(
+            a,
+            b,
+            a_scale_inv=sa,
+            b_scale_inv=sb,
+            out_dtype=torch.bfloat16,
+            use_split_accumulator=not fast,
+        )
 
     def torch_mm():
-        return torch._scaled_mm(a, bt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                use_fast_accum=fast)
+        return torch._scaled_mm(
+            a, bt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
 
     # Same math: the two results agree to BF16 rounding (checked before timing).
     diff = (ours().float() - torch_mm().float()).abs().max().item()
@@ -42,11 +49,17 @@ def bench_shape(m, n, k, fast):
     ms = time_interleaved({"fp8dp": ours, "torch._scaled_mm": torch_mm}, warmup=5, rounds=30)
     flop = 2.0 * m * n * k
     return {
-        "m": m, "n": n, "k": k, "fast_accum": fast,
-        "fp8dp_ms": ms["fp8dp"], "torch_ms": ms["torch._scaled_mm"],
-        "fp8dp_tflops": flop / ms["fp8dp"] / 1e9, "torch_tflops": flop / ms["torch._scaled_mm"] / 1e9,
+        "m": m,
+        "n": n,
+        "k": k,
+        "fast_accum": fast,
+        "fp8dp_ms": ms["fp8dp"],
+        "torch_ms": ms["torch._scaled_mm"],
+        "fp8dp_tflops": flop / ms["fp8dp"] / 1e9,
+        "torch_tflops": flop / ms["torch._scaled_mm"] / 1e9,
         "speedup": ms["torch._scaled_mm"] / ms["fp8dp"],
-        "max_abs_diff": diff, "max_abs_out": ref_max,
+        "max_abs_diff": diff,
+        "max_abs_out": ref_max,
     }
 
 
@@ -55,12 +68,25 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = [bench_shape(m, n, k, fast) for fast in (False, True) for m, n, k in SHAPES]
-    rows = [[f"{r['m']}x{r['n']}x{r['k']}", "fast" if r["fast_accum"] else "split",
-             f"{r['fp8dp_tflops']:.0f}", f"{r['torch_tflops']:.0f}", f"{r['speedup']:.3f}x",
-             f"{r['max_abs_diff']:.3g}/{r['max_abs_out']:.3g}"] for r in results]
-    print_table("FP8 GEMM E4M3 x E4M3 -> BF16 (TFLOP/s)",
-                ["m x n x k", "accum", "fp8dp", "_scaled_mm", "speedup", "maxdiff/max"], rows)
-    write_json(args.json, {"device": device_info(), "command": " ".join(sys.argv), "results": results})
+    rows = [
+        [
+            f"{r['m']}x{r['n']}x{r['k']}",
+            "fast" if r["fast_accum"] else "split",
+            f"{r['fp8dp_tflops']:.0f}",
+            f"{r['torch_tflops']:.0f}",
+            f"{r['speedup']:.3f}x",
+            f"{r['max_abs_diff']:.3g}/{r['max_abs_out']:.3g}",
+        ]
+        for r in results
+    ]
+    print_table(
+        "FP8 GEMM E4M3 x E4M3 -> BF16 (TFLOP/s)",
+        ["m x n x k", "accum", "fp8dp", "_scaled_mm", "speedup", "maxdiff/max"],
+        rows,
+    )
+    write_json(
+        args.json, {"device": device_info(), "command": " ".join(sys.argv), "results": results}
+    )
 
 
 if __name__ == "__main__":

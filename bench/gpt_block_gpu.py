@@ -54,11 +54,13 @@ class Block(torch.nn.Module):
         self.heads = hidden // HEAD_DIM
         if lib == "torch":
             tkw = dict(dtype=torch.bfloat16, device="cuda")
-            self.qkv = torch.nn.Sequential(torch.nn.LayerNorm(hidden, **tkw),
-                                           torch.nn.Linear(hidden, 3 * hidden, **tkw))
+            self.qkv = torch.nn.Sequential(
+                torch.nn.LayerNorm(hidden, **tkw), torch.nn.Linear(hidden, 3 * hidden, **tkw)
+            )
             self.proj = torch.nn.Linear(hidden, hidden, **tkw)
-            self.fc1 = torch.nn.Sequential(torch.nn.LayerNorm(hidden, **tkw),
-                                           torch.nn.Linear(hidden, 4 * hidden, **tkw))
+            self.fc1 = torch.nn.Sequential(
+                torch.nn.LayerNorm(hidden, **tkw), torch.nn.Linear(hidden, 4 * hidden, **tkw)
+            )
             self.fc2 = torch.nn.Linear(4 * hidden, hidden, **tkw)
         else:
             mod = fp8dp if lib == "fp8dp" else te
@@ -98,8 +100,9 @@ def make_step(model, x, dy, mode: str):
     """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_current', 'fp8dp_off', 'te_delayed',
     'te_off'. Returns (step, loss) closures."""
     if mode == "fp8dp_delayed":
-        recipe = fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=16,
-                                      amax_compute_algo="max")
+        recipe = fp8dp.DelayedScaling(
+            fp8_format=fp8dp.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"
+        )
         ctx = lambda: fp8dp.fp8_autocast(fp8_recipe=recipe)  # noqa: E731
     elif mode == "fp8dp_current":
         recipe = fp8dp.Float8CurrentScaling(fp8_format=fp8dp.Format.HYBRID)
@@ -107,8 +110,9 @@ def make_step(model, x, dy, mode: str):
     elif mode == "fp8dp_off":
         ctx = lambda: fp8dp.fp8_autocast(enabled=False)  # noqa: E731
     elif mode == "te_delayed":
-        recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16,
-                                          amax_compute_algo="max")
+        recipe = te_recipe.DelayedScaling(
+            fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"
+        )
         ctx = lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # noqa: E731
     elif mode == "te_off":
         ctx = lambda: te.fp8_autocast(enabled=False)  # noqa: E731
@@ -200,14 +204,18 @@ def bench_shape(hidden, layers, rounds, skip_te):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="2048x8,4096x4,8192x2", help="hidden x layers, comma-separated")
+    ap.add_argument(
+        "--shapes", default="2048x8,4096x4,8192x2", help="hidden x layers, comma-separated"
+    )
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--no-te", action="store_true", help="leave TransformerEngine out")
     ap.add_argument("--json", default="bench/results/gpt_block_gpu.json")
     args = ap.parse_args()
     if te is None:
-        print(f"TransformerEngine: not importable here ({TE_REASON}); its variants are left out",
-              flush=True)
+        print(
+            f"TransformerEngine: not importable here ({TE_REASON}); its variants are left out",
+            flush=True,
+        )
     results = []
     for shape in args.shapes.split(","):
         hidden, layers = (int(v) for v in shape.split("x"))
@@ -216,25 +224,47 @@ def main():
             results.append(bench_shape(hidden, layers, args.rounds, args.no_te))
         except Exception as e:  # one shape failing must not hide the others
             print(f"{shape}: FAILED {type(e).__name__}: {e}", flush=True)
-            results.append({"hidden": hidden, "layers": layers, "error": f"{type(e).__name__}: {e}"})
+            results.append(
+                {"hidden": hidden, "layers": layers, "error": f"{type(e).__name__}: {e}"}
+            )
         torch.cuda.empty_cache()
     rows = []
     for r in results:
         if "error" in r:
             continue
         for m, v in r["variants"].items():
-            rows.append([f"{r['hidden']}x{r['layers']}", m, f"{v['ms']:.2f}",
-                         f"{v['tokens_per_s'] / 1e3:.0f}k", f"{v['speedup']:.2f}x",
-                         f"{v['host_ms']:.2f}", f"{v['peak_step_mib']:.0f}", f"{v['loss']:.5f}"])
-    print_table(f"GPT block stack, seq {SEQ} x batch {BATCH}, forward+backward, ratio over torch BF16",
-                ["width x layers", "variant", "ms", "tokens/s", "vs bf16", "host ms", "peak MiB",
-                 "loss"], rows)
-    write_json(args.json, {"benchmark": "gpt_block_gpu", **device_info(),
-                           "te": None if te is None else getattr(te, "__version__", "?"),
-                           "te_reason": TE_REASON, "seq": SEQ, "batch": BATCH,
-                           "targets": {f"{h}x{n}": t for (h, n), t in TARGETS.items()},
-                           "target_fp8_off": TARGET_FP8_OFF,
-                           "command": "python3 bench/gpt_block_gpu.py", "results": results})
+            rows.append(
+                [
+                    f"{r['hidden']}x{r['layers']}",
+                    m,
+                    f"{v['ms']:.2f}",
+                    f"{v['tokens_per_s'] / 1e3:.0f}k",
+                    f"{v['speedup']:.2f}x",
+                    f"{v['host_ms']:.2f}",
+                    f"{v['peak_step_mib']:.0f}",
+                    f"{v['loss']:.5f}",
+                ]
+            )
+    print_table(
+        f"GPT block stack, seq {SEQ} x batch {BATCH}, forward+backward, ratio over torch BF16",
+        ["width x layers", "variant", "ms", "tokens/s", "vs bf16", "host ms", "peak MiB", "loss"],
+        rows,
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": "gpt_block_gpu",
+            **device_info(),
+            "te": None if te is None else getattr(te, "__version__", "?"),
+            "te_reason": TE_REASON,
+            "seq": SEQ,
+            "batch": BATCH,
+            "targets": {f"{h}x{n}": t for (h, n), t in TARGETS.items()},
+            "target_fp8_off": TARGET_FP8_OFF,
+            "command": "python3 bench/gpt_block_gpu.py",
+            "results": results,
+        },
+    )
     sys.exit(0 if all("error" not in r for r in results) else 1)
 
 

@@ -76,8 +76,13 @@ def bench_one(rows, cols, dtype):
         if name in ("quantize", "cast_transpose"):
             entry["speedup_vs_naive"] = ms["naive_" + name] / ms[name]
         res.append(entry)
-    return {"shape": [rows, cols], "dtype": str(dtype), "input_MiB": n * es / 2**20,
-            "matches_cpu": matches, "ops": res}
+    return {
+        "shape": [rows, cols],
+        "dtype": str(dtype),
+        "input_MiB": n * es / 2**20,
+        "matches_cpu": matches,
+        "ops": res,
+    }
 
 
 def bench_norm(rows, cols, dtype, rms):
@@ -110,17 +115,25 @@ def bench_norm(rows, cols, dtype, rms):
         y_t = F.layer_norm(xr, (cols,), params[0], params[1], eps=1e-5)
     ops = {
         "copy": (lambda: copy_dst.copy_(x), 2 * n * es),
-        f"{name}_fp8": (lambda: _C.norm_forward(x, gamma, beta, rms=rms, want_out=False,
-                                                scale=scale), n * es + n + 8 * rows),
+        f"{name}_fp8": (
+            lambda: _C.norm_forward(x, gamma, beta, rms=rms, want_out=False, scale=scale),
+            n * es + n + 8 * rows,
+        ),
         f"{name}_out": (lambda: _C.norm_forward(x, gamma, beta, rms=rms), 2 * n * es + 8 * rows),
-        f"{name}_out_fp8": (lambda: _C.norm_forward(x, gamma, beta, rms=rms, scale=scale),
-                            2 * n * es + n + 8 * rows),
+        f"{name}_out_fp8": (
+            lambda: _C.norm_forward(x, gamma, beta, rms=rms, scale=scale),
+            2 * n * es + n + 8 * rows,
+        ),
         f"torch_{name}": (lambda: torch_fwd(x), 2 * n * es),
         f"torch_{name}+naive_quantize": (lambda: naive_quantize(torch_fwd(x), False), n * es + n),
-        f"{name}_bwd": (lambda: _C.norm_backward(dz, x, fwd.mu, fwd.rsigma, gamma,
-                                                 has_beta=not rms, rms=rms), 3 * n * es),
-        f"torch_{name}_bwd": (lambda: torch.autograd.grad(y_t, [xr] + params, dz,
-                                                          retain_graph=True), 3 * n * es),
+        f"{name}_bwd": (
+            lambda: _C.norm_backward(dz, x, fwd.mu, fwd.rsigma, gamma, has_beta=not rms, rms=rms),
+            3 * n * es,
+        ),
+        f"torch_{name}_bwd": (
+            lambda: torch.autograd.grad(y_t, [xr] + params, dz, retain_graph=True),
+            3 * n * es,
+        ),
     }
     ms = time_interleaved({k: v[0] for k, v in ops.items()})
     # The timed shape's launch (rows per block, grid-stride loop) against quantize() of the
@@ -136,13 +149,21 @@ def bench_norm(rows, cols, dtype, rms):
     for op, (_, nbytes) in ops.items():
         bw = nbytes / ms[op] / 1e9
         entry = {"op": op, "ms": ms[op], "TBps": bw, "frac_copy_bw": bw / copy_bw}
-        base = {f"{name}_fp8": f"torch_{name}+naive_quantize", f"{name}_out": f"torch_{name}",
-                f"{name}_bwd": f"torch_{name}_bwd"}.get(op)
+        base = {
+            f"{name}_fp8": f"torch_{name}+naive_quantize",
+            f"{name}_out": f"torch_{name}",
+            f"{name}_bwd": f"torch_{name}_bwd",
+        }.get(op)
         if base:
             entry["speedup_vs_torch"] = ms[base] / ms[op]
         res.append(entry)
-    return {"shape": [rows, cols], "dtype": str(dtype), "input_MiB": n * es / 2**20,
-            "matches_cpu": bool(matches), "ops": res}
+    return {
+        "shape": [rows, cols],
+        "dtype": str(dtype),
+        "input_MiB": n * es / 2**20,
+        "matches_cpu": bool(matches),
+        "ops": res,
+    }
 
 
 def norm_results():
@@ -166,12 +187,24 @@ def main():
         rows = []
         for o in r["ops"]:
             sp = o.get("speedup_vs_naive", o.get("speedup_vs_torch"))
-            rows.append([o["op"], f"{o['ms'] * 1e3:.1f}", f"{o['TBps']:.2f}",
-                         f"{100 * o['frac_copy_bw']:.0f}%", f"{sp:.1f}x" if sp else ""])
-        print_table(f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB), "
-                    f"matches CPU: {r['matches_cpu']}",
-                    ["op", "us", "TB/s", "of copy", "vs naive/torch"], rows)
-    write_json(args.json, {"device": device_info(), "command": " ".join(sys.argv), "results": results})
+            rows.append(
+                [
+                    o["op"],
+                    f"{o['ms'] * 1e3:.1f}",
+                    f"{o['TBps']:.2f}",
+                    f"{100 * o['frac_copy_bw']:.0f}%",
+                    f"{sp:.1f}x" if sp else "",
+                ]
+            )
+        print_table(
+            f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB), "
+            f"matches CPU: {r['matches_cpu']}",
+            ["op", "us", "TB/s", "of copy", "vs naive/torch"],
+            rows,
+        )
+    write_json(
+        args.json, {"device": device_info(), "command": " ".join(sys.argv), "results": results}
+    )
     if not all(r["matches_cpu"] for r in results):
         sys.exit(1)
 

@@ -17,12 +17,10 @@ import statistics
 import time
 
 import torch
-
 from linear_step import make_step
 from machine import cpu_name
 
 import fp8dp
-
 
 
 def main() -> None:

@@ -37,8 +37,14 @@ def gemms_alone(t, k, n):
     s = torch.tensor([0.05], device="cuda")
 
     def run():
-        _C._gemm_cuda(x, w, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16,
-                      use_split_accumulator=False)
+        _C._gemm_cuda(
+            x,
+            w,
+            a_scale_inv=s,
+            b_scale_inv=s,
+            out_dtype=torch.bfloat16,
+            use_split_accumulator=False,
+        )
         _C._gemm_cuda(dy, wt, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16)
         _C._gemm_cuda(dyt, xt, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16)
 
@@ -68,12 +74,19 @@ def bench_shape(t, k, n, rounds):
     mem_bf16, mem_fp8 = peak_step_mib(bf16), peak_step_mib(fp8)
     flop = 3 * 2.0 * t * k * n
     return {
-        "tokens": t, "in": k, "out": n,
-        "bf16_ms": ms["bf16"], "fp8_ms": ms["fp8"], "fp8_gemms_ms": ms["gemm"],
-        "speedup": ms["bf16"] / ms["fp8"], "target": TARGETS.get((t, k, n)),
-        "fp8_tflops": flop / ms["fp8"] / 1e9, "bf16_tflops": flop / ms["bf16"] / 1e9,
+        "tokens": t,
+        "in": k,
+        "out": n,
+        "bf16_ms": ms["bf16"],
+        "fp8_ms": ms["fp8"],
+        "fp8_gemms_ms": ms["gemm"],
+        "speedup": ms["bf16"] / ms["fp8"],
+        "target": TARGETS.get((t, k, n)),
+        "fp8_tflops": flop / ms["fp8"] / 1e9,
+        "bf16_tflops": flop / ms["bf16"] / 1e9,
         "share_outside_gemms": 1.0 - ms["gemm"] / ms["fp8"],
-        "peak_step_mib_bf16": mem_bf16, "peak_step_mib_fp8": mem_fp8,
+        "peak_step_mib_bf16": mem_bf16,
+        "peak_step_mib_fp8": mem_fp8,
     }
 
 
@@ -90,16 +103,43 @@ def main():
             print(f"{t}x{k}x{n}: FAILED {type(e).__name__}: {e}", flush=True)
             results.append({"tokens": t, "in": k, "out": n, "error": f"{type(e).__name__}: {e}"})
         torch.cuda.empty_cache()
-    rows = [[f"{r['tokens']}x{r['in']}x{r['out']}", f"{r['bf16_ms']:.3f}", f"{r['fp8_ms']:.3f}",
-             f"{r['speedup']:.2f}x", r["target"] or "-", f"{r['fp8_gemms_ms']:.3f}",
-             f"{100 * r['share_outside_gemms']:.0f}%",
-             f"{r['peak_step_mib_fp8']:.0f}/{r['peak_step_mib_bf16']:.0f}"]
-            for r in results if "error" not in r]
-    print_table("fp8dp.Linear FP8 (delayed) vs torch.nn.Linear BF16, forward+backward",
-                ["tokens x in x out", "bf16 ms", "fp8 ms", "speedup", "target", "gemms ms",
-                 "outside", "peak MiB fp8/bf16"], rows)
-    write_json(args.json, {"benchmark": "linear_gpu", **device_info(),
-                           "command": "python3 bench/linear_gpu.py", "results": results})
+    rows = [
+        [
+            f"{r['tokens']}x{r['in']}x{r['out']}",
+            f"{r['bf16_ms']:.3f}",
+            f"{r['fp8_ms']:.3f}",
+            f"{r['speedup']:.2f}x",
+            r["target"] or "-",
+            f"{r['fp8_gemms_ms']:.3f}",
+            f"{100 * r['share_outside_gemms']:.0f}%",
+            f"{r['peak_step_mib_fp8']:.0f}/{r['peak_step_mib_bf16']:.0f}",
+        ]
+        for r in results
+        if "error" not in r
+    ]
+    print_table(
+        "fp8dp.Linear FP8 (delayed) vs torch.nn.Linear BF16, forward+backward",
+        [
+            "tokens x in x out",
+            "bf16 ms",
+            "fp8 ms",
+            "speedup",
+            "target",
+            "gemms ms",
+            "outside",
+            "peak MiB fp8/bf16",
+        ],
+        rows,
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": "linear_gpu",
+            **device_info(),
+            "command": "python3 bench/linear_gpu.py",
+            "results": results,
+        },
+    )
     sys.exit(0 if all("error" not in r for r in results) else 1)
 
 

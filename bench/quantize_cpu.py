@@ -20,7 +20,6 @@ import statistics
 import time
 
 import torch
-
 from machine import cpu_name
 
 import fp8dp
@@ -36,7 +35,6 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
 
 
 def main() -> None:

@@ -34,8 +34,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl", timeout=timedelta(seconds=120),
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    dist.init_process_group(
+        "nccl",
+        timeout=timedelta(seconds=120),
+        device_id=torch.device("cuda", torch.cuda.current_device()),
+    )
     rank, ws = dist.get_rank(), dist.get_world_size()
     comm = fp8dp._C.make_communicator("nccl", dist.group.WORLD, True)
     results = []
@@ -69,24 +72,48 @@ def main():
         def busbw(t_ms):
             return nbytes / (t_ms / args.batch * 1e-3) * (ws - 1) / ws / 1e9
 
-        results.append({
-            "bucket_mib": mib, "world": ws, "dtype": "float32", "identical": same,
-            "fp8dp_ms": ms["fp8dp"] / args.batch, "torch_ms": ms["torch"] / args.batch,
-            "fp8dp_busbw_gbs": busbw(ms["fp8dp"]), "torch_busbw_gbs": busbw(ms["torch"]),
-            "ratio": ms["torch"] / ms["fp8dp"],
-        })
-        del inp, out_ours, out_torch
+        results.append(
+            {
+                "bucket_mib": mib,
+                "world": ws,
+                "dtype": "float32",
+                "identical": same,
+                "fp8dp_ms": ms["fp8dp"] / args.batch,
+                "torch_ms": ms["torch"] / args.batch,
+                "fp8dp_busbw_gbs": busbw(ms["fp8dp"]),
+                "torch_busbw_gbs": busbw(ms["torch"]),
+                "ratio": ms["torch"] / ms["fp8dp"],
+            }
+        )
+        inp = out_ours = out_torch = None  # free this size's buffers (the closures share them)
     if rank == 0:
-        rows = [[r["bucket_mib"], f"{r['fp8dp_ms']:.3f}", f"{r['torch_ms']:.3f}",
-                 f"{r['fp8dp_busbw_gbs']:.1f}", f"{r['torch_busbw_gbs']:.1f}", f"{r['ratio']:.3f}x",
-                 r["identical"]] for r in results]
-        print_table(f"reduce-scatter float32, {ws} GPUs (target >= 0.95x torch busbw)",
-                    ["MiB", "fp8dp ms", "torch ms", "fp8dp GB/s", "torch GB/s", "ratio",
-                     "identical"], rows)
-        write_json(args.json, {"benchmark": "reduce_scatter_gpu", **device_info(),
-                               "command": f"torchrun --standalone --nproc_per_node={ws} "
-                                          "bench/reduce_scatter_gpu.py",
-                               "results": results})
+        rows = [
+            [
+                r["bucket_mib"],
+                f"{r['fp8dp_ms']:.3f}",
+                f"{r['torch_ms']:.3f}",
+                f"{r['fp8dp_busbw_gbs']:.1f}",
+                f"{r['torch_busbw_gbs']:.1f}",
+                f"{r['ratio']:.3f}x",
+                r["identical"],
+            ]
+            for r in results
+        ]
+        print_table(
+            f"reduce-scatter float32, {ws} GPUs (target >= 0.95x torch busbw)",
+            ["MiB", "fp8dp ms", "torch ms", "fp8dp GB/s", "torch GB/s", "ratio", "identical"],
+            rows,
+        )
+        write_json(
+            args.json,
+            {
+                "benchmark": "reduce_scatter_gpu",
+                **device_info(),
+                "command": f"torchrun --standalone --nproc_per_node={ws} "
+                "bench/reduce_scatter_gpu.py",
+                "results": results,
+            },
+        )
     dist.barrier()
     dist.destroy_process_group()
     ok = all(r["identical"] for r in results)

@@ -2,8 +2,7 @@
 
 import torch  # noqa: F401  (loads libtorch before the extension that links against it)
 
-from . import _C
-from . import pipeline, recipe
+from . import _C, pipeline, recipe
 from .autocast import fp8_autocast, is_fp8_enabled
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig

@@ -68,8 +68,11 @@ def _hooked_params(out, index: dict) -> list:
     a parameter into one call of its hook per backward). For the ledger, which announces them per
     micro-batch; costs a walk of the graph, so only with grad_ledger."""
     found, seen = [], set()
-    stack = [t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stack = [
+        t.grad_fn
+        for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
     while stack:
         fn = stack.pop()
         if fn in seen:

@@ -15,10 +15,17 @@ backward and before the next forward, ``update_fp8_scales``:
    reach the variable-size collective below; the hash is recomputed only when a state, an
    identity or a recipe changed,
 2. gathers row 0 of every state into one flat tensor, ordered by identity (not by creation or by
-   first cast), and reduces it with ONE ``all_reduce(MAX)`` across ``group``,
+   first cast), and reduces it with ONE ``all_reduce(MAX)`` across the amax-reduction group (below),
 3. computes the new scales from the histories and rolls every history by one row.
 
 The collectives are skipped when torch.distributed is not initialised or the group has one rank.
+
+The amax-reduction group, for the check and the reduction alike: the ``group`` argument when given;
+else the ``fp8_group`` of the enabled ``fp8_autocast`` contexts entered since the last update (as
+TransformerEngine reduces across ``fp8_group``); else the default group. Since every amax goes
+into one collective, a step has one such group: contexts that name groups of different ranks, or
+a ``group`` argument whose ranks differ from the contexts' ``fp8_group``, raise ValueError before
+any collective (each rank decides from its own contexts, so consistent ranks all raise alike).
 
 ``fp8dp.DistributedOptimizer.step()`` calls it; a training loop without that optimizer calls
 ``fp8dp.update_fp8_scales()`` once per step itself (after ``optimizer.step()``). Without it, the
@@ -36,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
+from .autocast import take_step_fp8_groups
 
 
 def set_fp8_identities(module: torch.nn.Module) -> None:
@@ -70,20 +78,18 @@ def _raise_mismatch(group) -> None:
     torch.distributed.all_gather_object(lists, mine, group=group)
     longest = max(len(lst) for lst in lists)
     first = next(
-        (
-            i
-            for i in range(longest)
-            if len({lst[i] if i < len(lst) else None for lst in lists}) > 1
-        ),
+        (i for i in range(longest) if len({lst[i] if i < len(lst) else None for lst in lists}) > 1),
         None,
     )
     if first is None:  # pragma: no cover - equal lists hash equally
         detail = "the lists are equal but their hashes differ"
     else:
         detail = "; ".join(
-            f"rank {r}: {lst[first]!r}"
-            if first < len(lst)
-            else f"rank {r}: none ({len(lst)} states)"
+            (
+                f"rank {r}: {lst[first]!r}"
+                if first < len(lst)
+                else f"rank {r}: none ({len(lst)} states)"
+            )
             for r, lst in enumerate(lists)
         )
         detail = f"first difference at position {first} of the amax reduction: {detail}"
@@ -96,15 +102,58 @@ def _raise_mismatch(group) -> None:
     )
 
 
+def _ranks(group):
+    """The global ranks of ``group`` (None: the default group), for comparing groups by what they
+    reduce over; the group itself where it is not registered with torch.distributed."""
+    dist = torch.distributed
+    try:
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except (RuntimeError, ValueError, KeyError, AttributeError):
+        return group
+
+
+def _show(ranks) -> str:
+    return str(list(ranks)) if isinstance(ranks, tuple) else repr(ranks)
+
+
+def _amax_group(group):
+    """The amax-reduction group of this step (module docstring): ``group``, else the fp8_group of
+    the step's fp8_autocast contexts, else None (the default group). Forgets the contexts' groups,
+    so the next step starts afresh."""
+    step_groups = take_step_fp8_groups()
+    dist = torch.distributed
+    if not step_groups or not (dist.is_available() and dist.is_initialized()):
+        return group
+    distinct = {_ranks(g): g for g in step_groups}
+    if len(distinct) > 1:
+        raise ValueError(
+            "update_fp8_scales: the fp8_autocast contexts since the last update named different "
+            f"fp8_group's (ranks {' and '.join(_show(r) for r in distinct)}); every amax is "
+            "reduced in one collective, so every context of a step must name the same group"
+        )
+    [(step_ranks, step_group)] = distinct.items()
+    if group is not None and _ranks(group) != step_ranks:
+        raise ValueError(
+            f"update_fp8_scales: group (ranks {_show(_ranks(group))}) differs from the fp8_group "
+            f"of this step's fp8_autocast (ranks {_show(step_ranks)}); pass the same group, or "
+            "none to reduce across fp8_group"
+        )
+    return step_group if group is None else group
+
+
 def update_fp8_scales(group=None) -> None:
-    """Reduce the step's amaxes (MAX) across ``group`` (default: the default process group) and
-    update every delayed-scaling state of this process: new scales, histories rolled once.
+    """Reduce the step's amaxes (MAX) across the amax-reduction group and update every
+    delayed-scaling state of this process: new scales, histories rolled once.
+
+    group: the amax-reduction group; None: the ``fp8_group`` of the step's ``fp8_autocast``
+    contexts, else the default process group (see the module docstring for how they combine).
 
     A no-op (no collective but the check, no history rolled) when no rank recorded an amax since
     the last update: calling it twice in one step, or in a step with only empty or inference
     casts, rolls nothing. Raises RuntimeError on every rank, before any amax is reduced or any
     state changed, when the ranks' states differ (a module cast in FP8 on some ranks only, other
     names or shapes, another recipe), naming the first differing state."""
+    group = _amax_group(group)
     sig_hash, observed, _ = _C.fp8_registry_signature()
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:

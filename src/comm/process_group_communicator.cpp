@@ -44,7 +44,6 @@ c10::intrusive_ptr<c10d::Work> all_gather_flat(G& g, at::Tensor& out, at::Tensor
   }
 }
 
-
 // The backend's own operation timeout stays the group's (init_process_group(timeout=...)); wait()
 // gives up after the communicator's timeout, whichever comes first.
 class ProcessGroupWork : public CommWork {

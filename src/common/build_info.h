@@ -1,4 +1,5 @@
-// What this build was compiled with; versions of CUDA libraries are read at run time ("" without CUDA).
+// What this build was compiled with; versions of CUDA libraries are read at run time ("" without
+// CUDA).
 #pragma once
 
 #include <string>

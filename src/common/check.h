@@ -1,4 +1,5 @@
-// One family of throwing checks: every failure names file:line, the failed expression and the values.
+// One family of throwing checks: every failure names file:line, the failed expression and the
+// values.
 #pragma once
 
 #include <sstream>
@@ -35,7 +36,8 @@ inline std::string where(const char* file, int line, const char* expr) {
   return concat(" (", f, ":", line, ", check `", expr, "` failed)");
 }
 
-[[noreturn]] inline void fail(const char* file, int line, const char* expr, const std::string& msg) {
+[[noreturn]] inline void fail(const char* file, int line, const char* expr,
+                              const std::string& msg) {
   throw Error(msg + where(file, line, expr));
 }
 
@@ -48,16 +50,15 @@ inline std::string where(const char* file, int line, const char* expr) {
 }  // namespace fp8dp
 
 // FP8DP_CHECK(cond, "GEMM needs K % 16 == 0, got K=", k) -> fp8dp::Error (RuntimeError).
-#define FP8DP_CHECK(cond, ...)                                                          \
-  do {                                                                                  \
-    if (!(cond))                                                                        \
+#define FP8DP_CHECK(cond, ...)                                                                \
+  do {                                                                                        \
+    if (!(cond))                                                                              \
       ::fp8dp::detail::fail(__FILE__, __LINE__, #cond, ::fp8dp::detail::concat(__VA_ARGS__)); \
   } while (0)
 
 // FP8DP_CHECK_ARG(cond, "scale: expected > 0, got ", s) -> fp8dp::ValueError (ValueError).
-#define FP8DP_CHECK_ARG(cond, ...)                                                       \
-  do {                                                                                   \
-    if (!(cond))                                                                         \
-      ::fp8dp::detail::fail_arg(__FILE__, __LINE__, #cond,                               \
-                                ::fp8dp::detail::concat(__VA_ARGS__));                   \
+#define FP8DP_CHECK_ARG(cond, ...)                                                                \
+  do {                                                                                            \
+    if (!(cond))                                                                                  \
+      ::fp8dp::detail::fail_arg(__FILE__, __LINE__, #cond, ::fp8dp::detail::concat(__VA_ARGS__)); \
   } while (0)

@@ -15,11 +15,16 @@ inline bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 // torch's spelling of the type ("float32", "float8_e4m3fn", ...), for error messages.
 inline const char* dtype_name(DType t) {
   switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-    case DType::kE4M3: return "float8_e4m3fn";
-    case DType::kE5M2: return "float8_e5m2";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kE4M3:
+      return "float8_e4m3fn";
+    case DType::kE5M2:
+      return "float8_e5m2";
   }
   return "unknown";
 }
@@ -27,11 +32,14 @@ inline const char* dtype_name(DType t) {
 // Bytes per element.
 inline size_t dtype_size(DType t) {
   switch (t) {
-    case DType::kFloat32: return 4;
+    case DType::kFloat32:
+      return 4;
     case DType::kBFloat16:
-    case DType::kFloat16: return 2;
+    case DType::kFloat16:
+      return 2;
     case DType::kE4M3:
-    case DType::kE5M2: return 1;
+    case DType::kE5M2:
+      return 1;
   }
   return 0;
 }

@@ -322,14 +322,17 @@ void ScalingState::restore(const Snapshot& s, const std::string& where) {
                   s.margin);
   for (const auto& [key, t] : {floats[1], floats[2]}) {
     const at::Tensor v = t->detach().to(at::kCPU).to(at::kFloat);
-    FP8DP_CHECK_ARG(at::logical_and(at::isfinite(v), at::gt(v, 0.0)).all().item<bool>(), fn,
-                    ": '", key, "' must hold finite values > 0, got ", values_of(v));
+    FP8DP_CHECK_ARG(at::logical_and(at::isfinite(v), at::gt(v, 0.0)).all().item<bool>(), fn, ": '",
+                    key, "' must hold finite values > 0, got ", values_of(v));
   }
   const at::Tensor fmax = s.fp8_max.detach().to(at::kCPU).to(at::kFloat).contiguous().view(-1);
   auto format_of = [](float m, Format* f) {
-    if (m == fp8_max(Format::kE4M3)) *f = Format::kE4M3;
-    else if (m == fp8_max(Format::kE5M2)) *f = Format::kE5M2;
-    else return false;
+    if (m == fp8_max(Format::kE4M3))
+      *f = Format::kE4M3;
+    else if (m == fp8_max(Format::kE5M2))
+      *f = Format::kE5M2;
+    else
+      return false;
     return true;
   };
   Format fwd = Format::kE4M3, weight_fmt = Format::kE4M3, bwd = Format::kE5M2;

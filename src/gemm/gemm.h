@@ -12,15 +12,15 @@ namespace fp8dp {
 //   dgrad  dx = dy · W  : a = dy [tokens, out], b = Wᵀ  [in, out]    (cached transposed weight)
 //   wgrad  dW = dyᵀ· x  : a = dyᵀ [out, tokens], b = xᵀ [in, tokens] (cast_transpose outputs)
 struct GemmArgs {
-  at::Tensor a;            // [m, k] row-major; FP8 (e4m3 / e5m2) or float32 / bfloat16 / float16
-  at::Tensor a_scale_inv;  // float32 [1] when a is FP8, else undefined
-  at::Tensor b;            // [n, k] row-major; FP8 when a is FP8, else a's dtype
-  at::Tensor b_scale_inv;  // float32 [1] when b is FP8, else undefined
-  at::Tensor bias;         // optional [n], added to every row (fprop epilogue)
-  at::Tensor out;          // optional preallocated [m, n] output (e.g. a main_grad view)
-  bool accumulate = false;               // out += a·bᵀ (beta = 1); needs `out`
-  at::ScalarType out_dtype = at::kFloat; // dtype of a newly allocated output (ignored with `out`)
-  bool use_split_accumulator = true;     // CUDA FP8: exact FP32 accumulation (dgrad / wgrad)
+  at::Tensor a;             // [m, k] row-major; FP8 (e4m3 / e5m2) or float32 / bfloat16 / float16
+  at::Tensor a_scale_inv;   // float32 [1] when a is FP8, else undefined
+  at::Tensor b;             // [n, k] row-major; FP8 when a is FP8, else a's dtype
+  at::Tensor b_scale_inv;   // float32 [1] when b is FP8, else undefined
+  at::Tensor bias;          // optional [n], added to every row (fprop epilogue)
+  at::Tensor out;           // optional preallocated [m, n] output (e.g. a main_grad view)
+  bool accumulate = false;  // out += a·bᵀ (beta = 1); needs `out`
+  at::ScalarType out_dtype = at::kFloat;  // dtype of a newly allocated output (ignored with `out`)
+  bool use_split_accumulator = true;      // CUDA FP8: exact FP32 accumulation (dgrad / wgrad)
 };
 
 // What check_gemm_args asks of the strides: gemm() takes contiguous operands and `out`;

@@ -147,7 +147,7 @@ class GradSync : public GradSink {
   std::vector<std::pair<int64_t, int64_t>> where_;  // param -> (buffer, local index)
   std::vector<BucketGroup> groups_;
   std::vector<int64_t> group_of_param_;
-  std::vector<int64_t> param_sync_order_;  // group indices by their earliest parameter
+  std::vector<int64_t> param_sync_order_;          // group indices by their earliest parameter
   std::atomic<int64_t> param_syncs_in_flight_{0};  // read without mu_ by param_sync_pending()
   std::unique_ptr<Readiness> readiness_;
   std::unique_ptr<Ledger> ledger_;

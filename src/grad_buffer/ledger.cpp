@@ -82,8 +82,8 @@ std::string Ledger::end_iteration() {
     for (int64_t mb = 0; mb < n; ++mb) {
       const int64_t w = at(want, mb), g = at(got, mb);
       if (w == g) continue;
-      bad << (bad.tellp() > 0 ? "; " : " ") << "micro-batch " << mb + 1 << ": " << g << " of "
-          << w << " (" << (g < w ? "missing " : "duplicated ") << (g < w ? w - g : g - w) << ")";
+      bad << (bad.tellp() > 0 ? "; " : " ") << "micro-batch " << mb + 1 << ": " << g << " of " << w
+          << " (" << (g < w ? "missing " : "duplicated ") << (g < w ? w - g : g - w) << ")";
     }
     if (bad.tellp() == 0) continue;
     err << "\n  '" << names_[p] << "':" << bad.str() << "; routes:";

@@ -1,6 +1,8 @@
 // The autograd function of Linear / LayerNormLinear: forward (norm + FP8 casts + fprop GEMM) and
 // backward (grad_output cast with the eager bias gradient, dgrad GEMM, norm backward, and the
 // weight gradient computed now or queued for backward_dw). Only this file sees autograd headers.
+#include "modules/linear_autograd.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -8,7 +10,6 @@
 
 #include "common/check.h"
 #include "gemm/gemm.h"
-#include "modules/linear_autograd.h"
 #include "modules/linear_core.h"
 
 namespace fp8dp {
@@ -151,8 +152,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       // The ledger learns here what this use will deliver to the sink itself (the rest, through
       // autograd, DDP's forward announces from the graph): the weight gradient when fused or
       // delayed, the bias gradient when the deferred GEMM makes it (delayed, not FP8).
-      if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute)
-        c->sink->announce(c->sink_weight);
+      if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute) c->sink->announce(c->sink_weight);
       if (cfg.delay_wgrad_compute && !fp8 && bias.defined() && bias.requires_grad() &&
           c->sink_bias >= 0)
         c->sink->announce(c->sink_bias);

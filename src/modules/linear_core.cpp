@@ -1,5 +1,7 @@
 // LinearCore: argument checks of forward, FP8 casts per role, weight cache, fused-wgrad helpers,
 // backward_dw (C2–C4). The autograd function itself is in linear_autograd.cpp.
+#include "modules/linear_core.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -7,7 +9,6 @@
 #include "common/check.h"
 #include "common/tensor_checks.h"
 #include "modules/linear_autograd.h"
-#include "modules/linear_core.h"
 
 namespace fp8dp {
 namespace {
@@ -127,8 +128,8 @@ void LinearCore::drop_stale_wgrads() {
     store_.pop();
 }
 
-void LinearCore::bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight,
-                                int64_t bias, std::string name) {
+void LinearCore::bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight, int64_t bias,
+                                std::string name) {
   FP8DP_CHECK_ARG(sink, cfg_.name, ": bind_grad_sink needs a sink, got None");
   FP8DP_CHECK_ARG(store_.empty(), cfg_.name, ": ", store_.size(),
                   " weight gradient(s) are still queued for backward_dw(); run them before "

@@ -109,8 +109,8 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
   const int64_t rows = x_in.size(0), cols = x_in.size(1);
   FP8DP_CHECK_ARG(dz_in.sizes() == x_in.sizes(), "norm_backward: dz must have x's shape ",
                   x_in.sizes(), ", got ", dz_in.sizes());
-  FP8DP_CHECK_ARG(gamma.numel() == cols, "norm_backward: gamma must have ", cols,
-                  " elements, got ", gamma.sizes());
+  FP8DP_CHECK_ARG(gamma.numel() == cols, "norm_backward: gamma must have ", cols, " elements, got ",
+                  gamma.sizes());
   for (const at::Tensor* s : {&mu, &rsigma}) {
     FP8DP_CHECK_ARG(s->numel() == rows && s->scalar_type() == at::kFloat,
                     "norm_backward: mu and rsigma must be float32 [", rows, "], got ", s->sizes(),

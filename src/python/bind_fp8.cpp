@@ -44,7 +44,9 @@ void bind_fp8(py::module_& m) {
   m.def(
       "quantize",
       [](const at::Tensor& x, const at::Tensor& scale, Format format, bool data, bool transpose,
-         bool dbias) { return quantize(x, scale, format, QuantizeOptions{data, transpose, dbias}); },
+         bool dbias) {
+        return quantize(x, scale, format, QuantizeOptions{data, transpose, dbias});
+      },
       py::arg("x"), py::arg("scale"), py::arg("format"), py::arg("data") = true,
       py::arg("transpose") = false, py::arg("dbias") = false);
   m.def("amax", &amax, py::arg("x"));
@@ -52,9 +54,8 @@ void bind_fp8(py::module_& m) {
   m.def(
       "update_scaling",
       [](at::Tensor amax_history, at::Tensor scale, at::Tensor scale_inv, const at::Tensor& fp8_max,
-         AmaxAlgo algo, float margin) {
-        update_scaling(amax_history, scale, scale_inv, fp8_max, algo, margin);
-      },
+         AmaxAlgo algo,
+         float margin) { update_scaling(amax_history, scale, scale_inv, fp8_max, algo, margin); },
       py::arg("amax_history"), py::arg("scale"), py::arg("scale_inv"), py::arg("fp8_max"),
       py::arg("algo"), py::arg("margin"));
 }

@@ -33,8 +33,8 @@ void bind_gemm_cuda(py::module_& m) {
       },
       py::arg("a"), py::arg("b"), py::arg("a_scale_inv") = py::none(),
       py::arg("b_scale_inv") = py::none(), py::arg("bias") = py::none(),
-      py::arg("out") = py::none(), py::arg("accumulate") = false,
-      py::arg("out_dtype") = at::kFloat, py::arg("use_split_accumulator") = true);
+      py::arg("out") = py::none(), py::arg("accumulate") = false, py::arg("out_dtype") = at::kFloat,
+      py::arg("use_split_accumulator") = true);
   m.def("_gemm_set_autotune", &gemm_lt_set_autotune, py::arg("on"));
   m.def("_gemm_cache_size", &gemm_lt_cache_size);
   m.def("_gemm_clear_cache", &gemm_lt_clear_cache);

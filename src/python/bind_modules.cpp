@@ -54,9 +54,8 @@ py::object extra_state(LinearCore& core) {
 }
 
 // The keys of the extra state, in the order get_extra_state writes them.
-constexpr const char* kExtraStateKeys[] = {"amax_history", "scale",     "scale_inv",
-                                           "fp8_max",      "initialized", "amax_compute_algo",
-                                           "margin"};
+constexpr const char* kExtraStateKeys[] = {
+    "amax_history", "scale", "scale_inv", "fp8_max", "initialized", "amax_compute_algo", "margin"};
 
 std::string type_name(const py::handle& o) { return py::str(py::type::of(o).attr("__name__")); }
 
@@ -75,12 +74,11 @@ void set_extra_state(LinearCore& core, const py::object& state, const std::strin
   if (!state.is_none()) {
     std::string keys;
     for (const char* k : kExtraStateKeys) keys += std::string(keys.empty() ? "" : ", ") + k;
-    FP8DP_CHECK_ARG(py::isinstance<py::dict>(state), where,
-                    ": expected None or a dict with keys ", keys, ", got ", type_name(state));
+    FP8DP_CHECK_ARG(py::isinstance<py::dict>(state), where, ": expected None or a dict with keys ",
+                    keys, ", got ", type_name(state));
     const py::dict d = state.cast<py::dict>();
     for (const char* k : kExtraStateKeys) {
-      FP8DP_CHECK_ARG(d.contains(k), where, ": missing key '", k, "' (expected keys: ", keys,
-                      ")");
+      FP8DP_CHECK_ARG(d.contains(k), where, ": missing key '", k, "' (expected keys: ", keys, ")");
     }
     for (const auto& item : d) {
       const std::string k = py::str(item.first);

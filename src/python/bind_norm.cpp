@@ -38,8 +38,7 @@ void bind_norm(py::module_& m) {
       },
       py::arg("x"), py::arg("gamma"), py::arg("beta") = py::none(), py::kw_only(),
       py::arg("rms") = false, py::arg("eps") = 1e-5f, py::arg("zero_centered_gamma") = false,
-      py::arg("want_out") = true, py::arg("scale") = py::none(),
-      py::arg("format") = Format::kE4M3);
+      py::arg("want_out") = true, py::arg("scale") = py::none(), py::arg("format") = Format::kE4M3);
   m.def(
       "norm_forward_aten",
       [](const at::Tensor& x, const at::Tensor& gamma, const std::optional<at::Tensor>& beta,

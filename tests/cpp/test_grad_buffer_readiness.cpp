@@ -68,7 +68,7 @@ TEST(Ledger, AcceptsExactlyWhatWasAnnounced) {
     for (int mb = 0; mb < 3; ++mb) {
       l.begin_microbatch();
       l.expect(0);
-      l.expect(0);  // w: a tied weight, two uses (an autograd hook and a fused GEMM)
+      l.expect(0);               // w: a tied weight, two uses (an autograd hook and a fused GEMM)
       if (mb != 1) l.expect(1);  // b: used only in some micro-batches
       l.record(0, Route::kAutograd);
       l.record(0, Route::kFused);

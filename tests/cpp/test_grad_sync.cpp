@@ -251,8 +251,9 @@ TEST(GradSync, ParamSyncLaunchesInForwardOrderAndWaitsPerGroup) {
   f.sync->finish_param_sync(-1);
   EXPECT_EQ(g[2].second->waits + g[3].second->waits, 2);
   EXPECT_FALSE(f.sync->param_sync_pending());
-  EXPECT_NE(error_of([&] { f.sync->finish_param_sync(2); })
-                .find("group: expected -1 (all) or a bucket group in [0, 2), got 2"),
+  EXPECT_NE(error_of([&] {
+              f.sync->finish_param_sync(2);
+            }).find("group: expected -1 (all) or a bucket group in [0, 2), got 2"),
             std::string::npos);
 }
 

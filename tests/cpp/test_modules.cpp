@@ -10,8 +10,8 @@
 
 #include "common/check.h"
 #include "fp8/cast.h"
-#include "gemm/gemm.h"
 #include "fp8/scaling_state.h"
+#include "gemm/gemm.h"
 #include "modules/wgrad_store.h"
 #include "norm/norm.h"
 

@@ -14,9 +14,9 @@
 #include <string>
 #include <tuple>
 
+#include "cuda_test_util.h"
 #include "fp8/cast.h"
 #include "norm/norm.h"
-#include "cuda_test_util.h"
 
 namespace fp8dp {
 namespace {
@@ -104,20 +104,19 @@ TEST_P(NormCuda, MatchesFp64WithinFp32Bounds) {
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const auto [rms, dtype, rows, cols] = info.param;
-  return std::string(rms ? "RMS" : "LN") + "_" + c10::toString(dtype) + "_" +
-         std::to_string(rows) + "x" + std::to_string(cols);
+  return std::string(rms ? "RMS" : "LN") + "_" + c10::toString(dtype) + "_" + std::to_string(rows) +
+         "x" + std::to_string(cols);
 }
 
 // Columns: 33 / 1027 (element-wise rows, several rows per block), 1024 and 8192 (16-byte vectors,
 // 4 per thread), 12288 fp32 (8 per thread forward, 6 backward), 20000 bf16 (8 per thread forward),
 // 40000 (rows from memory).
-INSTANTIATE_TEST_SUITE_P(Variants, NormCuda,
-                         ::testing::Combine(::testing::Bool(),
-                                            ::testing::Values(at::kFloat, at::kBFloat16),
-                                            ::testing::Values<int64_t>(3, 130),
-                                            ::testing::Values<int64_t>(33, 1024, 1027, 8192,
-                                                                       12288, 20000, 40000)),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(
+    Variants, NormCuda,
+    ::testing::Combine(::testing::Bool(), ::testing::Values(at::kFloat, at::kBFloat16),
+                       ::testing::Values<int64_t>(3, 130),
+                       ::testing::Values<int64_t>(33, 1024, 1027, 8192, 12288, 20000, 40000)),
+    case_name);
 
 }  // namespace
 }  // namespace fp8dp

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "fp8/quantize.h"
 #include "fp8/scaling.h"
-#include "cuda_test_util.h"
 
 namespace fp8dp {
 namespace {
@@ -33,7 +33,9 @@ struct DevBuf {
   }
   ~DevBuf() { cudaFree(base); }
   template <typename T = void>
-  T* get() const { return reinterpret_cast<T*>(base + pad); }
+  T* get() const {
+    return reinterpret_cast<T*>(base + pad);
+  }
 };
 
 uint32_t bits(float f) {
@@ -70,16 +72,19 @@ enum class Special { kNone, kNaN, kInf };
 Input make_input(DType d, int64_t n, uint32_t seed, Special special) {
   Input in{std::vector<uint8_t>(n * dtype_size(d)), std::vector<float>(n)};
   std::mt19937 rng(seed);
-  std::uniform_int_distribution<uint32_t> mant(0, (1u << 23) - 1), exp(127 - 24, 127 + 17), pick(0, 19);
+  std::uniform_int_distribution<uint32_t> mant(0, (1u << 23) - 1), exp(127 - 24, 127 + 17),
+      pick(0, 19);
   std::uniform_int_distribution<int> small_exp(-22, 3);
   std::normal_distribution<float> normal(0.0f, 3.0f);
-  const float edges[] = {0.0f, -0.0f, 448.0f, -448.0f, 464.0f, 480.0f, 57344.0f, -61440.0f, 1e30f,
-                         0.0009765625f, 0.001953125f, 1.5258789e-05f, 2.0f * 448.0f};
+  const float edges[] = {0.0f,         -0.0f,          448.0f,       -448.0f, 464.0f,
+                         480.0f,       57344.0f,       -61440.0f,    1e30f,   0.0009765625f,
+                         0.001953125f, 1.5258789e-05f, 2.0f * 448.0f};
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t k = pick(rng);
     float v;
     if (k < 8) {
-      v = std::ldexp(1.0f + mant(rng) / float(1u << 23), int(exp(rng)) - 127) * (k & 1 ? -1.f : 1.f);
+      v = std::ldexp(1.0f + mant(rng) / float(1u << 23), int(exp(rng)) - 127) *
+          (k & 1 ? -1.f : 1.f);
     } else if (k < 12) {
       v = normal(rng);
     } else if (k < 16) {
@@ -138,7 +143,8 @@ class QuantizeCudaTest : public testing::TestWithParam<Case> {};
 void check_case(const Case& c, Special special, float scale, size_t pad, uint32_t seed) {
   const int64_t n = c.rows * c.cols;
   const Input in = make_input(c.dtype, n, seed, special);
-  const bool want_out = c.mode == Mode::kFlat || c.mode == Mode::kTranspose || c.mode == Mode::kTransposeDbias;
+  const bool want_out =
+      c.mode == Mode::kFlat || c.mode == Mode::kTranspose || c.mode == Mode::kTransposeDbias;
   const bool want_t = c.mode == Mode::kTranspose || c.mode == Mode::kTransposeDbias;
   const bool want_db = c.mode == Mode::kTransposeDbias || c.mode == Mode::kDbiasOnly;
 
@@ -222,8 +228,8 @@ void check_case(const Case& c, Special special, float scale, size_t pad, uint32_
 // GPU run starts few processes.
 TEST_P(QuantizeCudaTest, MatchesCpu) {
   SKIP_WITHOUT_GPU();
-  for (Mode m : {Mode::kAmaxOnly, Mode::kFlat, Mode::kTranspose, Mode::kTransposeDbias,
-                 Mode::kDbiasOnly}) {
+  for (Mode m :
+       {Mode::kAmaxOnly, Mode::kFlat, Mode::kTranspose, Mode::kTransposeDbias, Mode::kDbiasOnly}) {
     SCOPED_TRACE(mode_name(m));
     Case c = GetParam();
     c.mode = m;
@@ -237,8 +243,8 @@ TEST_P(QuantizeCudaTest, MatchesCpu) {
 
 std::vector<Case> all_cases() {
   std::vector<Case> v;
-  const int64_t shapes[][2] = {{1, 1},    {1, 17},  {3, 5},    {64, 64},  {127, 129},
-                               {16, 48},  {257, 96}, {1000, 40}, {2, 4099}, {300, 512}};
+  const int64_t shapes[][2] = {{1, 1},   {1, 17},   {3, 5},     {64, 64},  {127, 129},
+                               {16, 48}, {257, 96}, {1000, 40}, {2, 4099}, {300, 512}};
   for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
     for (Format f : {Format::kE4M3, Format::kE5M2})
       for (auto& s : shapes) v.push_back({d, f, s[0], s[1]});
@@ -249,14 +255,16 @@ INSTANTIATE_TEST_SUITE_P(All, QuantizeCudaTest, testing::ValuesIn(all_cases()), 
 
 TEST(QuantizeCuda, LargeFlatMatchesCpu) {  // many blocks and grid-stride iterations
   SKIP_WITHOUT_GPU();
-  check_case({DType::kBFloat16, Format::kE4M3, 4099, 1024, Mode::kFlat}, Special::kNone, 3.0f, 0, 6);
+  check_case({DType::kBFloat16, Format::kE4M3, 4099, 1024, Mode::kFlat}, Special::kNone, 3.0f, 0,
+             6);
   check_case({DType::kFloat32, Format::kE5M2, 1030, 2048, Mode::kTransposeDbias}, Special::kNone,
              0.01f, 0, 7);
 }
 
 TEST(QuantizeCuda, EmptyInput) {
   SKIP_WITHOUT_GPU();
-  check_case({DType::kFloat32, Format::kE4M3, 0, 8, Mode::kTransposeDbias}, Special::kNone, 2.0f, 0, 8);
+  check_case({DType::kFloat32, Format::kE4M3, 0, 8, Mode::kTransposeDbias}, Special::kNone, 2.0f, 0,
+             8);
   check_case({DType::kFloat32, Format::kE4M3, 0, 0, Mode::kFlat}, Special::kNone, 2.0f, 0, 9);
 }
 
@@ -324,10 +332,12 @@ TEST(UpdateScalingCuda, MatchesCpuForManyTensors) {
           scale_inv[t] = 1.0f / scale[t];
           fmax[t] = t % 2 ? 448.0f : 57344.0f;
           const int kind = t % 6;  // zero / NaN / Inf / tiny amax columns keep or clamp the scale
-          if (kind == 1) for (int64_t i = 0; i < L; ++i) hist[i * n + t] = 0.0f;
+          if (kind == 1)
+            for (int64_t i = 0; i < L; ++i) hist[i * n + t] = 0.0f;
           if (kind == 2) hist[((t * 7) % L) * n + t] = std::numeric_limits<float>::quiet_NaN();
           if (kind == 3) hist[0 * n + t] = std::numeric_limits<float>::infinity();
-          if (kind == 4) for (int64_t i = 0; i < L; ++i) hist[i * n + t] = 1e-38f;
+          if (kind == 4)
+            for (int64_t i = 0; i < L; ++i) hist[i * n + t] = 1e-38f;
         }
         const float margin = static_cast<float>(L % 3);
         DevBuf d_h(hist.size() * 4), d_s(n * 4), d_si(n * 4), d_m(n * 4);
@@ -335,10 +345,17 @@ TEST(UpdateScalingCuda, MatchesCpuForManyTensors) {
         CK(cudaMemcpy(d_s.get(), scale.data(), n * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(d_si.get(), scale_inv.data(), n * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(d_m.get(), fmax.data(), n * 4, cudaMemcpyHostToDevice));
-        ScalingUpdateParams p{hist.data(), scale.data(), scale_inv.data(), fmax.data(), n, L, algo, margin};
+        ScalingUpdateParams p{hist.data(), scale.data(), scale_inv.data(), fmax.data(), n, L,
+                              algo,        margin};
         update_scaling_cpu(p);
-        ScalingUpdateParams g{d_h.get<float>(), d_s.get<float>(), d_si.get<float>(), d_m.get<float>(),
-                              n, L, algo, margin};
+        ScalingUpdateParams g{d_h.get<float>(),
+                              d_s.get<float>(),
+                              d_si.get<float>(),
+                              d_m.get<float>(),
+                              n,
+                              L,
+                              algo,
+                              margin};
         update_scaling_cuda(g, nullptr);
         std::vector<float> gh(L * n), gs(n), gsi(n);
         CK(cudaMemcpy(gh.data(), d_h.get(), gh.size() * 4, cudaMemcpyDeviceToHost));
@@ -357,8 +374,8 @@ TEST(UpdateScalingCuda, MatchesCpuForManyTensors) {
   }
 }
 
-// The batched update (update_fp8_scales' path): more slots than one launch takes, each slot with its
-// own history length, algorithm, margin and row 0, against the CPU batch, bit for bit.
+// The batched update (update_fp8_scales' path): more slots than one launch takes, each slot with
+// its own history length, algorithm, margin and row 0, against the CPU batch, bit for bit.
 TEST(UpdateScalingCuda, BatchedMatchesCpuAcrossLaunches) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(23);
@@ -378,7 +395,8 @@ TEST(UpdateScalingCuda, BatchedMatchesCpuAcrossLaunches) {
     hist[k].resize(L * n);
     for (auto& h : hist[k]) h = u(rng);
     if (k % 4 == 1) hist[k][(L - 1) * n] = std::numeric_limits<float>::quiet_NaN();
-    if (k % 4 == 2) for (int64_t i = 0; i < L; ++i) hist[k][i * n + 1] = 0.0f;
+    if (k % 4 == 2)
+      for (int64_t i = 0; i < L; ++i) hist[k][i * n + 1] = 0.0f;
     scale[k].assign(n, 2.0f);
     scale_inv[k].assign(n, 0.5f);
     fmax[k].assign(n, k % 2 ? 448.0f : 57344.0f);
@@ -395,11 +413,17 @@ TEST(UpdateScalingCuda, BatchedMatchesCpuAcrossLaunches) {
     CK(cudaMemcpy(d_fmax[k].get(), fmax[k].data(), n * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_row0[k].get(), row0[k].data(), n * 4, cudaMemcpyHostToDevice));
     const bool with_row0 = k % 5 != 3;
-    cpu[k].params = {hist[k].data(), scale[k].data(), scale_inv[k].data(), fmax[k].data(),
-                     n, L, algo, margin};
+    cpu[k].params = {hist[k].data(), scale[k].data(), scale_inv[k].data(), fmax[k].data(), n, L,
+                     algo,           margin};
     cpu[k].row0 = with_row0 ? row0[k].data() : nullptr;
-    gpu[k].params = {d_hist[k].get<float>(), d_scale[k].get<float>(), d_scale_inv[k].get<float>(),
-                     d_fmax[k].get<float>(), n, L, algo, margin};
+    gpu[k].params = {d_hist[k].get<float>(),
+                     d_scale[k].get<float>(),
+                     d_scale_inv[k].get<float>(),
+                     d_fmax[k].get<float>(),
+                     n,
+                     L,
+                     algo,
+                     margin};
     gpu[k].row0 = with_row0 ? d_row0[k].get<float>() : nullptr;
   }
   update_scaling_batched_cpu(cpu.data(), count);

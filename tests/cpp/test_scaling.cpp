@@ -156,9 +156,14 @@ TEST(UpdateScalingBatched, EachSlotAsAlone) {
     si.push_back(to_vec(scale_inv.back()));
     fm.push_back(to_vec(fp8_max.back()));
     ScalingSlot slot;
-    slot.params = {hist.back().data_ptr<float>(), scale.back().data_ptr<float>(),
-                   scale_inv.back().data_ptr<float>(), fp8_max.back().data_ptr<float>(),
-                   c.n, c.L, c.algo, c.margin};
+    slot.params = {hist.back().data_ptr<float>(),
+                   scale.back().data_ptr<float>(),
+                   scale_inv.back().data_ptr<float>(),
+                   fp8_max.back().data_ptr<float>(),
+                   c.n,
+                   c.L,
+                   c.algo,
+                   c.margin};
     slot.row0 = c.row0 ? row0.back().data_ptr<float>() : nullptr;
     slots.push_back(slot);
   }

@@ -9,13 +9,13 @@ import contextlib
 import copy
 import io
 
+import _models
 import torch
 import torch.distributed as dist
+from harness import case
 from torch import nn
 
-import _models
 import fp8dp
-from harness import case
 
 B = 4  # samples per micro-batch per rank
 # FP32 tolerance: each gradient element is a sum of at most ws * n_mb * B <= 48 per-sample terms of
@@ -596,8 +596,10 @@ def broadcast_and_scale(rank, ws, root):
 @case(
     late_rank=[-1],
     runs=("gloo",),
-    skip={"nccl": "a late gloo rank rejoins the group; on NCCL the timeout aborts the "
-          "communicator, which cases_nccl.skipped_collective_times_out covers"},
+    skip={
+        "nccl": "a late gloo rank rejoins the group; on NCCL the timeout aborts the "
+        "communicator, which cases_nccl.skipped_collective_times_out covers"
+    },
 )
 def late_rank_times_out(rank, ws, late_rank):
     """A rank that does not join a collective makes the others fail with a clear error after the
@@ -715,8 +717,12 @@ def _dist_opt_pair(overlap_param_gather_a, seed=0):
         model = mlp(seed)
         ddp = fp8dp.DistributedDataParallel(
             model,
-            cfg(overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=150,
-                overlap_param_gather=opg),
+            cfg(
+                overlap_grad_reduce=True,
+                use_distributed_optimizer=True,
+                bucket_size=150,
+                overlap_param_gather=opg,
+            ),
         )
         out.append((model, ddp, fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)))
     return out
@@ -754,8 +760,13 @@ def overlap_param_gather_is_bit_identical(rank, ws, n_mb):
 
 @case(
     reader=[
-        "forward", "module_forward", "state_dict", "module_state_dict", "load_state_dict",
-        "finish_param_sync", "broadcast_params",
+        "forward",
+        "module_forward",
+        "state_dict",
+        "module_state_dict",
+        "load_state_dict",
+        "finish_param_sync",
+        "broadcast_params",
     ]
 )
 def param_reads_wait_for_the_gather(rank, ws, reader):

@@ -7,8 +7,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
-import fp8dp
 from _models import mlp
 from cases_ddp import (
     FP32_CUDA,
@@ -21,6 +19,8 @@ from cases_ddp import (
     reference_grads,
 )
 from harness import case
+
+import fp8dp
 
 NATIVE = ("nccl_native",)
 
@@ -79,8 +79,13 @@ def native_grads_match_reference(rank, ws, overlap, dist_opt, avg):
     ref = copy.deepcopy(model)
     ddp = fp8dp.DistributedDataParallel(
         model,
-        cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt,
-            average_in_collective=avg, bucket_size=150, comm_backend="nccl"),
+        cfg(
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=dist_opt,
+            average_in_collective=avg,
+            bucket_size=150,
+            comm_backend="nccl",
+        ),
     )
     assert ddp._sync.communicator().name == "nccl"
     for step in range(2):  # step 0 learns the golden counts, step 1 launches from the hooks
@@ -94,9 +99,10 @@ def auto_picks_nccl_and_optimizer_stays_in_sync(rank, ws):
     """comm_backend='auto' on CUDA parameters picks the native communicator; 3 DistributedOptimizer
     (AdamW) steps (reduce-scatter, shard step, all-gather) leave bit-identical parameters on every
     rank."""
-    ddp = fp8dp.DistributedDataParallel(mlp().to(dev()), cfg(use_distributed_optimizer=True,
-                                                              overlap_grad_reduce=True,
-                                                              bucket_size=150))
+    ddp = fp8dp.DistributedDataParallel(
+        mlp().to(dev()),
+        cfg(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=150),
+    )
     assert ddp._sync.communicator().name == "nccl"
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
     for step in range(3):
@@ -166,8 +172,15 @@ def overlap_param_gather_on_nccl(rank, ws):
     for opg in (True, False):
         model = mlp().to(dev())
         ddp = fp8dp.DistributedDataParallel(
-            model, cfg(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=150,
-                       comm_backend="nccl", overlap_param_gather=opg))
+            model,
+            cfg(
+                use_distributed_optimizer=True,
+                overlap_grad_reduce=True,
+                bucket_size=150,
+                comm_backend="nccl",
+                overlap_param_gather=opg,
+            ),
+        )
         models.append((model, ddp, fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)))
     (model, ddp, opt), (ref_model, ref_ddp, ref_opt) = models
     assert ddp._sync.num_bucket_groups > 1

@@ -49,14 +49,31 @@ class Run:
 RUNS = {
     r.name: r
     for r in (
-        Run("gloo", "gloo", "cpu", 600, "CPU processes on a gloo group; DDP's communicator is the "
-            "ProcessGroupCommunicator"),
-        Run("nccl", "nccl", "cuda", 480, "one GPU per rank on a pure NCCL group, CUDA models and "
+        Run(
+            "gloo",
+            "gloo",
+            "cpu",
+            600,
+            "CPU processes on a gloo group; DDP's communicator is the " "ProcessGroupCommunicator",
+        ),
+        Run(
+            "nccl",
+            "nccl",
+            "cuda",
+            480,
+            "one GPU per rank on a pure NCCL group, CUDA models and "
             "data; comm_backend 'auto' picks fp8dp's native NCCL communicator (the unique id "
-            "travels as a CUDA tensor)"),
-        Run("nccl_native", "gloo", "cuda", 300, "one GPU per rank on a gloo group: fp8dp's native "
+            "travels as a CUDA tensor)",
+        ),
+        Run(
+            "nccl_native",
+            "gloo",
+            "cuda",
+            300,
+            "one GPU per rank on a gloo group: fp8dp's native "
             "NCCL communicator asked for by name (the unique id travels as a CPU tensor), and "
-            "gloo collectives that outlive an aborted NCCL communicator"),
+            "gloo collectives that outlive an aborted NCCL communicator",
+        ),
     )
 }
 
@@ -157,8 +174,11 @@ def run_cases(names, out_dir, after_case=None, case_timeout_s=600) -> int:
                 c.fn(rank, ws, **c.kw)
             except Exception as e:
                 failed += 1
-                rec.update(status="fail", error=f"{type(e).__name__}: {e}",
-                           traceback=traceback.format_exc())
+                rec.update(
+                    status="fail",
+                    error=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc(),
+                )
             rec["seconds"] = round(time.perf_counter() - t0, 3)
             write(rec)
             # for whoever reads the log; the harness reads the files
@@ -173,8 +193,9 @@ def run_cases(names, out_dir, after_case=None, case_timeout_s=600) -> int:
 
 
 # ---- pytest side ----------------------------------------------------------------------------
-def torchrun(target, nproc: int, args=(), env=None, timeout: float = 600, module=False,
-             cwd=None) -> tuple:
+def torchrun(
+    target, nproc: int, args=(), env=None, timeout: float = 600, module=False, cwd=None
+) -> tuple:
     """Runs `target` (a script path, or a module with module=True) under torchrun --standalone
     with `nproc` ranks; returns (exit code, output). The environment gets this tree's fp8dp (its
     python/ when it holds a build, else the fp8dp already on PYTHONPATH, e.g. a worktree testing
@@ -189,10 +210,25 @@ def torchrun(target, nproc: int, args=(), env=None, timeout: float = 600, module
     e.setdefault("OMP_NUM_THREADS", "1")
     e.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast: off, see scripts/gpu_check.sh
     e.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *(["-m"] if module else []), str(target), *map(str, args)]
-    proc = subprocess.Popen(cmd, env=e, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *(["-m"] if module else []),
+        str(target),
+        *map(str, args),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=e,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
@@ -243,8 +279,10 @@ class Launch:
         return any(rec and rec[1] == k and rec[0]["status"] == "started" for rec in recs)
 
     def _complete(self, name) -> bool:
-        return all(self.records.get((name, r), ({}, 0))[0].get("status") in DONE
-                   for r in range(self.world_size))
+        return all(
+            self.records.get((name, r), ({}, 0))[0].get("status") in DONE
+            for r in range(self.world_size)
+        )
 
     def _where(self) -> str:
         return f"{self.run}, world size {self.world_size}"
@@ -282,13 +320,17 @@ class Launch:
         failed_in = {k for rec, k in self.records.values() if rec["status"] == "fail"}
         for k, (_, rc, _) in enumerate(self.launches):
             if rc != (1 if k in failed_in else 0):
-                problems.append(f"launch {k + 1} of {len(self.launches)} exited with {rc}"
-                                + (" after a failed case" if k in failed_in else "")
-                                + self._log_tail(k))
+                problems.append(
+                    f"launch {k + 1} of {len(self.launches)} exited with {rc}"
+                    + (" after a failed case" if k in failed_in else "")
+                    + self._log_tail(k)
+                )
         missing = [n for n in self.names if not self._complete(n)]
         if missing:
-            problems.append(f"{len(missing)} case(s) without a result from every rank: "
-                            + ", ".join(missing[:10]))
+            problems.append(
+                f"{len(missing)} case(s) without a result from every rank: "
+                + ", ".join(missing[:10])
+            )
         if problems:
             pytest.fail(f"{self._where()}:\n" + "\n".join(problems), pytrace=False)
 
@@ -310,8 +352,14 @@ def case_params(launches) -> list:
             if run in c.runs:
                 params.append(pytest.param((run, ws), name, id=f"{run}-ws{ws}-{name}"))
             elif run in c.skip:
-                params.append(pytest.param((run, ws), name, id=f"{run}-ws{ws}-{name}",
-                                           marks=pytest.mark.skip(reason=c.skip[run])))
+                params.append(
+                    pytest.param(
+                        (run, ws),
+                        name,
+                        id=f"{run}-ws{ws}-{name}",
+                        marks=pytest.mark.skip(reason=c.skip[run]),
+                    )
+                )
     return params
 
 

@@ -167,8 +167,11 @@ def gen_config(case_seed: int, ws: int) -> dict:
     if rng.random() < 0.3:
         cands = [["fp8", i, "weight"] for i in range(n_fp8)]
         cands += [["fp8", i, "bias"] for i in range(n_fp8) if fp8_mods[i]["bias"]]
-        cands += [["fp8", i, "layer_norm_weight"] for i in range(n_fp8)
-                  if fp8_mods[i]["kind"] == "LayerNormLinear"]
+        cands += [
+            ["fp8", i, "layer_norm_weight"]
+            for i in range(n_fp8)
+            if fp8_mods[i]["kind"] == "LayerNormLinear"
+        ]
         cands += [["tl", i, "weight"] for i in range(n_tl)]
         cands += [["plain", j, "weight"] for j in range(n_plain)]
         frozen = rng.sample(cands, min(len(cands), rng.randint(1, 2)))
@@ -248,10 +251,17 @@ class GenModel(nn.Module):
             if m["kind"] == "Linear":
                 mods.append(fp8dp.Linear(D, D, **kw))
             else:
-                mods.append(fp8dp.LayerNormLinear(
-                    D, D, normalization=m["norm"], eps=EPS,
-                    return_layernorm_output=m.get("ret_ln", False),
-                    zero_centered_gamma=m.get("zcg", False), **kw))
+                mods.append(
+                    fp8dp.LayerNormLinear(
+                        D,
+                        D,
+                        normalization=m["norm"],
+                        eps=EPS,
+                        return_layernorm_output=m.get("ret_ln", False),
+                        zero_centered_gamma=m.get("zcg", False),
+                        **kw,
+                    )
+                )
         self.fp8 = nn.ModuleList(mods)
         self.tl = nn.ModuleList([nn.Linear(D, D, bias=m["bias"]) for m in c["tl_mods"]])
         self.plain = nn.ParameterList(
@@ -378,8 +388,9 @@ def reference(c, model, step_data):
     if not c["fp8"]:
         R = {id(p): p.detach().double().clone().requires_grad_(p.requires_grad) for _, p in named}
         for r in range(ws * n_mb):
-            loss = mse(ref_forward64(model, R, ids[r], x[r].double(), r % n_mb),
-                       y[r].double()) / n_mb
+            loss = (
+                mse(ref_forward64(model, R, ids[r], x[r].double(), r % n_mb), y[r].double()) / n_mb
+            )
             if not loss.requires_grad:
                 continue
             grads = torch.autograd.grad(
@@ -484,17 +495,22 @@ def may_reject(c, model):
     """(exception classes, [strings one of which the message must contain], reason) for a
     configuration the library may refuse with a clear error, or None when it must compute the right
     gradient."""
-    names = {id(p): n for n, p in model.named_parameters()}
     if not any(p.requires_grad for p in model.parameters()):
-        return ((ValueError,), ["at least one parameter that requires grad"],
-                "every parameter frozen: nothing for DistributedDataParallel to do")
+        return (
+            (ValueError,),
+            ["at least one parameter that requires grad"],
+            "every parameter frozen: nothing for DistributedDataParallel to do",
+        )
     if c["forget_dw"] and any(queued_per_microbatch(c, model).values()):
         # issue 12 item 2, as the lead's fix reports it: a RuntimeError at finish_grad_sync()
         # naming the module ("... never computed by backward_dw(): 'fp8.0.weight' (1 queued,
         # module 'fp8.0')"), or the ledger's "missing" naming its weight when grad_ledger is on.
         mods = [f"'fp8.{i}" for i in queued_per_microbatch(c, model)]
-        return ((RuntimeError,), mods,
-                "forgotten backward_dw(): must be an error naming the module (issue 12 item 2)")
+        return (
+            (RuntimeError,),
+            mods,
+            "forgotten backward_dw(): must be an error naming the module (issue 12 item 2)",
+        )
     # Ties mixing routes (delayed / fused / immediate fp8dp uses, plain torch uses) are no longer
     # here: since the lead's grad-sink rework (2976c0b) they compute the right gradient
     # (41 of 41 such sampled cases), so a wrong gradient or an error there is a failure.
@@ -637,7 +653,11 @@ def run_case(c, group, found):
                 n = name_of[id(params[s.param])]
                 exp = ref[n].flatten()[s.param_offset : s.param_offset + s.numel]
                 bad = bad or first_mismatch(
-                    step, "main_grad shard", n, sync.grad_shard(s), exp,
+                    step,
+                    "main_grad shard",
+                    n,
+                    sync.grad_shard(s),
+                    exp,
                     grad_tolerance(c, mag[n]),
                     dict(shard_offset=s.param_offset, shard_numel=s.numel),
                 )
@@ -646,8 +666,9 @@ def run_case(c, group, found):
             for n, p in named:
                 if not p.requires_grad:
                     continue
-                bad = bad or first_mismatch(step, "main_grad", n, p.main_grad, ref[n],
-                                            grad_tolerance(c, mag[n]))
+                bad = bad or first_mismatch(
+                    step, "main_grad", n, p.main_grad, ref[n], grad_tolerance(c, mag[n])
+                )
                 checks += 1
         for n, p in named:
             if n in ddp_params and p.grad is not None:
@@ -659,8 +680,12 @@ def run_case(c, group, found):
                 bad = bad or dict(step=step, what="queue not empty", param=f"fp8.{i}")
         if forget:
             # every queued item was popped but one: the library must have raised by now
-            bad = dict(step=step, what="forgotten backward_dw() passed silently",
-                       param=f"fp8.{windows[forget_at[0]][0]}", mismatch_then=bad)
+            bad = dict(
+                step=step,
+                what="forgotten backward_dw() passed silently",
+                param=f"fp8.{windows[forget_at[0]][0]}",
+                mismatch_then=bad,
+            )
         agree(bad)
         # -- the step (distributed optimizer): p - LR * g_ref on every rank, frozen unchanged
         if opt is not None:
@@ -695,8 +720,11 @@ def run_one(c, group):
         model_for_reject = GenModel(c)
         rej = may_reject(c, model_for_reject)
     except Exception as e:  # the generator or model construction itself failed
-        res.update(status="error", error=f"{type(e).__name__}: {e}",
-                   traceback=traceback.format_exc()[-3000:])
+        res.update(
+            status="error",
+            error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc()[-3000:],
+        )
         return res
     res["may_reject"] = None if rej is None else rej[2]
     if os.environ.get("FP8DP_PROPERTY_TRACE_S"):  # debugging a slow case: where is it?
@@ -716,8 +744,7 @@ def run_one(c, group):
         if rej is not None and isinstance(e, rej[0]) and any(s in str(e) for s in rej[1]):
             res.update(status="rejected", error=msg[:2000])
         else:
-            res.update(status="error", error=msg[:2000],
-                       traceback=traceback.format_exc()[-3000:])
+            res.update(status="error", error=msg[:2000], traceback=traceback.format_exc()[-3000:])
     res["seconds"] = round(time.perf_counter() - t0, 3)
     res["worst_err_over_tol"] = {k: round(v, 4) for k, v in WORST.items()}
     return res
@@ -742,6 +769,7 @@ def signature(res) -> str:
 
 def _drop_fp8(c, i):
     """c without fp8 module i (when nothing refers to it), indices renumbered."""
+
     def ref(kind, j):
         return kind == "fp8" and j == i
 
@@ -760,9 +788,11 @@ def _drop_fp8(c, i):
 
 def _drop_simple(c, key, kind, i):
     """c without torch.nn.Linear / plain parameter i (when nothing refers to it)."""
+
     def ref(s):
-        return s[0] == kind or (kind == "plain" and s[0] in ("plain_linear", "plain_matmul",
-                                                              "embed"))
+        return s[0] == kind or (
+            kind == "plain" and s[0] in ("plain_linear", "plain_matmul", "embed")
+        )
 
     if any(ref(o) and o[1] == i for o in c["ops"]):
         return None
@@ -784,6 +814,7 @@ def _drop_simple(c, key, kind, i):
 
 def shrink_candidates(c):
     """Simpler variants of c, roughly most simplifying first."""
+
     def with_(**kw):
         d = json.loads(json.dumps(c))
         d.update(kw)
@@ -849,7 +880,8 @@ def shrink_candidates(c):
                 if val == "Linear":
                     d["fp8_mods"][i].update(norm=None, ret_ln=False, zcg=False)
                     d["frozen"] = [
-                        f for f in d["frozen"]
+                        f
+                        for f in d["frozen"]
                         if not (f[0] == "fp8" and f[1] == i and f[2].startswith("layer"))
                     ]
                 out.append(d)
@@ -870,8 +902,14 @@ def shrink_candidates(c):
         d = with_()
         d["ddp"]["overlap_param_gather"] = False
         out.append(d)
-    for key in ("overlap_grad_reduce", "use_distributed_optimizer", "average_in_collective",
-                "grad_reduce_in_fp32", "grad_ledger", "check_for_nan_in_grad"):
+    for key in (
+        "overlap_grad_reduce",
+        "use_distributed_optimizer",
+        "average_in_collective",
+        "grad_reduce_in_fp32",
+        "grad_ledger",
+        "check_for_nan_in_grad",
+    ):
         if c["ddp"][key]:
             d = with_()
             d["ddp"][key] = False
@@ -927,15 +965,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=int(os.environ.get("FP8DP_PROPERTY_SEED", 0)))
     ap.add_argument("--cases", type=int, default=20, help="cases in this launch")
-    ap.add_argument("--case-seed", type=int, action="append", default=[],
-                    help="run only this case (repeatable)")
-    ap.add_argument("--config-json", default=None,
-                    help="run this configuration (a JSON object as written in the results)")
-    ap.add_argument("--regressions", default=None,
-                    help="also run the named minimal configurations of this JSON file (a list of "
-                    "{name, why, world_size, config}) whose world size is this one's, first")
-    ap.add_argument("--shrink", action="store_true",
-                    help="shrink every failing case to a minimal configuration that fails alike")
+    ap.add_argument(
+        "--case-seed", type=int, action="append", default=[], help="run only this case (repeatable)"
+    )
+    ap.add_argument(
+        "--config-json",
+        default=None,
+        help="run this configuration (a JSON object as written in the results)",
+    )
+    ap.add_argument(
+        "--regressions",
+        default=None,
+        help="also run the named minimal configurations of this JSON file (a list of "
+        "{name, why, world_size, config}) whose world size is this one's, first",
+    )
+    ap.add_argument(
+        "--shrink",
+        action="store_true",
+        help="shrink every failing case to a minimal configuration that fails alike",
+    )
     ap.add_argument("--out", default=None, help="folder for the JSON results (one file per rank)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
@@ -976,8 +1024,10 @@ def main():
             dist.all_gather_object(sigs, sig, group=runner.ctrl)
             sig = next(s for s in sigs if s)
             res["shrunk"] = dict(signature=sig, config=runner.shrink(c, sig))
-        line = (f"[rank {rank}/{ws}] {res['status'].upper()} case_seed={cs} "
-                f"({res.get('seconds', 0)} s)")
+        line = (
+            f"[rank {rank}/{ws}] {res['status'].upper()} case_seed={cs} "
+            f"({res.get('seconds', 0)} s)"
+        )
         if res["status"] == "fail":
             line += " " + json.dumps(res["mismatch"])
         elif res["status"] in ("error", "rejected"):

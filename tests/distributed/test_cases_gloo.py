@@ -2,7 +2,6 @@
 torchrun launch per world size, one test per case and a test of the launch itself (harness.py)."""
 
 import pytest
-
 from harness import case_params
 
 LAUNCHES = [("gloo", 2), ("gloo", 3)]

@@ -4,7 +4,6 @@ group ("nccl_native"). One torchrun launch per run; each test skips, saying why,
 without fp8dp's native NCCL communicator."""
 
 import pytest
-
 from harness import case_params
 
 LAUNCHES = [("nccl", 2), ("nccl_native", 2)]

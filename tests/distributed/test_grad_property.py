@@ -13,7 +13,6 @@ import json
 import os
 
 import pytest
-
 from harness import HERE, torchrun
 
 SHARE = {1: 0.35, 2: 0.35, 3: 0.30}
@@ -29,11 +28,26 @@ def _brief(c: dict) -> str:
     for m in c["fp8_mods"]:
         flags = [k for k in ("bias", "fuse", "delay") if m[k]]
         mods.append(f"{m['kind']}({','.join(flags)})")
-    keep = {k: c[k] for k in ("fp8", "pattern", "ops", "residual", "ties", "frozen", "n_mb",
-                              "steps", "defer_p", "forget_dw")}
+    keep = {
+        k: c[k]
+        for k in (
+            "fp8",
+            "pattern",
+            "ops",
+            "residual",
+            "ties",
+            "frozen",
+            "n_mb",
+            "steps",
+            "defer_p",
+            "forget_dw",
+        )
+    }
     ddp = {k: v for k, v in c["ddp"].items() if v is not False}
-    return (f"fp8 modules {mods}, torch.nn.Linear bias {[m['bias'] for m in c['tl_mods']]}, "
-            f"{c['n_plain']} plain, D={c['D']}, {json.dumps(keep)}, ddp {json.dumps(ddp)}")
+    return (
+        f"fp8 modules {mods}, torch.nn.Linear bias {[m['bias'] for m in c['tl_mods']]}, "
+        f"{c['n_plain']} plain, D={c['D']}, {json.dumps(keep)}, ddp {json.dumps(ddp)}"
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -50,14 +64,14 @@ def test_gradient_accounting_property(world_size, tmp_path):
     rows = []
     for rank in range(world_size):
         f = tmp_path / f"results_ws{world_size}_rank{rank}.jsonl"
-        assert f.exists(), (
-            f"rank {rank} wrote no results\n{log[-6000:]}")
+        assert f.exists(), f"rank {rank} wrote no results\n{log[-6000:]}"
         rows += [json.loads(line) for line in f.read_text().splitlines()]
     by_case = {}
     for r in rows:
         by_case.setdefault(r["case_seed"], []).append(r)
-    assert len(by_case) == _cases(world_size) + n_reg, (
-        f"{len(by_case)} of {_cases(world_size) + n_reg} cases reported\n{log[-3000:]}")
+    assert (
+        len(by_case) == _cases(world_size) + n_reg
+    ), f"{len(by_case)} of {_cases(world_size) + n_reg} cases reported\n{log[-3000:]}"
     failures = []
     rejected = 0
     for cs, rs in by_case.items():
@@ -67,27 +81,40 @@ def test_gradient_accounting_property(world_size, tmp_path):
         if not bad:
             continue
         r = bad[0]
-        what = (json.dumps(r["mismatch"]) if r["status"] == "fail"
-                else " | ".join(r["error"].splitlines())[:600])
+        what = (
+            json.dumps(r["mismatch"])
+            if r["status"] == "fail"
+            else " | ".join(r["error"].splitlines())[:600]
+        )
         if cs < 0:  # a named regression configuration
-            msg = (f"regression {r['config']['pattern']!r} {r['status'].upper()}: {what}\n"
-                   f"    config: {_brief(r['config'])}\n"
-                   f"    rerun: torchrun --standalone --nproc_per_node={world_size} "
-                   f"tests/distributed/property_worker.py --cases 0 --regressions "
-                   f"tests/distributed/property_regressions.json")
+            msg = (
+                f"regression {r['config']['pattern']!r} {r['status'].upper()}: {what}\n"
+                f"    config: {_brief(r['config'])}\n"
+                f"    rerun: torchrun --standalone --nproc_per_node={world_size} "
+                f"tests/distributed/property_worker.py --cases 0 --regressions "
+                f"tests/distributed/property_regressions.json"
+            )
             failures.append(msg)
             continue
-        msg = (f"case_seed={cs} ws={world_size} {r['status'].upper()} on rank(s) "
-               f"{sorted(x['rank'] for x in bad)}: {what}\n"
-               f"    config: {_brief(r['config'])}\n"
-               f"    rerun: torchrun --standalone --nproc_per_node={world_size} "
-               f"tests/distributed/property_worker.py --case-seed {cs}")
+        msg = (
+            f"case_seed={cs} ws={world_size} {r['status'].upper()} on rank(s) "
+            f"{sorted(x['rank'] for x in bad)}: {what}\n"
+            f"    config: {_brief(r['config'])}\n"
+            f"    rerun: torchrun --standalone --nproc_per_node={world_size} "
+            f"tests/distributed/property_worker.py --case-seed {cs}"
+        )
         if "shrunk" in r:
-            msg += (f"\n    minimal ({r['shrunk']['signature']}): "
-                    f"{_brief(r['shrunk']['config'])}")
+            msg += (
+                f"\n    minimal ({r['shrunk']['signature']}): " f"{_brief(r['shrunk']['config'])}"
+            )
         failures.append(msg)
-    print(f"world size {world_size}: {len(by_case)} cases, {len(failures)} failing, "
-          f"{rejected} rejected as allowed (seed {seed})")
-    assert not failures, (f"{len(failures)} of {len(by_case)} configurations failed "
-                          f"(seed {seed}):\n" + "\n".join(failures))
+    print(
+        f"world size {world_size}: {len(by_case)} cases, {len(failures)} failing, "
+        f"{rejected} rejected as allowed (seed {seed})"
+    )
+    assert (
+        not failures
+    ), f"{len(failures)} of {len(by_case)} configurations failed " f"(seed {seed}):\n" + "\n".join(
+        failures
+    )
     assert rc == 0, log[-6000:]

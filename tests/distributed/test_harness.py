@@ -13,9 +13,8 @@ connection that root=0 left behind."""
 
 import json
 
-import pytest
-
 import harness
+import pytest
 
 
 def fake_torchrun(script):
@@ -33,8 +32,10 @@ def fake_torchrun(script):
                 for case, status in recs:
                     rec = {"case": case, "rank": rank, "status": status}
                     if status == "fail":
-                        rec.update(error=f"AssertionError: bad on rank {rank}",
-                                   traceback=f"Traceback ...\nAssertionError: bad on rank {rank}")
+                        rec.update(
+                            error=f"AssertionError: bad on rank {rank}",
+                            traceback=f"Traceback ...\nAssertionError: bad on rank {rank}",
+                        )
                     f.write(json.dumps(rec) + "\n")
         return rc, f"log of launch {len(calls)}"
 

@@ -9,9 +9,7 @@ import sys
 
 import pytest
 import yaml
-
 from harness import ROOT
-
 from tests.distributed.matrix.runner import load_matrix, make_cells, run_matrix
 
 CONFIG = ROOT / "configs" / "test_matrix.yaml"
@@ -31,9 +29,12 @@ def test_cell(subset, cell):
     got = subset[cell["id"]]
     if got["status"] != "pass":
         detail = "\n".join(got[k].rstrip() for k in ("traceback", "log_tail") if got.get(k))
-        pytest.fail(f"{cell}\n{got['status']}: {got.get('error', 'a check exceeded its bound')} "
-                    f"(grad err/bound {got.get('grad_ratio')}, param err/bound "
-                    f"{got.get('param_ratio')})\n{detail}", pytrace=False)
+        pytest.fail(
+            f"{cell}\n{got['status']}: {got.get('error', 'a check exceeded its bound')} "
+            f"(grad err/bound {got.get('grad_ratio')}, param err/bound "
+            f"{got.get('param_ratio')})\n{detail}",
+            pytrace=False,
+        )
 
 
 def test_subset_covers_every_value():
@@ -49,8 +50,18 @@ def run_cli(tmp_path, config, *extra, timeout=900):
     out = tmp_path / "matrix.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "tests.distributed.matrix", "--backend", "gloo", "--config",
-           str(config), "--json", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.distributed.matrix",
+        "--backend",
+        "gloo",
+        "--config",
+        str(config),
+        "--json",
+        str(out),
+        *extra,
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return p, json.loads(out.read_text())
 
@@ -60,10 +71,18 @@ def test_a_miscounted_microbatch_fails_its_cells(tmp_path, inject):
     # Two ranks, FP8 delayed scaling, delayed wgrad; FP32 and BF16 main_grad, with and without the
     # distributed optimizer (whose cells are checked through the trained parameters).
     raw = yaml.safe_load(CONFIG.read_text())
-    raw["axes"].update(world_size=[2], module=["Linear"], recipe=["delayed"], bias=[True],
-                       delay_wgrad_compute=[True], fuse_wgrad_accumulation=[True],
-                       overlap_grad_reduce=[True], use_distributed_optimizer=[False, True],
-                       grad_dtype=["fp32", "bf16"], consumer=["ddp"])
+    raw["axes"].update(
+        world_size=[2],
+        module=["Linear"],
+        recipe=["delayed"],
+        bias=[True],
+        delay_wgrad_compute=[True],
+        fuse_wgrad_accumulation=[True],
+        overlap_grad_reduce=[True],
+        use_distributed_optimizer=[False, True],
+        grad_dtype=["fp32", "bf16"],
+        consumer=["ddp"],
+    )
     raw["problem"]["steps"] = 1
     config = tmp_path / "m.yaml"
     config.write_text(yaml.safe_dump(raw))

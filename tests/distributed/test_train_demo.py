@@ -9,20 +9,32 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import torchrun as launch
 
 REPO = Path(__file__).resolve().parents[2]
 # A small model that still learns: 2 layers x 32, sequences of 32 bytes, 2 ranks x 2 micro-batches.
-TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=5",
-        "train.eval_batches=2", "ddp.bucket_size=3000"]
+TINY = [
+    "model.n_layer=2",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.warmup_steps=5",
+    "train.eval_batches=2",
+    "ddp.bucket_size=3000",
+]
 
 
 def torchrun(args, nproc=2, timeout=300):
-    rc, log = launch("fp8dp.train", nproc, ["--config", REPO / "configs" / "demo.yaml",
-                                            "--no-progress", *args],
-                     timeout=timeout, module=True, cwd=REPO)
+    rc, log = launch(
+        "fp8dp.train",
+        nproc,
+        ["--config", REPO / "configs" / "demo.yaml", "--no-progress", *args],
+        timeout=timeout,
+        module=True,
+        cwd=REPO,
+    )
     assert rc == 0, log[-4000:]
 
 
@@ -35,8 +47,11 @@ def _metrics(path):
 
 
 def test_validation_loss_falls_and_outputs_are_written(tmp_path):
-    torchrun(_sets(*TINY, "train.steps=40", "train.eval_every=20", "train.lr=1e-2",
-                   f"out.dir={tmp_path}"))
+    torchrun(
+        _sets(
+            *TINY, "train.steps=40", "train.eval_every=20", "train.lr=1e-2", f"out.dir={tmp_path}"
+        )
+    )
     summary = json.loads((tmp_path / "fp8" / "summary.json").read_text())
     # Bytes start uniform: ln(256) = 5.55 nats. Learning only the byte frequencies of English text
     # gives about 3.3; demanding < 4.0 after 40 steps needs FP8 training that works.
@@ -54,8 +69,11 @@ def test_resume_is_bit_exact(tmp_path):
     # Uninterrupted: 8 steps, checkpointing at step 4 (full/ckpt/step_000004) and at the end.
     torchrun(common + _sets(f"out.dir={full}") + ["--save", str(full / "ckpt")])
     # A fresh job from the step-4 checkpoint to step 8.
-    torchrun(common + _sets(f"out.dir={resumed}") +
-             ["--resume", str(full / "ckpt" / "step_000004"), "--save", str(resumed / "ckpt")])
+    torchrun(
+        common
+        + _sets(f"out.dir={resumed}")
+        + ["--resume", str(full / "ckpt" / "step_000004"), "--save", str(resumed / "ckpt")]
+    )
     a = {r["step"]: r for r in _metrics(full / "fp8" / "metrics.jsonl")}
     b = {r["step"]: r for r in _metrics(resumed / "fp8" / "metrics.jsonl")}
     assert sorted(b) == [5, 6, 7, 8]
@@ -69,13 +87,24 @@ def test_resume_is_bit_exact(tmp_path):
         _assert_identical(sa["optimizer"], sb["optimizer"], "optimizer")
     # The same checkpoint in a job of another world size is refused, naming the reason.
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    cmd = [sys.executable, "-m", "fp8dp.train", "--config", str(REPO / "configs" / "demo.yaml"),
-           "--no-progress", *common, *_sets(f"out.dir={tmp_path / 'one'}"),
-           "--resume", str(full / "ckpt" / "step_000004")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp8dp.train",
+        "--config",
+        str(REPO / "configs" / "demo.yaml"),
+        "--no-progress",
+        *common,
+        *_sets(f"out.dir={tmp_path / 'one'}"),
+        "--resume",
+        str(full / "ckpt" / "step_000004"),
+    ]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr[-3000:]
-    assert "--resume: the checkpoint was written by 2 ranks and resumes exactly only at the same " \
-           "world size, got 1" in p.stderr
+    assert (
+        "--resume: the checkpoint was written by 2 ranks and resumes exactly only at the same "
+        "world size, got 1" in p.stderr
+    )
 
 
 def _assert_identical(a, b, where):

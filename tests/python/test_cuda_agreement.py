@@ -26,8 +26,6 @@ import gc
 
 import pytest
 import torch
-
-import fp8dp
 from _linear_cases import (
     IN,
     OUT,
@@ -42,6 +40,8 @@ from _linear_cases import (
     norm_stats,
     randomize_,
 )
+
+import fp8dp
 
 OK, REASON = fp8dp.cuda_available(return_reason=True)
 pytestmark = [

@@ -60,7 +60,6 @@ def step(model, ddp, seed: int):
     return {n: p.main_grad.clone() for n, p in model.named_parameters()}
 
 
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cpp_and_python_hooks_give_the_same_main_grad(group, seed, monkeypatch):
     print(f"seed={seed}")

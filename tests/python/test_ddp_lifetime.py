@@ -16,19 +16,25 @@ import fp8dp
 
 @pytest.mark.parametrize("delay_wgrad_compute", [False, True])
 @pytest.mark.parametrize("use_distributed_optimizer", [False, True])
-def test_dropped_ddp_is_freed_without_the_cycle_collector(group, delay_wgrad_compute,
-                                                          use_distributed_optimizer):
+def test_dropped_ddp_is_freed_without_the_cycle_collector(
+    group, delay_wgrad_compute, use_distributed_optimizer
+):
     def build_and_train():
         model = torch.nn.Sequential(
             fp8dp.LayerNormLinear(32, 32, delay_wgrad_compute=delay_wgrad_compute),
             fp8dp.Linear(32, 32, delay_wgrad_compute=delay_wgrad_compute),
         )
         cfg = fp8dp.DistributedDataParallelConfig(
-            overlap_grad_reduce=True, use_distributed_optimizer=use_distributed_optimizer,
-            delay_wgrad_compute=delay_wgrad_compute)
+            overlap_grad_reduce=True,
+            use_distributed_optimizer=use_distributed_optimizer,
+            delay_wgrad_compute=delay_wgrad_compute,
+        )
         ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
-        opt = (fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=0.1) if use_distributed_optimizer
-               else torch.optim.SGD(model.parameters(), lr=0.1))
+        opt = (
+            fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=0.1)
+            if use_distributed_optimizer
+            else torch.optim.SGD(model.parameters(), lr=0.1)
+        )
         ddp(torch.randn(16, 32)).square().sum().backward()
         if delay_wgrad_compute:
             for m in model:

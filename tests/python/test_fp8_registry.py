@@ -11,9 +11,9 @@ import io
 
 import pytest
 import torch
+from _linear_cases import IN, KINDS, OUT, make_module, randomize_
 
 import fp8dp
-from _linear_cases import IN, KINDS, OUT, make_module, randomize_
 
 RECIPE = fp8dp.DelayedScaling(amax_history_len=4)
 
@@ -111,9 +111,9 @@ def test_empty_microbatch_alone_leaves_first_scale_to_the_next(kind, device):
     fp8dp.update_fp8_scales()
     x, dy = data(32, 14, device, scale=5.0)
     assert torch.equal(train(a, x, dy), train(b, x, dy))
-    assert torch.equal(a._core.scale, b._core.scale), (
-        f"scales {a._core.scale.tolist()} != {b._core.scale.tolist()}"
-    )
+    assert torch.equal(
+        a._core.scale, b._core.scale
+    ), f"scales {a._core.scale.tolist()} != {b._core.scale.tolist()}"
 
 
 # ---- item 6: inference never poisons training state -------------------------------------------
@@ -201,14 +201,15 @@ def test_inference_does_not_fill_the_weight_cache(kind, device):
     (with margin=2 instead of 12 the mutation went unnoticed: same mantissas)."""
     a, b = twins(kind, device)
     x0, _ = data(32, 44, device)
-    with torch.inference_mode(), fp8dp.fp8_autocast(
-        fp8_recipe=fp8dp.DelayedScaling(amax_history_len=4, margin=12)
+    with (
+        torch.inference_mode(),
+        fp8dp.fp8_autocast(fp8_recipe=fp8dp.DelayedScaling(amax_history_len=4, margin=12)),
     ):
         a(x0)
     x, dy = data(32, 45, device)
-    assert torch.equal(train(a, x, dy, first=False), train(b, x, dy, first=False)), (
-        "the training micro-batch reused the weight that inference cast"
-    )
+    assert torch.equal(
+        train(a, x, dy, first=False), train(b, x, dy, first=False)
+    ), "the training micro-batch reused the weight that inference cast"
     assert torch.equal(a.weight.grad, b.weight.grad)
 
 
@@ -256,32 +257,58 @@ def _malformed_cases():
     k = "fc._extra_state: "
     finite = "must hold finite values > 0, got"
     return [
-        ("not_a_dict", lambda s: [1, 2],
-         f"{k}expected None or a dict with keys {expected_keys}, got list"),
+        (
+            "not_a_dict",
+            lambda s: [1, 2],
+            f"{k}expected None or a dict with keys {expected_keys}, got list",
+        ),
         ("missing_key", delk("scale"), f"{k}missing key 'scale' (expected keys: {expected_keys})"),
         ("unknown_key", setk("bogus", 1), f"{k}unexpected key 'bogus'"),
-        ("scale_not_tensor", setk("scale", [1.0, 1.0, 1.0]),
-         f"{k}'scale' must be a tensor, got list"),
+        (
+            "scale_not_tensor",
+            setk("scale", [1.0, 1.0, 1.0]),
+            f"{k}'scale' must be a tensor, got list",
+        ),
         ("scale_nan", scale(nan), f"{k}'scale' {finite} [nan, 1, 1]"),
         ("scale_negative", scale(-2.0), f"{k}'scale' {finite} [-2, 1, 1]"),
         ("scale_zero", scale(0.0), f"{k}'scale' {finite} [0, 1, 1]"),
         ("scale_inf", scale(inf), f"{k}'scale' {finite} [inf, 1, 1]"),
-        ("scale_inv_nan", setk("scale_inv", torch.tensor([1.0, nan, 1.0])),
-         f"{k}'scale_inv' {finite} [1, nan, 1]"),
-        ("scale_short", setk("scale", torch.ones(2)),
-         f"{k}'scale' must have 3 elements (input, weight, grad_output), got [2]"),
-        ("fp8_max_wrong", setk("fp8_max", torch.tensor([448.0, 448.0, 100.0])),
-         f"{k}'fp8_max' must be the format maxima [f, f, g] of input, weight and grad_output, "
-         "each 448 (E4M3) or 57344 (E5M2), got [448, 448, 100]"),
-        ("history_negative",
-         setk("amax_history", torch.tensor([[1.0, 2.0, 3.0], [0.0, -4.0, 0.0]])),
-         f"{k}'amax_history' must hold amaxes >= 0 (NaN and Inf allowed), got -4 at row 1"),
-        ("history_shape", setk("amax_history", torch.ones(4)),
-         f"{k}'amax_history' must be [L, 3] with L >= 1, got [4]"),
-        ("history_int", setk("amax_history", torch.ones(2, 3, dtype=torch.int32)),
-         f"{k}'amax_history' must be a floating-point tensor, got Int"),
-        ("algo_str", setk("amax_compute_algo", "max"),
-         f"{k}'amax_compute_algo' must be an int, got str"),
+        (
+            "scale_inv_nan",
+            setk("scale_inv", torch.tensor([1.0, nan, 1.0])),
+            f"{k}'scale_inv' {finite} [1, nan, 1]",
+        ),
+        (
+            "scale_short",
+            setk("scale", torch.ones(2)),
+            f"{k}'scale' must have 3 elements (input, weight, grad_output), got [2]",
+        ),
+        (
+            "fp8_max_wrong",
+            setk("fp8_max", torch.tensor([448.0, 448.0, 100.0])),
+            f"{k}'fp8_max' must be the format maxima [f, f, g] of input, weight and grad_output, "
+            "each 448 (E4M3) or 57344 (E5M2), got [448, 448, 100]",
+        ),
+        (
+            "history_negative",
+            setk("amax_history", torch.tensor([[1.0, 2.0, 3.0], [0.0, -4.0, 0.0]])),
+            f"{k}'amax_history' must hold amaxes >= 0 (NaN and Inf allowed), got -4 at row 1",
+        ),
+        (
+            "history_shape",
+            setk("amax_history", torch.ones(4)),
+            f"{k}'amax_history' must be [L, 3] with L >= 1, got [4]",
+        ),
+        (
+            "history_int",
+            setk("amax_history", torch.ones(2, 3, dtype=torch.int32)),
+            f"{k}'amax_history' must be a floating-point tensor, got Int",
+        ),
+        (
+            "algo_str",
+            setk("amax_compute_algo", "max"),
+            f"{k}'amax_compute_algo' must be an int, got str",
+        ),
         ("margin_none", setk("margin", None), f"{k}'margin' must be a number, got NoneType"),
     ]
 
@@ -312,8 +339,11 @@ def test_malformed_extra_state_is_a_value_error_naming_the_key(case, mutate, mes
     assert message in str(err.value), str(err.value)
     after = state(model["fc"])
     for k in before:
-        assert (torch.equal(before[k], after[k]) if torch.is_tensor(before[k])
-                else before[k] == after[k]), k
+        assert (
+            torch.equal(before[k], after[k])
+            if torch.is_tensor(before[k])
+            else before[k] == after[k]
+        ), k
 
 
 def test_extra_state_round_trip_through_bytes_keeps_initialized():

@@ -64,8 +64,9 @@ def test_fp8_gemm_matches_reference(fmts, out_dtype, split, mnk, gen):
     m, n, k = mnk
     a, a_si = fp8_operand(m, k, fmts[0], gen)
     b, b_si = fp8_operand(n, k, fmts[1], gen)
-    out = _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si, out_dtype=out_dtype,
-                        use_split_accumulator=split)
+    out = _C._gemm_cuda(
+        a, b, a_scale_inv=a_si, b_scale_inv=b_si, out_dtype=out_dtype, use_split_accumulator=split
+    )
     assert out.shape == (m, n) and out.dtype == out_dtype
     ref, absprod = reference(a, a_si, b, b_si)
     assert_within(out, ref, absprod, k, out_dtype, fast=not split)
@@ -99,13 +100,25 @@ def test_fp8_gemm_accumulates_into_strided_main_grad(gen):
     res = _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si, out=main_grad, accumulate=True)
     assert res.data_ptr() == main_grad.data_ptr()
     ref, absprod = reference(a, a_si, b, b_si)
-    assert_within(main_grad, ref + before.double(), absprod + before.double().abs(), k + 1,
-                  torch.float32, fast=False)
+    assert_within(
+        main_grad,
+        ref + before.double(),
+        absprod + before.double().abs(),
+        k + 1,
+        torch.float32,
+        fast=False,
+    )
     assert torch.equal(buf[:, n:], untouched)
     # A second accumulation adds the same product again (the autotuner must not have summed into it).
     _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si, out=main_grad, accumulate=True)
-    assert_within(main_grad, 2 * ref + before.double(), 2 * absprod + before.double().abs(), k + 2,
-                  torch.float32, fast=False)
+    assert_within(
+        main_grad,
+        2 * ref + before.double(),
+        2 * absprod + before.double().abs(),
+        k + 2,
+        torch.float32,
+        fast=False,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -117,8 +130,9 @@ def test_high_precision_gemm(dtype, out_dtype, gen):
     b = torch.randn(n, k, generator=gen, device="cuda").to(dtype)
     out = _C._gemm_cuda(a, b, out_dtype=out_dtype)
     ref = a.double() @ b.double().T
-    assert_within(out, ref, a.double().abs() @ b.double().abs().T, k, out_dtype, fast=False,
-                  fp8=False)
+    assert_within(
+        out, ref, a.double().abs() @ b.double().abs().T, k, out_dtype, fast=False, fp8=False
+    )
 
 
 def test_plan_cache_per_shape(gen):

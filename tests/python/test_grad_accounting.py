@@ -19,8 +19,11 @@ D, V, TOKENS = 32, 48, 16
 def ddp_config(delay, **kw):
     # The ledger is on: it must count every route of every use without a false alarm.
     return fp8dp.DistributedDataParallelConfig(
-        delay_wgrad_compute=delay, overlap_grad_reduce=True, bucket_size=1000, grad_ledger=True,
-        **kw
+        delay_wgrad_compute=delay,
+        overlap_grad_reduce=True,
+        bucket_size=1000,
+        grad_ledger=True,
+        **kw,
     )
 
 
@@ -151,7 +154,10 @@ def test_forgotten_backward_dw_is_an_error_naming_the_module(group, fuse):
     ddp.zero_grad_buffer()
     ddp(x).square().mean().backward()
     model[2].backward_dw()  # model[0].backward_dw() forgotten
-    with pytest.raises(RuntimeError, match=r"never computed by backward_dw\(\).*'0\.weight' \(1 queued, by module '0'\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"never computed by backward_dw\(\).*'0\.weight' \(1 queued, by module '0'\)",
+    ):
         ddp.finish_grad_sync()
     assert not model[0].need_backward_dw(), "the abandoned iteration's wgrad must be dropped"
     # The next iteration is exact: nothing of the abandoned one arrives.
@@ -178,7 +184,8 @@ def test_forgotten_backward_dw_before_zero_grad_buffer(group):
 
 
 @pytest.mark.parametrize(
-    "convert", ["to_bf16", "half", "inner_to_bf16", "data_assignment"],
+    "convert",
+    ["to_bf16", "half", "inner_to_bf16", "data_assignment"],
 )
 def test_conversion_after_wrapping_is_refused(group, convert):
     """Defect 4: model.to(torch.bfloat16) after wrapping moved the parameters out of the buffers:
@@ -263,7 +270,9 @@ def test_param_gather_waits_where_the_parameters_are_read(group):
 
     model = _ContainerUser()
     cfg = fp8dp.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True,
+        use_distributed_optimizer=True,
+        overlap_param_gather=True,
+        overlap_grad_reduce=True,
         bucket_size=D * D,  # one parameter per bucket group
     )
     ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
@@ -271,8 +280,12 @@ def test_param_gather_waits_where_the_parameters_are_read(group):
     group_of = {id(p): sync.group_of_param(i) for i, p in enumerate(ddp._params)}
 
     def waited(module):
-        return {g for h in module._forward_pre_hooks.values() if isinstance(h, _ParamGatherWait)
-                for g in h._groups}
+        return {
+            g
+            for h in module._forward_pre_hooks.values()
+            if isinstance(h, _ParamGatherWait)
+            for g in h._groups
+        }
 
     assert group_of[id(model.plain[0])] in waited(model), "the container's parent must wait"
     assert group_of[id(model.used.weight)] in waited(model.used), "the running owner must wait"

@@ -34,8 +34,6 @@ CUDA casts and cuBLASLt GEMMs, and the FP8 bounds add the GPU's accumulation err
 
 import pytest
 import torch
-
-import fp8dp
 from _linear_cases import (
     IN,
     OUT,
@@ -47,6 +45,8 @@ from _linear_cases import (
     product_bound,
     randomize_,
 )
+
+import fp8dp
 
 
 def consume(p):

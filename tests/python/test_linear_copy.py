@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from _linear_cases import KINDS, autocast, batches, make_module, make_recipe
 
 

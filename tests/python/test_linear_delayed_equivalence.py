@@ -8,8 +8,6 @@ both modules hit the same cached cuBLASLt plan, so the GEMMs are bit-identical t
 
 import pytest
 import torch
-
-import fp8dp
 from _linear_cases import (
     KINDS,
     RECIPES,
@@ -19,6 +17,8 @@ from _linear_cases import (
     run_microbatches,
     twin,
 )
+
+import fp8dp
 
 
 def assert_same(a, b, what):

@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
+from _linear_cases import IN, OUT, autocast, make_module, make_recipe
 
 import fp8dp
 from fp8dp import _C
-from _linear_cases import IN, OUT, autocast, make_module, make_recipe
 
 NAME = re.escape(f"Linear(in_features={IN}, out_features={OUT})")
 
@@ -157,8 +157,18 @@ def test_second_backward_is_an_error(device):
             r"zero_centered_gamma: expected a bool",
         ),
     ],
-    ids=["in0", "out_float", "bias_int", "dtype", "init", "normalization", "eps", "eps_inf",
-         "eps_nan", "zcg"],
+    ids=[
+        "in0",
+        "out_float",
+        "bias_int",
+        "dtype",
+        "init",
+        "normalization",
+        "eps",
+        "eps_inf",
+        "eps_nan",
+        "zcg",
+    ],
 )
 def test_constructor_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

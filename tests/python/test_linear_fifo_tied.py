@@ -4,7 +4,6 @@ delayed contributions."""
 
 import pytest
 import torch
-
 from _linear_cases import (
     KINDS,
     RECIPES,

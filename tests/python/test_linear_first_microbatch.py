@@ -4,7 +4,6 @@ accumulates into main_grad whatever is_first_microbatch says (C2 b, C8)."""
 
 import pytest
 import torch
-
 from _linear_cases import (
     IN,
     KINDS,

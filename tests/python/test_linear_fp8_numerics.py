@@ -9,22 +9,22 @@ FP32 accumulation). On CUDA the bounds add the tensor cores' accumulation error
 
 import pytest
 import torch
-
-import fp8dp
 from _linear_cases import (
-    autocast,
-    make_recipe,
+    FP8,
     IN,
     OUT,
-    FP8,
+    autocast,
     batches,
     cpu64,
     input_grad_bound,
     make_module,
+    make_recipe,
     norm_stats,
     product_bound,
     randomize_,
 )
+
+import fp8dp
 
 BF16_U = 2.0**-8  # unit roundoff of bfloat16 (7 stored mantissa bits): one rounding of a result
 

@@ -7,9 +7,9 @@ import io
 
 import pytest
 import torch
+from _linear_cases import IN, KINDS, OUT, autocast, batches, make_module, randomize_
 
 import fp8dp
-from _linear_cases import IN, KINDS, OUT, autocast, batches, make_module, randomize_
 
 RECIPE = fp8dp.DelayedScaling(amax_history_len=3)
 

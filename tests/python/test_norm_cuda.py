@@ -43,7 +43,14 @@ ULP = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10,
 # one), and rows longer than the register kernels take (40000: three passes from memory; 40001
 # also not vectorised).
 SHAPES = [
-    (1, 1), (5, 33), (37, 1027), (3000, 2048), (64, 8192), (24, 12288), (4, 20000), (3, 40000),
+    (1, 1),
+    (5, 33),
+    (37, 1027),
+    (3000, 2048),
+    (64, 8192),
+    (24, 12288),
+    (4, 20000),
+    (3, 40000),
     (2, 40001),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -87,9 +94,16 @@ def assert_stats(r, x, rms, eps):
 def run_fwd(x, gamma, beta, rms, zcg, fmt, scale, want_out=True):
     dev = x.device
     return _C.norm_forward(
-        x, gamma.to(dev), None if beta is None else beta.to(dev), rms=rms, eps=1e-5,
-        zero_centered_gamma=zcg, want_out=want_out,
-        scale=None if fmt is None else scale.to(dev), format=FORMATS[fmt or "E4M3"])
+        x,
+        gamma.to(dev),
+        None if beta is None else beta.to(dev),
+        rms=rms,
+        eps=1e-5,
+        zero_centered_gamma=zcg,
+        want_out=want_out,
+        scale=None if fmt is None else scale.to(dev),
+        format=FORMATS[fmt or "E4M3"],
+    )
 
 
 def as_bytes(t):
@@ -195,8 +209,9 @@ def test_misaligned_rows_give_the_same_bits(norm, dtype):
     for move in (lambda t: t, misaligned_copy):
         b = None if beta is None else move(beta)
         f = _C.norm_forward(move(x), move(gamma), b, rms=rms, scale=scale)
-        bw = _C.norm_backward(move(dz), move(x), f.mu, f.rsigma, move(gamma), has_beta=not rms,
-                              rms=rms)
+        bw = _C.norm_backward(
+            move(dz), move(x), f.mu, f.rsigma, move(gamma), has_beta=not rms, rms=rms
+        )
         results.append([f.out, f.out_fp8.view(torch.uint8), f.amax, f.mu, f.rsigma, *bw])
     for a, b in zip(*results):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -216,8 +231,11 @@ def test_forward_large_offset_is_stable():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_forward_no_rows(device):
-    r = _C.norm_forward(torch.empty(0, 64, device=device), torch.ones(64, device=device),
-                        scale=torch.ones(1, device=device))
+    r = _C.norm_forward(
+        torch.empty(0, 64, device=device),
+        torch.ones(64, device=device),
+        scale=torch.ones(1, device=device),
+    )
     assert r.out.shape == (0, 64) and r.mu.shape == (0,) and r.out_fp8.shape == (0, 64)
     assert r.amax.item() == 0.0
 
@@ -234,8 +252,14 @@ def bwd_reference(dz, x, mu, rs, gamma, rms, zcg):
     m2 = (dxhat * xhat).mean(1, keepdim=True)
     dx = rs[:, None] * (dxhat - m1 - xhat * m2)
     return {
-        "dx": dx, "dgamma": (dzd * xhat).sum(0), "dbeta": dzd.sum(0), "xhat": xhat,
-        "dxhat": dxhat, "m1": m1, "m2": m2, "n": n,
+        "dx": dx,
+        "dgamma": (dzd * xhat).sum(0),
+        "dbeta": dzd.sum(0),
+        "xhat": xhat,
+        "dxhat": dxhat,
+        "m1": m1,
+        "m2": m2,
+        "n": n,
     }
 
 
@@ -273,8 +297,13 @@ def test_backward_matches_fp64(norm, dtype, zcg, shape):
     rows, cols = shape
     x, gamma, beta = make_inputs(rows, cols, dtype, rms, seed=1)
     dz = torch.randn(rows, cols, generator=torch.Generator().manual_seed(2)).to(dtype)
-    fwd = _C.norm_forward(x.cuda(), gamma.cuda(), None if beta is None else beta.cuda(), rms=rms,
-                          zero_centered_gamma=zcg)
+    fwd = _C.norm_forward(
+        x.cuda(),
+        gamma.cuda(),
+        None if beta is None else beta.cuda(),
+        rms=rms,
+        zero_centered_gamma=zcg,
+    )
     has_beta = beta is not None
     args = (dz.cuda(), x.cuda(), fwd.mu, fwd.rsigma, gamma.cuda())
     dx, dg, db = _C.norm_backward(*args, has_beta=has_beta, rms=rms, zero_centered_gamma=zcg)
@@ -300,8 +329,9 @@ def test_backward_matches_fp64(norm, dtype, zcg, shape):
 def test_backward_no_rows(device):
     x = torch.empty(0, 48, device=device, dtype=torch.bfloat16)
     e = torch.empty(0, device=device)
-    dx, dg, db = _C.norm_backward(x, x, e, e, torch.ones(48, device=device, dtype=torch.bfloat16),
-                                  has_beta=True)
+    dx, dg, db = _C.norm_backward(
+        x, x, e, e, torch.ones(48, device=device, dtype=torch.bfloat16), has_beta=True
+    )
     assert dx.shape == (0, 48) and torch.equal(dg.cpu(), torch.zeros(48, dtype=torch.bfloat16))
     assert torch.equal(db.cpu(), torch.zeros(48, dtype=torch.bfloat16))
 
@@ -312,8 +342,9 @@ def test_backward_mixed_dtypes_take_the_aten_path():
     x, gamma, _ = make_inputs(8, 256, torch.bfloat16, True)
     dz = torch.randn(8, 256)
     fwd = _C.norm_forward(x.cuda(), gamma.cuda(), rms=True)
-    dx, dg, _ = _C.norm_backward(dz.cuda(), x.cuda(), fwd.mu, fwd.rsigma, gamma.cuda(),
-                                 has_beta=False, rms=True)
+    dx, dg, _ = _C.norm_backward(
+        dz.cuda(), x.cuda(), fwd.mu, fwd.rsigma, gamma.cuda(), has_beta=False, rms=True
+    )
     rs = fwd.rsigma.cpu().double()
     ref = bwd_reference(dz, x, fwd.mu.cpu().double(), rs, gamma, True, False)
     b_dx, b_dg, _ = _bwd_bounds(ref, dz, rs, 8)
@@ -363,8 +394,13 @@ BAD_BWD = {
 def test_backward_bad_input(case, device):
     make, msg = BAD_BWD[case]
     x = torch.randn(4, 64, device=device)
-    args = make(torch.randn_like(x), x, torch.zeros(4, device=device),
-                torch.ones(4, device=device), torch.ones(64, device=device))
+    args = make(
+        torch.randn_like(x),
+        x,
+        torch.zeros(4, device=device),
+        torch.ones(4, device=device),
+        torch.ones(64, device=device),
+    )
     with pytest.raises(ValueError, match=re.escape(msg)):
         _C.norm_backward(*args, has_beta=True)
 
@@ -373,5 +409,9 @@ def test_ulp_matches_the_dtypes():
     # The bounds' ulp must be the dtypes' own spacing (a wrong table would loosen every test).
     for dtype in DTYPES:
         v = torch.tensor([1.0, 3.0, 1000.0], dtype=torch.float64)
-        assert torch.equal(ulp(v, dtype), v.new_tensor([torch.finfo(dtype).eps * 2.0**math.floor(
-            math.log2(a)) for a in v.tolist()]))
+        assert torch.equal(
+            ulp(v, dtype),
+            v.new_tensor(
+                [torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(a)) for a in v.tolist()]
+            ),
+        )

@@ -32,8 +32,9 @@ def _trained(group, steps=1):
     AdamW, `steps` steps so the inner optimizer has state."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(fp8dp.Linear(16, 16), fp8dp.Linear(16, 8))
-    cfg = fp8dp.DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                              overlap_grad_reduce=False)
+    cfg = fp8dp.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=False
+    )
     ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
     for _ in range(steps):
@@ -49,9 +50,11 @@ def _step(opt):
 
 
 def _snapshot(model, opt):
-    return ([p.detach().clone() for p in model.parameters()],
-            [m.detach().clone() for m in opt._masters],
-            copy.deepcopy(opt.optimizer.state_dict()))
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        [m.detach().clone() for m in opt._masters],
+        copy.deepcopy(opt.optimizer.state_dict()),
+    )
 
 
 def _assert_same(a, b):
@@ -69,6 +72,7 @@ def _set(key, value):
     def f(sd):
         sd[key] = value
         return sd
+
     return f
 
 
@@ -76,6 +80,7 @@ def _drop(key):
     def f(sd):
         del sd[key]
         return sd
+
     return f
 
 
@@ -83,57 +88,85 @@ def _edit(fn):
     def f(sd):
         fn(sd)
         return sd
+
     return f
 
 
 CASES = {
-    "not-a-dict": (lambda sd: list(sd.items()),
-                   r"^state_dict: expected the dict of DistributedOptimizer.state_dict\(\), "
-                   r"got list"),
+    "not-a-dict": (
+        lambda sd: list(sd.items()),
+        r"^state_dict: expected the dict of DistributedOptimizer.state_dict\(\), " r"got list",
+    ),
     "no-world_size": (_drop("world_size"), r"^state_dict\['world_size'\]: expected a key"),
     "no-shards": (_drop("shards"), r"^state_dict\['shards'\]: expected a key"),
     "no-masters": (_drop("masters"), r"^state_dict\['masters'\]: expected a key .* got none"),
     "no-optimizer": (_drop("optimizer"), r"^state_dict\['optimizer'\]: expected a key"),
-    "world_size": (_set("world_size", 2),
-                   r"^state_dict\['world_size'\]: expected 1 \(this job's world size\), got 2: "
-                   r"saved at world size 2, loading at world size 1 \(resharding"),
+    "world_size": (
+        _set("world_size", 2),
+        r"^state_dict\['world_size'\]: expected 1 \(this job's world size\), got 2: "
+        r"saved at world size 2, loading at world size 1 \(resharding",
+    ),
     "rank": (_set("rank", 1), r"^state_dict\['rank'\]: expected 0 .*, got 1"),
-    "shards-short": (_edit(lambda sd: sd["shards"].pop()),
-                     r"^state_dict\['shards'\]: expected 4 shards .*, got 3"),
-    "shard-numel": (_edit(lambda sd: sd["shards"].__setitem__(1, (2, 0, 64))),
-                    r"^state_dict\['shards'\]\[1\]: expected \(param, offset, numel\) = "
-                    r"\(2, 0, 128\) .*, got \(2, 0, 64\)"),
-    "masters-short": (_edit(lambda sd: sd["masters"].pop()),
-                      r"^state_dict\['masters'\]: expected a list of 4 tensors .*, got 3"),
-    "master-one-element": (_edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(1))),
-                           r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), "
-                           r"got 1 \(float32, shape \[1\]\)$"),
-    "master-int": (_edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(256).long())),
-                   r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), got 256 "
-                   r"\(int64, shape \[256\]\)$"),
-    "master-2d": (_edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(16, 16))),
-                  r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), got 256 "
-                  r"\(float32, shape \[16, 16\]\)$"),
-    "master-not-tensor": (_edit(lambda sd: sd["masters"].__setitem__(0, [0.0] * 8)),
-                          r"^state_dict\['masters'\]\[0\]: expected a tensor of 8 elements "
-                          r"\(float32\), got list"),
-    "inner-no-state": (_edit(lambda sd: sd["optimizer"].pop("state")),
-                       r"^state_dict\['optimizer'\]: expected a torch.optim state_dict"),
-    "inner-two-groups": (_edit(lambda sd: sd["optimizer"]["param_groups"].append(
-                             dict(sd["optimizer"]["param_groups"][0]))),
-                         r"^state_dict\['optimizer'\]\['param_groups'\]: expected 1 group\(s\) "
-                         r"with 'params', got 2"),
-    "inner-group-short": (_edit(lambda sd: sd["optimizer"]["param_groups"][0]["params"].pop()),
-                          r"^state_dict\['optimizer'\]\['param_groups'\]\[0\]\['params'\]: "
-                          r"expected 4 parameters .*, got 3"),
-    "inner-unknown-id": (_edit(lambda sd: sd["optimizer"]["state"].__setitem__(
-                             99, sd["optimizer"]["state"][0])),
-                         r"^state_dict\['optimizer'\]\['state'\]\[99\]: expected one of the "
-                         r"parameter ids of 'param_groups' \[0, 1, 2, 3\], got 99"),
-    "exp_avg-one-element": (_edit(lambda sd: sd["optimizer"]["state"][3].__setitem__(
-                                "exp_avg", torch.zeros(1))),
-                            r"^state_dict\['optimizer'\]\['state'\]\[3\]\['exp_avg'\]: expected "
-                            r"256 elements \(the master's\) or a scalar, got 1"),
+    "shards-short": (
+        _edit(lambda sd: sd["shards"].pop()),
+        r"^state_dict\['shards'\]: expected 4 shards .*, got 3",
+    ),
+    "shard-numel": (
+        _edit(lambda sd: sd["shards"].__setitem__(1, (2, 0, 64))),
+        r"^state_dict\['shards'\]\[1\]: expected \(param, offset, numel\) = "
+        r"\(2, 0, 128\) .*, got \(2, 0, 64\)",
+    ),
+    "masters-short": (
+        _edit(lambda sd: sd["masters"].pop()),
+        r"^state_dict\['masters'\]: expected a list of 4 tensors .*, got 3",
+    ),
+    "master-one-element": (
+        _edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(1))),
+        r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), "
+        r"got 1 \(float32, shape \[1\]\)$",
+    ),
+    "master-int": (
+        _edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(256).long())),
+        r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), got 256 "
+        r"\(int64, shape \[256\]\)$",
+    ),
+    "master-2d": (
+        _edit(lambda sd: sd["masters"].__setitem__(3, torch.ones(16, 16))),
+        r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), got 256 "
+        r"\(float32, shape \[16, 16\]\)$",
+    ),
+    "master-not-tensor": (
+        _edit(lambda sd: sd["masters"].__setitem__(0, [0.0] * 8)),
+        r"^state_dict\['masters'\]\[0\]: expected a tensor of 8 elements " r"\(float32\), got list",
+    ),
+    "inner-no-state": (
+        _edit(lambda sd: sd["optimizer"].pop("state")),
+        r"^state_dict\['optimizer'\]: expected a torch.optim state_dict",
+    ),
+    "inner-two-groups": (
+        _edit(
+            lambda sd: sd["optimizer"]["param_groups"].append(
+                dict(sd["optimizer"]["param_groups"][0])
+            )
+        ),
+        r"^state_dict\['optimizer'\]\['param_groups'\]: expected 1 group\(s\) "
+        r"with 'params', got 2",
+    ),
+    "inner-group-short": (
+        _edit(lambda sd: sd["optimizer"]["param_groups"][0]["params"].pop()),
+        r"^state_dict\['optimizer'\]\['param_groups'\]\[0\]\['params'\]: "
+        r"expected 4 parameters .*, got 3",
+    ),
+    "inner-unknown-id": (
+        _edit(lambda sd: sd["optimizer"]["state"].__setitem__(99, sd["optimizer"]["state"][0])),
+        r"^state_dict\['optimizer'\]\['state'\]\[99\]: expected one of the "
+        r"parameter ids of 'param_groups' \[0, 1, 2, 3\], got 99",
+    ),
+    "exp_avg-one-element": (
+        _edit(lambda sd: sd["optimizer"]["state"][3].__setitem__("exp_avg", torch.zeros(1))),
+        r"^state_dict\['optimizer'\]\['state'\]\[3\]\['exp_avg'\]: expected "
+        r"256 elements \(the master's\) or a scalar, got 1",
+    ),
 }
 
 

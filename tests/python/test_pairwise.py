@@ -51,13 +51,16 @@ def test_matrix_subset_is_small_and_deterministic():
     assert len(make_cells(axes, "gloo", full=True)) == len(full_product(rest)) == 3072
 
 
-@pytest.mark.parametrize("text, message", [
-    ("axes: {bogus: [1]}", "axes.bogus: unknown axis"),
-    ("axes: {world_size: [3]}", "axes.world_size: expected values from [1, 2, 4, 8], got 3"),
-    ("axes: {bias: [1]}", "axes.bias: expected values from [False, True], got 1"),
-    ("axes: {world_size: []}", "axes.world_size: expected a non-empty list"),
-    ("extra: 1", "extra: unknown section"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("axes: {bogus: [1]}", "axes.bogus: unknown axis"),
+        ("axes: {world_size: [3]}", "axes.world_size: expected values from [1, 2, 4, 8], got 3"),
+        ("axes: {bias: [1]}", "axes.bias: expected values from [False, True], got 1"),
+        ("axes: {world_size: []}", "axes.world_size: expected a non-empty list"),
+        ("extra: 1", "extra: unknown section"),
+    ],
+)
 def test_matrix_config_errors(tmp_path, text, message):
     base = MATRIX.read_text()
     p = tmp_path / "m.yaml"

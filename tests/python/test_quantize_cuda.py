@@ -14,7 +14,10 @@ _C = fp8dp._C
 OK, REASON = fp8dp.cuda_available(return_reason=True)
 pytestmark = pytest.mark.skipif(not OK, reason=REASON)
 
-FORMATS = {"E4M3": (_C.Format.E4M3, torch.float8_e4m3fn), "E5M2": (_C.Format.E5M2, torch.float8_e5m2)}
+FORMATS = {
+    "E4M3": (_C.Format.E4M3, torch.float8_e4m3fn),
+    "E5M2": (_C.Format.E5M2, torch.float8_e5m2),
+}
 
 
 def as_bytes(t):

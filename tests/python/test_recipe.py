@@ -6,10 +6,11 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fp8dp
 from fp8dp import _C, recipe
-from fp8dp.autocast import current_fp8_group
+from fp8dp.autocast import current_fp8_group, take_step_fp8_groups
 
 
 @pytest.fixture(autouse=True)
@@ -18,6 +19,7 @@ def no_open_autocast():
     assert _C.autocast_depth() == 0
     yield
     assert _C.autocast_depth() == 0
+    take_step_fp8_groups()  # no fp8_group recorded here reaches another test's update
 
 
 # ---- recipes ----
@@ -102,8 +104,10 @@ def test_margin_above_the_bound_is_refused(cls, margin):
     Evidence (2026-12-01, then restored): with `or not 0 <= value <= MAX_MARGIN` in
     recipe._check_margin put back to `or value < 0`, all 8 cases fail with
     `Failed: DID NOT RAISE <class 'ValueError'>`."""
-    message = (r"^margin: expected a finite number >= 0 and <= 14\.807 "
-               r"\(log2\(448 / 2\*\*-6\).*\), got " + re.escape(repr(margin)) + "$")
+    message = (
+        r"^margin: expected a finite number >= 0 and <= 14\.807 "
+        r"\(log2\(448 / 2\*\*-6\).*\), got " + re.escape(repr(margin)) + "$"
+    )
     with pytest.raises(ValueError, match=message):
         cls(margin=margin)
 
@@ -161,16 +165,28 @@ def test_nesting_inner_wins_and_exit_restores_outer(outer, inner):
     r_out, r_in = recipe.DelayedScaling(amax_history_len=8), recipe.DelayedScaling(
         amax_history_len=3
     )
-    with fp8dp.fp8_autocast(enabled=outer, fp8_recipe=r_out, fp8_group="outer-group"):
+    # Groups that no collective ever runs on: only their identity matters here.
+    g_out, g_in = (dist.ProcessGroup(dist.HashStore(), 0, 1) for _ in range(2))
+    with fp8dp.fp8_autocast(enabled=outer, fp8_recipe=r_out, fp8_group=g_out):
         assert _current() == (outer, 8)
-        with fp8dp.fp8_autocast(enabled=inner, fp8_recipe=r_in, fp8_group="inner-group"):
+        with fp8dp.fp8_autocast(enabled=inner, fp8_recipe=r_in, fp8_group=g_in):
             assert _current() == (inner, 3)
             assert fp8dp.is_fp8_enabled() is inner
-            assert current_fp8_group() == "inner-group"
+            assert current_fp8_group() is g_in
             assert _C.autocast_depth() == 2
         assert _current() == (outer, 8)
-        assert current_fp8_group() == "outer-group"
+        assert current_fp8_group() is g_out
     assert not fp8dp.is_fp8_enabled()
+    # What the next update_fp8_scales() reduces across: the groups of the enabled contexts.
+    assert take_step_fp8_groups() == [g for g, on in ((g_out, outer), (g_in, inner)) if on]
+    assert take_step_fp8_groups() == []
+
+
+def test_fp8_group_must_be_a_process_group():
+    with pytest.raises(ValueError, match="fp8_group: expected a torch.distributed.ProcessGroup"):
+        with fp8dp.fp8_autocast(fp8_group="world"):
+            pass
+    assert _C.autocast_depth() == 0
 
 
 def test_exception_inside_restores_the_outer_state():

@@ -22,23 +22,40 @@ def _demo():
     return yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
 
 
-@pytest.mark.parametrize("section, key, value, message", [
-    ("model", "n_layers", 2, r"model.n_layers: unknown key; expected one of \['n_layer'"),
-    ("model", "d_model", 72, "model.d_model: expected a multiple of 16 .*got 72"),
-    ("model", "n_head", 5, "model.n_head: expected a divisor of model.d_model=128, got 5"),
-    ("model", "d_model", 0, "model.d_model: expected an integer >= 1, got 0"),
-    ("model", "normalization", "BatchNorm", "model.normalization: expected one of"),
-    ("model", "params_dtype", "float16", "model.params_dtype: expected one of"),
-    ("model", "bias", "yes", "model.bias: expected true or false, got 'yes'"),
-    ("train", "micro_batch_size", 3, "train.global_batch_size: expected a multiple of "
-                                     "train.micro_batch_size=3, got 16"),
-    ("train", "lr", -1.0, "train.lr: expected a finite number > 0"),
-    ("train", "steps", 2.5, "train.steps: expected an integer >= 1, got 2.5"),
-    ("fp8", "recipe", "mxfp8", "fp8.recipe: expected one of"),
-    ("ddp", "bucket_size", 0, "ddp.bucket_size: expected an integer >= 1, got 0"),
-    ("ddp", "use_distributed_optimizer", False, "ddp.use_distributed_optimizer: the demo trains"),
-    ("data", "val_fraction", 0.9, "data.val_fraction: expected a finite number > 0.0 and <= 0.5"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("model", "n_layers", 2, r"model.n_layers: unknown key; expected one of \['n_layer'"),
+        ("model", "d_model", 72, "model.d_model: expected a multiple of 16 .*got 72"),
+        ("model", "n_head", 5, "model.n_head: expected a divisor of model.d_model=128, got 5"),
+        ("model", "d_model", 0, "model.d_model: expected an integer >= 1, got 0"),
+        ("model", "normalization", "BatchNorm", "model.normalization: expected one of"),
+        ("model", "params_dtype", "float16", "model.params_dtype: expected one of"),
+        ("model", "bias", "yes", "model.bias: expected true or false, got 'yes'"),
+        (
+            "train",
+            "micro_batch_size",
+            3,
+            "train.global_batch_size: expected a multiple of " "train.micro_batch_size=3, got 16",
+        ),
+        ("train", "lr", -1.0, "train.lr: expected a finite number > 0"),
+        ("train", "steps", 2.5, "train.steps: expected an integer >= 1, got 2.5"),
+        ("fp8", "recipe", "mxfp8", "fp8.recipe: expected one of"),
+        ("ddp", "bucket_size", 0, "ddp.bucket_size: expected an integer >= 1, got 0"),
+        (
+            "ddp",
+            "use_distributed_optimizer",
+            False,
+            "ddp.use_distributed_optimizer: the demo trains",
+        ),
+        (
+            "data",
+            "val_fraction",
+            0.9,
+            "data.val_fraction: expected a finite number > 0.0 and <= 0.5",
+        ),
+    ],
+)
 def test_bad_values_name_the_key(section, key, value, message):
     raw = _demo()
     raw[section][key] = value
@@ -67,8 +84,10 @@ def test_world_size_must_divide_the_batch(world, ok):
     if ok:
         assert cfg.check_world_size(world) == 16 // (2 * world)
     else:
-        msg = (rf"train.global_batch_size: expected a multiple of "
-               rf"train.micro_batch_size \* world size = 2 \* {world}")
+        msg = (
+            rf"train.global_batch_size: expected a multiple of "
+            rf"train.micro_batch_size \* world size = 2 \* {world}"
+        )
         with pytest.raises(ValueError, match=msg):
             cfg.check_world_size(world)
 
@@ -88,6 +107,10 @@ def test_readme_documents_every_key():
     from fp8dp.train.config import _SECTIONS
 
     readme = (REPO / "README.md").read_text()
-    missing = [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
-               if f"`{s}.{f.name}`" not in readme]
+    missing = [
+        f"{s}.{f.name}"
+        for s, cls in _SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if f"`{s}.{f.name}`" not in readme
+    ]
     assert not missing, f"README's configuration reference lacks {missing}"

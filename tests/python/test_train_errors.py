@@ -83,8 +83,13 @@ def run(*argv):
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         # What setup_distributed sets for a run without torchrun, set here so that it is undone.
-        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(_free_port())).items():
+        for k, v in dict(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        ).items():
             mp.setenv(k, v)
         with redirect_stdout(out), redirect_stderr(err):
             rc = main([str(a) for a in argv] + ["--no-progress"])
@@ -96,7 +101,7 @@ def assert_one_error(rc, err, *parts):
     assert rc == 2, err
     lines = [line for line in err.splitlines() if line.startswith(ERROR)]
     assert len(lines) == 1 and "Traceback" not in err, err
-    line = lines[0][len(ERROR):]
+    line = lines[0][len(ERROR) :]
     pos = 0
     for part in parts:
         found = line.find(part, pos)
@@ -136,15 +141,20 @@ def test_resume_of_a_finished_run_is_a_no_op(finished):
 def test_resume_past_train_steps_names_train_steps(finished):
     cfg, ckpt = finished
     rc, _, err = run("--config", cfg, "--resume", ckpt, "--set", "train.steps=1")
-    assert_one_error(rc, err, f"train.steps: expected >= 2 (the step of the checkpoint in {ckpt})",
-                     "got 1")
+    assert_one_error(
+        rc, err, f"train.steps: expected >= 2 (the step of the checkpoint in {ckpt})", "got 1"
+    )
 
 
-@pytest.mark.parametrize("text, parts", [
-    ("model: [1, 2\ntrain: {}\n", ["expected YAML, got ", "(line 2, column 6)"]),
-    ("\xff\xfe", ["expected UTF-8 YAML text, got byte 0xff at offset 0"]),
-    (None, ["expected a readable YAML file, got No such file or directory"]),
-], ids=["garbage-yaml", "binary", "missing"])
+@pytest.mark.parametrize(
+    "text, parts",
+    [
+        ("model: [1, 2\ntrain: {}\n", ["expected YAML, got ", "(line 2, column 6)"]),
+        ("\xff\xfe", ["expected UTF-8 YAML text, got byte 0xff at offset 0"]),
+        (None, ["expected a readable YAML file, got No such file or directory"]),
+    ],
+    ids=["garbage-yaml", "binary", "missing"],
+)
 def test_bad_config_file(tmp_path, text, parts):
     path = tmp_path / "bad.yaml"
     if text is not None:
@@ -153,14 +163,23 @@ def test_bad_config_file(tmp_path, text, parts):
     assert_one_error(rc, err, f"{path}: ", *parts)
 
 
-@pytest.mark.parametrize("override, parts", [
-    ("train.lr=.inf", ["train.lr: expected a finite number > 0.0, got inf"]),
-    ("train.lr=.nan", ["train.lr: expected a finite number > 0.0, got nan"]),
-    ("train.weight_decay=.inf", ["train.weight_decay: expected a finite number >= 0.0, got inf"]),
-    ("fp8.margin=.inf", ["fp8.margin: expected a finite number >= 0.0 and <= 14.807, got inf"]),
-    ("fp8.margin=2000", ["fp8.margin: expected a finite number >= 0.0 and <= 14.807, got 2000"]),
-    ("train.lr=[1", ["--set train.lr: expected a YAML value, got '[1' ("]),
-])
+@pytest.mark.parametrize(
+    "override, parts",
+    [
+        ("train.lr=.inf", ["train.lr: expected a finite number > 0.0, got inf"]),
+        ("train.lr=.nan", ["train.lr: expected a finite number > 0.0, got nan"]),
+        (
+            "train.weight_decay=.inf",
+            ["train.weight_decay: expected a finite number >= 0.0, got inf"],
+        ),
+        ("fp8.margin=.inf", ["fp8.margin: expected a finite number >= 0.0 and <= 14.807, got inf"]),
+        (
+            "fp8.margin=2000",
+            ["fp8.margin: expected a finite number >= 0.0 and <= 14.807, got 2000"],
+        ),
+        ("train.lr=[1", ["--set train.lr: expected a YAML value, got '[1' ("]),
+    ],
+)
 def test_bad_override(finished, override, parts):
     cfg, _ = finished
     rc, _, err = run("--config", cfg, "--set", override)
@@ -170,6 +189,7 @@ def test_bad_override(finished, override, parts):
 def _corrupt_meta(text):
     def f(ckpt):
         (ckpt / "meta.json").write_text(text)
+
     return f
 
 
@@ -178,6 +198,7 @@ def _edit_meta(fn):
         meta = json.loads((ckpt / "meta.json").read_text())
         fn(meta)
         (ckpt / "meta.json").write_text(json.dumps(meta))
+
     return f
 
 
@@ -191,50 +212,84 @@ def _edit_rank_file(fn):
         state = torch.load(ckpt / "rank000.pt", weights_only=False)
         fn(state)
         torch.save(state, ckpt / "rank000.pt")
+
     return f
 
 
 CHECKPOINT_CASES = {
-    "meta-not-json": (_corrupt_meta('{"step": 2, "world_'),
-                      ["meta.json: expected JSON written by fp8dp.train, got a parse error at "
-                       "line 1, column"]),
-    "meta-not-object": (_corrupt_meta("[2, 1]"),
-                        ["meta.json: expected a JSON object with keys config, step and "
-                         "world_size, got list"]),
-    "meta-no-world_size": (_edit_meta(lambda m: m.pop("world_size")),
-                           ["meta.json: expected key 'world_size' (an integer >= 1), got keys "
-                            "['config', 'step']"]),
+    "meta-not-json": (
+        _corrupt_meta('{"step": 2, "world_'),
+        ["meta.json: expected JSON written by fp8dp.train, got a parse error at " "line 1, column"],
+    ),
+    "meta-not-object": (
+        _corrupt_meta("[2, 1]"),
+        ["meta.json: expected a JSON object with keys config, step and " "world_size, got list"],
+    ),
+    "meta-no-world_size": (
+        _edit_meta(lambda m: m.pop("world_size")),
+        ["meta.json: expected key 'world_size' (an integer >= 1), got keys " "['config', 'step']"],
+    ),
     # Worded before this issue; tests/distributed/test_train_demo.py matches it as it is.
-    "meta-world-size": (_edit_meta(lambda m: m.__setitem__("world_size", 2)),
-                        ["--resume: the checkpoint was written by 2 ranks and resumes exactly "
-                         "only at the same world size, got 1"]),
-    "meta-bad-step": (_edit_meta(lambda m: m.__setitem__("step", "two")),
-                      ["meta.json: step: expected an integer >= 0, got 'two'"]),
-    "meta-bad-config": (_edit_meta(lambda m: m.__setitem__("config", 3)),
-                        ["meta.json: config: expected an object (the run's config), got 3"]),
-    "no-meta": (lambda ckpt: (ckpt / "meta.json").unlink(),
-                ["--resume ", ": expected a checkpoint directory (with meta.json), got a "
-                 "directory without meta.json"]),
-    "rank-file-truncated": (_truncate_rank_file,
-                            ["rank000.pt: expected a checkpoint written by fp8dp.train, got a "
-                             "truncated or corrupt file (torch.load: "]),
-    "rank-file-missing": (lambda ckpt: (ckpt / "rank000.pt").unlink(),
-                          ["rank000.pt: expected rank 0's checkpoint file, got none"]),
-    "rank-file-no-model": (_edit_rank_file(lambda s: s.pop("model")),
-                           ["rank000.pt: expected keys ['model', 'optimizer', 'rng', 'step'], "
-                            "got no ['model']"]),
-    "rank-file-torn": (_edit_meta(lambda m: m.__setitem__("step", 1)),
-                       ["rank000.pt: step: expected 1 (meta.json's), got 2"]),
-    "rank-file-bad-model": (_edit_rank_file(lambda s: s["model"].pop(next(iter(s["model"])))),
-                            ["rank000.pt: model: expected this model's state dict, got "
-                             "Error(s) in loading state_dict"]),
-    "rank-file-short-master": (_edit_rank_file(
-                                   lambda s: s["optimizer"]["masters"].__setitem__(
-                                       0, torch.zeros(1))),
-                               ["rank000.pt: optimizer state_dict['masters'][0]: expected ",
-                                "elements (float32), got 1 (float32, shape [1])"]),
-    "rank-file-bad-rng": (_edit_rank_file(lambda s: s["rng"].__setitem__("torch", None)),
-                          ["rank000.pt: rng: expected the torch, cuda and python RNG states"]),
+    "meta-world-size": (
+        _edit_meta(lambda m: m.__setitem__("world_size", 2)),
+        [
+            "--resume: the checkpoint was written by 2 ranks and resumes exactly "
+            "only at the same world size, got 1"
+        ],
+    ),
+    "meta-bad-step": (
+        _edit_meta(lambda m: m.__setitem__("step", "two")),
+        ["meta.json: step: expected an integer >= 0, got 'two'"],
+    ),
+    "meta-bad-config": (
+        _edit_meta(lambda m: m.__setitem__("config", 3)),
+        ["meta.json: config: expected an object (the run's config), got 3"],
+    ),
+    "no-meta": (
+        lambda ckpt: (ckpt / "meta.json").unlink(),
+        [
+            "--resume ",
+            ": expected a checkpoint directory (with meta.json), got a "
+            "directory without meta.json",
+        ],
+    ),
+    "rank-file-truncated": (
+        _truncate_rank_file,
+        [
+            "rank000.pt: expected a checkpoint written by fp8dp.train, got a "
+            "truncated or corrupt file (torch.load: "
+        ],
+    ),
+    "rank-file-missing": (
+        lambda ckpt: (ckpt / "rank000.pt").unlink(),
+        ["rank000.pt: expected rank 0's checkpoint file, got none"],
+    ),
+    "rank-file-no-model": (
+        _edit_rank_file(lambda s: s.pop("model")),
+        ["rank000.pt: expected keys ['model', 'optimizer', 'rng', 'step'], " "got no ['model']"],
+    ),
+    "rank-file-torn": (
+        _edit_meta(lambda m: m.__setitem__("step", 1)),
+        ["rank000.pt: step: expected 1 (meta.json's), got 2"],
+    ),
+    "rank-file-bad-model": (
+        _edit_rank_file(lambda s: s["model"].pop(next(iter(s["model"])))),
+        [
+            "rank000.pt: model: expected this model's state dict, got "
+            "Error(s) in loading state_dict"
+        ],
+    ),
+    "rank-file-short-master": (
+        _edit_rank_file(lambda s: s["optimizer"]["masters"].__setitem__(0, torch.zeros(1))),
+        [
+            "rank000.pt: optimizer state_dict['masters'][0]: expected ",
+            "elements (float32), got 1 (float32, shape [1])",
+        ],
+    ),
+    "rank-file-bad-rng": (
+        _edit_rank_file(lambda s: s["rng"].__setitem__("torch", None)),
+        ["rank000.pt: rng: expected the torch, cuda and python RNG states"],
+    ),
 }
 
 
@@ -253,7 +308,10 @@ def test_compare_bf16_misuse(finished, tmp_path):
     """Was `raise SystemExit("...")`: exit code 1 and a message without the error prefix."""
     cfg, _ = finished
     rc, _, err = run("--config", cfg, "--compare-bf16", "--save", tmp_path)
-    assert_one_error(rc, err, "--compare-bf16: expected no --save or --resume (it trains two "
-                              "runs), got --save")
+    assert_one_error(
+        rc,
+        err,
+        "--compare-bf16: expected no --save or --resume (it trains two " "runs), got --save",
+    )
     rc, _, err = run("--config", cfg, "--compare-bf16", "--set", "fp8.enabled=false")
     assert_one_error(rc, err, "--compare-bf16: expected a config with fp8.enabled true, got false")

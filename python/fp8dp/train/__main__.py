@@ -21,16 +21,30 @@ from .metrics import plot_losses
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fp8dp.train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="configs/demo.yaml",
-                   help="YAML config (default: %(default)s)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config key (repeatable), e.g. --set train.steps=50")
-    p.add_argument("--compare-bf16", action="store_true",
-                   help="after the FP8 run, train the same config with FP8 off and plot both")
-    p.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR at the end "
-                   "(and to DIR/step_NNNNNN every train.save_every steps)")
-    p.add_argument("--resume", metavar="DIR",
-                   help="continue bit-exactly from the checkpoint in DIR")
+    p.add_argument(
+        "--config", default="configs/demo.yaml", help="YAML config (default: %(default)s)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config key (repeatable), e.g. --set train.steps=50",
+    )
+    p.add_argument(
+        "--compare-bf16",
+        action="store_true",
+        help="after the FP8 run, train the same config with FP8 off and plot both",
+    )
+    p.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write a checkpoint to DIR at the end "
+        "(and to DIR/step_NNNNNN every train.save_every steps)",
+    )
+    p.add_argument(
+        "--resume", metavar="DIR", help="continue bit-exactly from the checkpoint in DIR"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -45,8 +59,12 @@ def _fail(e: Exception) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compare_bf16 and (args.save or args.resume):
-        return _fail(ValueError("--compare-bf16: expected no --save or --resume (it trains two "
-                                f"runs), got {'--save' if args.save else '--resume'}"))
+        return _fail(
+            ValueError(
+                "--compare-bf16: expected no --save or --resume (it trains two "
+                f"runs), got {'--save' if args.save else '--resume'}"
+            )
+        )
     try:
         cfg = load_config(args.config, args.set)  # errors name the key, before any work starts
     except (ValueError, OSError) as e:
@@ -57,30 +75,50 @@ def main(argv=None) -> int:
         runs = [cfg]
         if args.compare_bf16:
             if not cfg.fp8.enabled:
-                raise ValueError("--compare-bf16: expected a config with fp8.enabled true, "
-                                 "got false")
+                raise ValueError(
+                    "--compare-bf16: expected a config with fp8.enabled true, " "got false"
+                )
             runs.append(dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, enabled=False)))
         for run_cfg in runs:
             name = "fp8" if run_cfg.fp8.enabled else "nofp8"
             run_dir = os.path.join(run_cfg.out.dir, name)
             if rank == 0:
-                print(f"[fp8dp.train] {name}: {world} rank(s), {backend}, "
-                      f"{run_cfg.model.n_layer} layers x {run_cfg.model.d_model}, "
-                      f"{run_cfg.train.steps} steps", flush=True)
-            summary = train(run_cfg, run_dir, rank=rank, world_size=world, device=device,
-                            save=args.save, resume=args.resume, progress=not args.no_progress)
+                print(
+                    f"[fp8dp.train] {name}: {world} rank(s), {backend}, "
+                    f"{run_cfg.model.n_layer} layers x {run_cfg.model.d_model}, "
+                    f"{run_cfg.train.steps} steps",
+                    flush=True,
+                )
+            summary = train(
+                run_cfg,
+                run_dir,
+                rank=rank,
+                world_size=world,
+                device=device,
+                save=args.save,
+                resume=args.resume,
+                progress=not args.no_progress,
+            )
             if rank == 0 and summary["start_step"] == summary["steps"]:
-                print(f"[fp8dp.train] {name}: the checkpoint in {args.resume} is at step "
-                      f"{summary['steps']} = train.steps, nothing to train (continue with "
-                      f"--set train.steps=N)", flush=True)
+                print(
+                    f"[fp8dp.train] {name}: the checkpoint in {args.resume} is at step "
+                    f"{summary['steps']} = train.steps, nothing to train (continue with "
+                    f"--set train.steps=N)",
+                    flush=True,
+                )
             elif rank == 0:
-                print(f"[fp8dp.train] {name}: val loss {summary['first_val_loss']} -> "
-                      f"{summary['last_val_loss']:.4f}; metrics {run_dir}/metrics.jsonl",
-                      flush=True)
+                print(
+                    f"[fp8dp.train] {name}: val loss {summary['first_val_loss']} -> "
+                    f"{summary['last_val_loss']:.4f}; metrics {run_dir}/metrics.jsonl",
+                    flush=True,
+                )
         if rank == 0:
             dtype = cfg.model.params_dtype
-            png = plot_losses(cfg.out.dir, os.path.join(cfg.out.dir, "loss.png"),
-                              {"fp8": f"FP8 ({cfg.fp8.recipe})", "nofp8": f"no FP8 ({dtype})"})
+            png = plot_losses(
+                cfg.out.dir,
+                os.path.join(cfg.out.dir, "loss.png"),
+                {"fp8": f"FP8 ({cfg.fp8.recipe})", "nofp8": f"no FP8 ({dtype})"},
+            )
             print(f"[fp8dp.train] plot {png}", flush=True)
         dist.barrier()  # rank 0's files are complete before any rank exits
     except ValueError as e:  # a config or checkpoint that does not fit this job

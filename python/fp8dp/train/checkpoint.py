@@ -25,8 +25,9 @@ def _rank_file(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank:03d}.pt")
 
 
-def save_checkpoint(path: str, *, step: int, model, optimizer, config: dict, rank: int,
-                    world_size: int, barrier) -> None:
+def save_checkpoint(
+    path: str, *, step: int, model, optimizer, config: dict, rank: int, world_size: int, barrier
+) -> None:
     os.makedirs(path, exist_ok=True)
     state = {
         "step": step,
@@ -59,8 +60,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def load_checkpoint(path: str, *, model, optimizer, config: dict, rank: int,
-                    world_size: int) -> int:
+def load_checkpoint(
+    path: str, *, model, optimizer, config: dict, rank: int, world_size: int
+) -> int:
     """Restore everything save_checkpoint wrote; returns the step to continue from.
 
     Every file is checked before the distributed optimizer's load (which all-gathers the
@@ -70,8 +72,9 @@ def load_checkpoint(path: str, *, model, optimizer, config: dict, rank: int,
     has left)."""
     error, state = None, None
     try:
-        state = _read_and_check(path, model=model, optimizer=optimizer, config=config, rank=rank,
-                                world_size=world_size)
+        state = _read_and_check(
+            path, model=model, optimizer=optimizer, config=config, rank=rank, world_size=world_size
+        )
     except ValueError as e:
         error = str(e)
     _raise_on_every_rank(error, world_size)
@@ -102,27 +105,33 @@ def _read_meta(path: str) -> dict:
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
         got = "a directory without meta.json" if os.path.isdir(path) else "no such directory"
-        raise ValueError(f"--resume {path}: expected a checkpoint directory (with meta.json), "
-                         f"got {got}")
+        raise ValueError(
+            f"--resume {path}: expected a checkpoint directory (with meta.json), " f"got {got}"
+        )
     try:
         with open(meta_path) as f:
             meta = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{meta_path}: expected JSON written by fp8dp.train, got a parse error "
-                         f"at line {e.lineno}, column {e.colno}: {e.msg}") from e
+        raise ValueError(
+            f"{meta_path}: expected JSON written by fp8dp.train, got a parse error "
+            f"at line {e.lineno}, column {e.colno}: {e.msg}"
+        ) from e
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{meta_path}: expected a readable JSON file, got {_one_line(e)}") from e
     if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path}: expected a JSON object with keys config, step and "
-                         f"world_size, got {type(meta).__name__}")
+        raise ValueError(
+            f"{meta_path}: expected a JSON object with keys config, step and "
+            f"world_size, got {type(meta).__name__}"
+        )
     for key, ok, what in (
         ("step", lambda v: _is_count(v, 0), "an integer >= 0"),
         ("world_size", lambda v: _is_count(v, 1), "an integer >= 1"),
         ("config", lambda v: isinstance(v, dict), "an object (the run's config)"),
     ):
         if key not in meta:
-            raise ValueError(f"{meta_path}: expected key {key!r} ({what}), got keys "
-                             f"{sorted(meta)}")
+            raise ValueError(
+                f"{meta_path}: expected key {key!r} ({what}), got keys " f"{sorted(meta)}"
+            )
         if not ok(meta[key]):
             raise ValueError(f"{meta_path}: {key}: expected {what}, got {meta[key]!r}")
     return meta
@@ -132,8 +141,9 @@ def _is_count(v, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
-def _read_and_check(path: str, *, model, optimizer, config: dict, rank: int,
-                    world_size: int) -> dict:
+def _read_and_check(
+    path: str, *, model, optimizer, config: dict, rank: int, world_size: int
+) -> dict:
     meta = _read_meta(path)
     if meta["world_size"] != world_size:
         raise ValueError(
@@ -149,37 +159,52 @@ def _read_and_check(path: str, *, model, optimizer, config: dict, rank: int,
             )
     file = _rank_file(path, rank)
     if not os.path.exists(file):
-        raise ValueError(f"{file}: expected rank {rank}'s checkpoint file, got none "
-                         f"(an incomplete checkpoint)")
+        raise ValueError(
+            f"{file}: expected rank {rank}'s checkpoint file, got none "
+            f"(an incomplete checkpoint)"
+        )
     try:
         state = torch.load(file, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated zip, a torn pickle: torch raises several kinds
-        raise ValueError(f"{file}: expected a checkpoint written by fp8dp.train, got a "
-                         f"truncated or corrupt file (torch.load: {type(e).__name__}: "
-                         f"{_one_line(e)})") from e
+        raise ValueError(
+            f"{file}: expected a checkpoint written by fp8dp.train, got a "
+            f"truncated or corrupt file (torch.load: {type(e).__name__}: "
+            f"{_one_line(e)})"
+        ) from e
     if not isinstance(state, dict):
-        raise ValueError(f"{file}: expected a dict with keys {sorted(_STATE_KEYS)}, "
-                         f"got {type(state).__name__}")
+        raise ValueError(
+            f"{file}: expected a dict with keys {sorted(_STATE_KEYS)}, "
+            f"got {type(state).__name__}"
+        )
     missing = sorted(_STATE_KEYS - set(state))
     if missing:
         raise ValueError(f"{file}: expected keys {sorted(_STATE_KEYS)}, got no {missing}")
     if state["step"] != meta["step"]:
         # save_checkpoint writes the rank files before meta.json: a save that died between the
         # two leaves new rank files under the old meta.json.
-        raise ValueError(f"{file}: step: expected {meta['step']} (meta.json's), got "
-                         f"{state['step']!r} (meta.json and the rank files come from different "
-                         f"saves)")
+        raise ValueError(
+            f"{file}: step: expected {meta['step']} (meta.json's), got "
+            f"{state['step']!r} (meta.json and the rank files come from different "
+            f"saves)"
+        )
     rng = state["rng"]
-    if not (isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor)
-            and rng["torch"].dtype == torch.uint8 and isinstance(rng.get("python"), tuple)
-            and "cuda" in rng):
-        raise ValueError(f"{file}: rng: expected the torch, cuda and python RNG states, got "
-                         f"{_one_line(rng, 100)}")
+    if not (
+        isinstance(rng, dict)
+        and isinstance(rng.get("torch"), torch.Tensor)
+        and rng["torch"].dtype == torch.uint8
+        and isinstance(rng.get("python"), tuple)
+        and "cuda" in rng
+    ):
+        raise ValueError(
+            f"{file}: rng: expected the torch, cuda and python RNG states, got "
+            f"{_one_line(rng, 100)}"
+        )
     try:
         model.load_state_dict(state["model"])  # local: no collective
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{file}: model: expected this model's state dict, got "
-                         f"{_one_line(e)}") from e
+        raise ValueError(
+            f"{file}: model: expected this model's state dict, got " f"{_one_line(e)}"
+        ) from e
     try:
         optimizer._check_state_dict(state["optimizer"])
     except ValueError as e:

@@ -51,8 +51,12 @@ def _short(x: float) -> str:
 
 def _num(key: str, v, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> None:
     # inf passes any lower bound and NaN fails every comparison, so "finite" is checked as such.
-    ok = (_is_num(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo)
-          and (hi is None or v <= hi))
+    ok = (
+        _is_num(v)
+        and math.isfinite(v)
+        and (v > lo if lo_open else v >= lo)
+        and (hi is None or v <= hi)
+    )
     if not ok:
         rng = f"{'>' if lo_open else '>='} {lo}"
         if hi is not None:
@@ -213,9 +217,15 @@ class DDPSection:
     """Fail (naming the parameters) when a reduced gradient holds a NaN."""
 
     def __post_init__(self):
-        for k in ("overlap_grad_reduce", "use_distributed_optimizer", "grad_reduce_in_fp32",
-                  "delay_wgrad_compute", "fuse_wgrad_accumulation", "average_in_collective",
-                  "check_for_nan_in_grad"):
+        for k in (
+            "overlap_grad_reduce",
+            "use_distributed_optimizer",
+            "grad_reduce_in_fp32",
+            "delay_wgrad_compute",
+            "fuse_wgrad_accumulation",
+            "average_in_collective",
+            "check_for_nan_in_grad",
+        ):
             _bool(f"ddp.{k}", getattr(self, k))
         if self.bucket_size is not None:
             _int("ddp.bucket_size", self.bucket_size)
@@ -330,8 +340,10 @@ def load_config(path: str, overrides: Optional[list] = None) -> TrainConfig:
     except OSError as e:
         raise ValueError(f"{path}: expected a readable YAML file, got {e.strerror or e}") from e
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: expected UTF-8 YAML text, got byte {e.object[e.start]:#04x} "
-                         f"at offset {e.start}") from e
+        raise ValueError(
+            f"{path}: expected UTF-8 YAML text, got byte {e.object[e.start]:#04x} "
+            f"at offset {e.start}"
+        ) from e
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: expected YAML, got {_yaml_problem(e)}") from e
     if raw is None:
@@ -348,8 +360,9 @@ def load_config(path: str, overrides: Optional[list] = None) -> TrainConfig:
             try:
                 raw[section][key] = yaml.safe_load(value)
             except yaml.YAMLError as e:
-                raise ValueError(f"--set {dotted}: expected a YAML value, got {value!r} "
-                                 f"({_yaml_problem(e)})") from e
+                raise ValueError(
+                    f"--set {dotted}: expected a YAML value, got {value!r} " f"({_yaml_problem(e)})"
+                ) from e
     return config_from_dict(raw)
 
 

@@ -23,7 +23,7 @@ class ByteCorpus:
             data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).to(torch.long)
         n_val = int(len(data) * val_fraction)
         self.train = data[: len(data) - n_val]
-        self.val = data[len(data) - n_val:]
+        self.val = data[len(data) - n_val :]
         for name, split in (("train", self.train), ("validation", self.val)):
             if len(split) <= seq_len + 1:
                 raise ValueError(

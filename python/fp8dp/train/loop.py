@@ -57,8 +57,9 @@ def make_recipe(cfg: TrainConfig):
     f = cfg.fp8
     if f.recipe == "current":
         return fp8dp.Float8CurrentScaling(margin=f.margin)
-    return fp8dp.DelayedScaling(amax_history_len=f.amax_history_len,
-                                amax_compute_algo=f.amax_compute_algo, margin=f.margin)
+    return fp8dp.DelayedScaling(
+        amax_history_len=f.amax_history_len, amax_compute_algo=f.amax_compute_algo, margin=f.margin
+    )
 
 
 def _all_mean(value: float, device) -> float:
@@ -81,8 +82,17 @@ def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, device) -> 
     return _all_mean(total / cfg.train.eval_batches, device)
 
 
-def train(cfg: TrainConfig, run_dir: str, *, rank: int, world_size: int, device,
-          save: str = None, resume: str = None, progress: bool = True) -> dict:
+def train(
+    cfg: TrainConfig,
+    run_dir: str,
+    *,
+    rank: int,
+    world_size: int,
+    device,
+    save: str = None,
+    resume: str = None,
+    progress: bool = True,
+) -> dict:
     """Train one run (FP8 per cfg.fp8.enabled) writing <run_dir>/metrics.jsonl on rank 0; returns
     a summary dict (first/last validation loss, steps, time)."""
     n_micro = cfg.check_world_size(world_size)
@@ -91,42 +101,75 @@ def train(cfg: TrainConfig, run_dir: str, *, rank: int, world_size: int, device,
     d = cfg.ddp
     model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)
     ddp_cfg = fp8dp.DistributedDataParallelConfig(
-        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-        use_distributed_optimizer=d.use_distributed_optimizer, bucket_size=d.bucket_size,
-        average_in_collective=d.average_in_collective, delay_wgrad_compute=d.delay_wgrad_compute,
-        check_for_nan_in_grad=d.check_for_nan_in_grad)
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32,
+        overlap_grad_reduce=d.overlap_grad_reduce,
+        use_distributed_optimizer=d.use_distributed_optimizer,
+        bucket_size=d.bucket_size,
+        average_in_collective=d.average_in_collective,
+        delay_wgrad_compute=d.delay_wgrad_compute,
+        check_for_nan_in_grad=d.check_for_nan_in_grad,
+    )
     ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
     t = cfg.train
-    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=t.lr, betas=(t.beta1, t.beta2),
-                                     weight_decay=t.weight_decay)
+    opt = fp8dp.DistributedOptimizer(
+        torch.optim.AdamW, ddp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay
+    )
     recipe = make_recipe(cfg)
     wgrad_modules = list(reversed(model.fp8_modules())) if d.delay_wgrad_compute else []
     config_dict = cfg.to_dict()
 
     start = 0
     if resume:
-        start = load_checkpoint(resume, model=model, optimizer=opt, config=config_dict, rank=rank,
-                                world_size=world_size)
+        start = load_checkpoint(
+            resume, model=model, optimizer=opt, config=config_dict, rank=rank, world_size=world_size
+        )
         if start > t.steps:
-            raise ValueError(f"train.steps: expected >= {start} (the step of the checkpoint in "
-                             f"{resume}), got {t.steps}")
+            raise ValueError(
+                f"train.steps: expected >= {start} (the step of the checkpoint in "
+                f"{resume}), got {t.steps}"
+            )
         if start == t.steps:
             # A finished run: nothing to train, and its metrics and summary stay as they are.
             if save:
-                save_checkpoint(save, step=start, model=model, optimizer=opt, config=config_dict,
-                                rank=rank, world_size=world_size, barrier=dist.barrier)
-            return {"first_val_loss": None, "last_val_loss": None, "start_step": start,
-                    "steps": t.steps, "world_size": world_size, "fp8": cfg.fp8.enabled,
-                    "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None, "train_time_s": 0.0}
-    writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"),
-                           truncate_after=start if resume else -1) if rank == 0 else None
+                save_checkpoint(
+                    save,
+                    step=start,
+                    model=model,
+                    optimizer=opt,
+                    config=config_dict,
+                    rank=rank,
+                    world_size=world_size,
+                    barrier=dist.barrier,
+                )
+            return {
+                "first_val_loss": None,
+                "last_val_loss": None,
+                "start_step": start,
+                "steps": t.steps,
+                "world_size": world_size,
+                "fp8": cfg.fp8.enabled,
+                "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
+                "train_time_s": 0.0,
+            }
+    writer = (
+        MetricsWriter(
+            os.path.join(run_dir, "metrics.jsonl"), truncate_after=start if resume else -1
+        )
+        if rank == 0
+        else None
+    )
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
     bar = None
     if rank == 0 and progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=t.steps, initial=start, unit="step", dynamic_ncols=True,
-                   desc="fp8" if cfg.fp8.enabled else "no-fp8")
+        bar = tqdm(
+            total=t.steps,
+            initial=start,
+            unit="step",
+            dynamic_ncols=True,
+            desc="fp8" if cfg.fp8.enabled else "no-fp8",
+        )
     first_val = last_val = None
     if start == 0:
         first_val = last_val = evaluate(model, corpus, cfg, rank, device)
@@ -157,8 +200,13 @@ def train(cfg: TrainConfig, run_dir: str, *, rank: int, world_size: int, device,
         opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
         train_loss = _all_mean(loss_sum / n_micro, device)
         dt = time.perf_counter() - t0
-        rec = {"step": step + 1, "train_loss": train_loss, "lr": lr,
-               "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+        rec = {
+            "step": step + 1,
+            "train_loss": train_loss,
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / dt,
+            "step_time_s": dt,
+        }
         done = step + 1
         if done % t.eval_every == 0 or done == t.steps:
             rec["val_loss"] = last_val = evaluate(model, corpus, cfg, rank, device)
@@ -171,18 +219,39 @@ def train(cfg: TrainConfig, run_dir: str, *, rank: int, world_size: int, device,
             bar.set_postfix(post, refresh=False)
             bar.update(1)
         if save and t.save_every and done % t.save_every == 0 and done != t.steps:
-            save_checkpoint(os.path.join(save, f"step_{done:06d}"), step=done, model=model,
-                            optimizer=opt, config=config_dict,
-                            rank=rank, world_size=world_size, barrier=dist.barrier)
+            save_checkpoint(
+                os.path.join(save, f"step_{done:06d}"),
+                step=done,
+                model=model,
+                optimizer=opt,
+                config=config_dict,
+                rank=rank,
+                world_size=world_size,
+                barrier=dist.barrier,
+            )
     if bar:
         bar.close()
     if save:
-        save_checkpoint(save, step=t.steps, model=model, optimizer=opt, config=config_dict,
-                        rank=rank, world_size=world_size, barrier=dist.barrier)
-    summary = {"first_val_loss": first_val, "last_val_loss": last_val, "start_step": start,
-               "steps": t.steps, "world_size": world_size, "fp8": cfg.fp8.enabled,
-               "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
-               "train_time_s": time.perf_counter() - t_start}
+        save_checkpoint(
+            save,
+            step=t.steps,
+            model=model,
+            optimizer=opt,
+            config=config_dict,
+            rank=rank,
+            world_size=world_size,
+            barrier=dist.barrier,
+        )
+    summary = {
+        "first_val_loss": first_val,
+        "last_val_loss": last_val,
+        "start_step": start,
+        "steps": t.steps,
+        "world_size": world_size,
+        "fp8": cfg.fp8.enabled,
+        "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
+        "train_time_s": time.perf_counter() - t_start,
+    }
     if writer:
         writer.close()
         with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -34,8 +34,9 @@ class Block(torch.nn.Module):
         ln = dict(normalization=cfg.normalization)
         self.qkv = fp8dp.LayerNormLinear(d, 3 * d, init_method=partial(_normal, std), **ln, **proj)
         self.out = fp8dp.Linear(d, d, init_method=partial(_normal, out_std), **proj)
-        self.up = fp8dp.LayerNormLinear(d, cfg.ffn_mult * d, init_method=partial(_normal, std),
-                                        **ln, **proj)
+        self.up = fp8dp.LayerNormLinear(
+            d, cfg.ffn_mult * d, init_method=partial(_normal, std), **ln, **proj
+        )
         self.down = fp8dp.Linear(cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **proj)
 
     def forward(self, x: torch.Tensor, is_first_microbatch) -> torch.Tensor:
@@ -52,20 +53,34 @@ class Block(torch.nn.Module):
 
 
 class GPT(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool,
-                 device: torch.device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        delay_wgrad_compute: bool,
+        fuse_wgrad_accumulation: bool,
+        device: torch.device,
+    ):
         super().__init__()
         dtype = getattr(torch, cfg.params_dtype)
-        proj = dict(bias=cfg.bias, params_dtype=dtype, device=device,
-                    delay_wgrad_compute=delay_wgrad_compute,
-                    fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        proj = dict(
+            bias=cfg.bias,
+            params_dtype=dtype,
+            device=device,
+            delay_wgrad_compute=delay_wgrad_compute,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
         self.tok = torch.nn.Embedding(VOCAB_SIZE, cfg.d_model, dtype=dtype, device=device)
         self.pos = torch.nn.Embedding(cfg.seq_len, cfg.d_model, dtype=dtype, device=device)
         torch.nn.init.normal_(self.tok.weight, std=0.02)
         torch.nn.init.normal_(self.pos.weight, std=0.01)
         self.blocks = torch.nn.ModuleList(Block(cfg, proj) for _ in range(cfg.n_layer))
-        self.head = fp8dp.LayerNormLinear(cfg.d_model, VOCAB_SIZE, normalization=cfg.normalization,
-                                          init_method=partial(_normal, 0.02), **proj)
+        self.head = fp8dp.LayerNormLinear(
+            cfg.d_model,
+            VOCAB_SIZE,
+            normalization=cfg.normalization,
+            init_method=partial(_normal, 0.02),
+            **proj,
+        )
 
     def forward(self, tokens: torch.Tensor, is_first_microbatch=None) -> torch.Tensor:
         """tokens [seq, batch] (int64) -> logits [seq, batch, 256]."""

@@ -28,11 +28,11 @@ inline std::string nccl_error_text(ncclResult_t r, ncclComm_t comm) {
 
 // FP8DP_CHECK_NCCL(ncclAllReduce(...), comm, "all_reduce of bucket group 3") -> fp8dp::Error naming
 // the call, the NCCL version, its error string and ncclGetLastError(comm). comm may be nullptr.
-#define FP8DP_CHECK_NCCL(expr, comm, ...)                                                   \
-  do {                                                                                      \
-    ncclResult_t _r = (expr);                                                               \
-    if (_r != ncclSuccess)                                                                  \
-      ::fp8dp::detail::fail(__FILE__, __LINE__, #expr,                                      \
-                            ::fp8dp::detail::concat(__VA_ARGS__, ": ",                      \
-                                                    ::fp8dp::detail::nccl_error_text(_r, comm))); \
+#define FP8DP_CHECK_NCCL(expr, comm, ...)                                                          \
+  do {                                                                                             \
+    ncclResult_t _r = (expr);                                                                      \
+    if (_r != ncclSuccess)                                                                         \
+      ::fp8dp::detail::fail(                                                                       \
+          __FILE__, __LINE__, #expr,                                                               \
+          ::fp8dp::detail::concat(__VA_ARGS__, ": ", ::fp8dp::detail::nccl_error_text(_r, comm))); \
   } while (0)

@@ -107,8 +107,10 @@ void NcclCommState::watchdog_loop() {
       }
       still.push_back(std::move(w));
     }
-    if (failure.empty()) failure = poll_async_error();  // aborts itself on an error
-    else abort(failure);
+    if (failure.empty())
+      failure = poll_async_error();  // aborts itself on an error
+    else
+      abort(failure);
     lock.lock();
     // After an abort nothing is left to watch: every collective in flight has been torn down.
     if (failure.empty())

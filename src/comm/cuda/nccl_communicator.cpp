@@ -21,11 +21,16 @@ namespace {
 
 ncclDataType_t nccl_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return ncclFloat32;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kHalf: return ncclFloat16;
-    case at::kLong: return ncclInt64;
-    default: FP8DP_CHECK_ARG(false, "nccl: expected float32, bfloat16, float16 or int64, got ", t);
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kLong:
+      return ncclInt64;
+    default:
+      FP8DP_CHECK_ARG(false, "nccl: expected float32, bfloat16, float16 or int64, got ", t);
   }
 }
 
@@ -88,7 +93,8 @@ class NcclWork : public CommWork {
         const std::string reason =
             detail::concat(what_, " did not finish within ", timeout_.count(), " ms");
         state_->abort(reason);
-        FP8DP_CHECK(false, reason, "; the NCCL communicator is aborted (a rank skipped or is "
+        FP8DP_CHECK(false, reason,
+                    "; the NCCL communicator is aborted (a rank skipped or is "
                     "stuck in this collective)");
       }
       // Spin briefly for the common short wait, then sleep so that a long wait costs no core.
@@ -154,8 +160,7 @@ void NcclCommunicator::check_device(const std::vector<at::Tensor>& tensors,
     const auto& t = tensors[i];
     FP8DP_CHECK_ARG(t.is_cuda() && t.device().index() == state_->device, what, "[", i,
                     "]: the NCCL communicator lives on cuda:", state_->device,
-                    ", the buffer is on ",
-                    t.device());
+                    ", the buffer is on ", t.device());
   }
 }
 
@@ -197,8 +202,8 @@ std::shared_ptr<CommWork> NcclCommunicator::launch(const std::string& what,
 std::shared_ptr<CommWork> NcclCommunicator::do_all_reduce(const std::vector<at::Tensor>& buffers,
                                                           ReduceOp op) {
   check_device(buffers, "all_reduce buffers");
-  const std::string what = detail::concat("nccl all_reduce ", reduce_op_name(op), " of ",
-                                          buffers.size(), " buffer(s)");
+  const std::string what =
+      detail::concat("nccl all_reduce ", reduce_op_name(op), " of ", buffers.size(), " buffer(s)");
   return launch(what, buffers, [&](ncclComm_t comm, cudaStream_t s) {
     for (const auto& b : buffers) {
       const ncclResult_t r = ncclAllReduce(b.const_data_ptr(), b.data_ptr(), b.numel(),

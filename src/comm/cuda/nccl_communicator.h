@@ -6,14 +6,13 @@
 // hanging.
 #pragma once
 
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include <c10/cuda/CUDAStream.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -43,8 +42,7 @@ class NcclCommunicator : public Communicator {
                                               ReduceOp op) override;
   std::shared_ptr<CommWork> do_all_gather(const std::vector<at::Tensor>& inputs,
                                           const std::vector<at::Tensor>& outputs) override;
-  std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers,
-                                         int root) override;
+  std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers, int root) override;
 
  private:
   // Orders the comm stream after the caller's stream, runs `body` (the NCCL calls) inside one

@@ -21,8 +21,8 @@ constexpr uint32_t kQuietNaNBits = 0x7FC00000u;
 // Exact widening of one input element (all three conversions are exact, so CPU == GPU).
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-// The hardware half -> float conversion returns a positive NaN for every NaN; keep the sign as the CPU
-// conversion does, so a negative half NaN still quantizes to 0xFF on both (seen on the H200).
+// The hardware half -> float conversion returns a positive NaN for every NaN; keep the sign as the
+// CPU conversion does, so a negative half NaN still quantizes to 0xFF on both (seen on the H200).
 __device__ __forceinline__ float to_float(__half v) {
   const float f = __half2float(v);
   const uint32_t sign = static_cast<uint32_t>(__half_as_ushort(v) & 0x8000u) << 16;
@@ -104,9 +104,9 @@ __device__ __forceinline__ uint8_t quantize_like_cpu(float v, float scale) {
 
 // Quantizes K inputs (K even) times scale into FP8 bytes. On sm_89+ the hardware conversion
 // (cvt.rn.satfinite, two values per instruction) does the work: round-to-nearest-even with
-// saturation of every non-NaN value, Inf included, is exactly quantize_one's clamp-then-round. The one
-// difference is NaN (the hardware writes one positive NaN, quantize_one keeps the sign), so a caller
-// that has seen a NaN passes `exact` and gets the bit recipe of the CPU kernels instead.
+// saturation of every non-NaN value, Inf included, is exactly quantize_one's clamp-then-round. The
+// one difference is NaN (the hardware writes one positive NaN, quantize_one keeps the sign), so a
+// caller that has seen a NaN passes `exact` and gets the bit recipe of the CPU kernels instead.
 template <Format F, int K>
 __device__ __forceinline__ void quantize_scaled(const float (&v)[K], float scale, bool exact,
                                                 uint8_t (&q)[K]) {

@@ -17,7 +17,9 @@ constexpr int kThreads = 256;
 constexpr int kChunk = 16;  // one 16-byte FP8 load per thread and step
 
 __device__ __forceinline__ void from_float(float v, float* o) { *o = v; }
-__device__ __forceinline__ void from_float(float v, __nv_bfloat16* o) { *o = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void from_float(float v, __nv_bfloat16* o) {
+  *o = __float2bfloat16_rn(v);
+}
 __device__ __forceinline__ void from_float(float v, __half* o) { *o = __float2half_rn(v); }
 
 template <Format F, typename T>
@@ -49,7 +51,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     done = chunks * kChunk;
   }
-  for (int64_t i = done + tid; i < n; i += stride) from_float(__fmul_rn(fp8_decode(in[i], F), s), &out[i]);
+  for (int64_t i = done + tid; i < n; i += stride)
+    from_float(__fmul_rn(fp8_decode(in[i], F), s), &out[i]);
 }
 
 template <Format F, typename T>
@@ -66,10 +69,14 @@ void launch(const DequantizeParams& p, cudaStream_t st) {
 template <Format F>
 void dispatch(const DequantizeParams& p, cudaStream_t st) {
   switch (p.out_dtype) {
-    case DType::kFloat32: return launch<F, float>(p, st);
-    case DType::kBFloat16: return launch<F, __nv_bfloat16>(p, st);
-    case DType::kFloat16: return launch<F, __half>(p, st);
-    default: break;
+    case DType::kFloat32:
+      return launch<F, float>(p, st);
+    case DType::kBFloat16:
+      return launch<F, __nv_bfloat16>(p, st);
+    case DType::kFloat16:
+      return launch<F, __half>(p, st);
+    default:
+      break;
   }
   FP8DP_CHECK(false, "dequantize_cuda: no kernel for output dtype ", dtype_name(p.out_dtype));
 }

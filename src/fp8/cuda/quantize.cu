@@ -1,7 +1,8 @@
 // CUDA FP8 cast kernels: quantize (+ amax) in one pass over the flat tensor, and cast + transpose
-// (+ dbias, + amax) through shared-memory tiles. Same bytes and amax as quantize_cpu (C7): the scale
-// is applied with an unfused multiply, the bf16/fp16 -> float widening is exact, and the conversion
-// is either the hardware's saturating RNE or, around NaNs, quantize_one itself (quantize_scaled).
+// (+ dbias, + amax) through shared-memory tiles. Same bytes and amax as quantize_cpu (C7): the
+// scale is applied with an unfused multiply, the bf16/fp16 -> float widening is exact, and the
+// conversion is either the hardware's saturating RNE or, around NaNs, quantize_one itself
+// (quantize_scaled).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,8 +32,8 @@ namespace {
 constexpr int kThreads = 256;
 // Flat path: 16 elements per thread and step, so every thread stores one 16-byte FP8 vector.
 constexpr int kChunk = 16;
-// Tiled path: 64-column tiles; a block walks up to kStripTiles tiles down one column strip so that its
-// column sums (dbias) cover 256 rows before they leave the block.
+// Tiled path: 64-column tiles; a block walks up to kStripTiles tiles down one column strip so that
+// its column sums (dbias) cover 256 rows before they leave the block.
 constexpr int kTile = 64;
 constexpr int kStripTiles = 4;
 
@@ -44,9 +45,9 @@ __global__ void write_scale_inv_kernel(const float* scale, float* scale_inv) {
 // kWrite = false is the amax-only pass: no conversion work at all.
 template <Format F, typename T, bool kWrite>
 __global__ void __launch_bounds__(kThreads)
-    quantize_flat_kernel(const T* __restrict__ in, uint8_t* __restrict__ out, int64_t n,
-                         bool vec, const float* __restrict__ scale_ptr,
-                         unsigned int* __restrict__ amax_bits, float* __restrict__ scale_inv) {
+    quantize_flat_kernel(const T* __restrict__ in, uint8_t* __restrict__ out, int64_t n, bool vec,
+                         const float* __restrict__ scale_ptr, unsigned int* __restrict__ amax_bits,
+                         float* __restrict__ scale_inv) {
   const float scale = *scale_ptr;
   uint32_t am = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -96,9 +97,9 @@ struct TileArgs {
   const void* in;
   int64_t rows, cols;
   const float* scale;
-  uint8_t* out;          // [rows, cols] or null
-  uint8_t* out_t;        // [cols, rows] or null
-  bool vec_t;            // out_t aligned to 16 bytes and rows % 16 == 0: 16-byte transposed stores
+  uint8_t* out;    // [rows, cols] or null
+  uint8_t* out_t;  // [cols, rows] or null
+  bool vec_t;      // out_t aligned to 16 bytes and rows % 16 == 0: 16-byte transposed stores
   unsigned int* amax_bits;
   float* scale_inv;
   float* dbias_partial;  // [gridDim.y, cols] column sums of each strip, or null
@@ -119,12 +120,12 @@ __host__ __device__ constexpr int tile_rows() {
 // times them against each other and the library launches the winner (see launch_tiled).
 template <Format F, typename T, bool kVec, int kMinBlocks, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(const TileArgs a) {
-  constexpr int kV = 16 / sizeof(T);         // elements per thread and row (one 16-byte load)
-  constexpr int kTpr = kTile / kV;           // threads per tile row
-  constexpr int kRpp = kThreads / kTpr;      // tile rows per pass
-  constexpr int kRows = tile_rows<T>();      // tile rows
-  constexpr int kPasses = kRows / kRpp;      // = 4
-  constexpr int kSegs = kRows / 16;          // 16-byte segments per transposed row
+  constexpr int kV = 16 / sizeof(T);     // elements per thread and row (one 16-byte load)
+  constexpr int kTpr = kTile / kV;       // threads per tile row
+  constexpr int kRpp = kThreads / kTpr;  // tile rows per pass
+  constexpr int kRows = tile_rows<T>();  // tile rows
+  constexpr int kPasses = kRows / kRpp;  // = 4
+  constexpr int kSegs = kRows / 16;      // 16-byte segments per transposed row
   // +1 byte of padding per row: the transposed reads (16 rows of one column per thread) then fall
   // into different banks.
   __shared__ uint8_t tile[kRows][kTile + 1];
@@ -285,9 +286,10 @@ void launch_flat(const QuantizeParams& p, cudaStream_t st) {
   const bool vec = aligned16(p.input) && (p.out == nullptr || aligned16(p.out));
   const int64_t work = vec ? ceil_div(n, kChunk) : n;
   // Enough blocks to fill every multiprocessor several times; the grid-stride loop does the rest.
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, kThreads),
-                                                                 int64_t{sm_count()} * 8));
-  auto kernel = p.out != nullptr ? quantize_flat_kernel<F, T, true> : quantize_flat_kernel<F, T, false>;
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, kThreads), int64_t{sm_count()} * 8));
+  auto kernel =
+      p.out != nullptr ? quantize_flat_kernel<F, T, true> : quantize_flat_kernel<F, T, false>;
   kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(
       static_cast<const T*>(p.input), p.out, n, vec, p.scale,
       reinterpret_cast<unsigned int*>(p.amax), p.scale_inv);
@@ -323,9 +325,17 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
   const int64_t strips = ceil_div(p.rows, strip_rows);
   FP8DP_CHECK(strips <= 65535, "quantize_cuda: transpose/dbias path supports up to ",
               65535 * strip_rows, " rows, got ", p.rows);
-  TileArgs a{p.input, p.rows, p.cols, p.scale, p.out, p.out_t,
+  TileArgs a{p.input,
+             p.rows,
+             p.cols,
+             p.scale,
+             p.out,
+             p.out_t,
              p.out_t != nullptr && aligned16(p.out_t) && p.rows % 16 == 0,
-             reinterpret_cast<unsigned int*>(p.amax), p.scale_inv, nullptr, strip_tiles};
+             reinterpret_cast<unsigned int*>(p.amax),
+             p.scale_inv,
+             nullptr,
+             strip_tiles};
   if (p.dbias != nullptr) {
     // Stream-ordered scratch for the per-strip sums (strips * cols floats).
     FP8DP_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&a.dbias_partial),
@@ -361,10 +371,14 @@ void launch(const QuantizeParams& p, cudaStream_t st) {
 template <Format F>
 void dispatch_dtype(const QuantizeParams& p, cudaStream_t st) {
   switch (p.input_dtype) {
-    case DType::kFloat32: return launch<F, float>(p, st);
-    case DType::kBFloat16: return launch<F, __nv_bfloat16>(p, st);
-    case DType::kFloat16: return launch<F, __half>(p, st);
-    default: break;
+    case DType::kFloat32:
+      return launch<F, float>(p, st);
+    case DType::kBFloat16:
+      return launch<F, __nv_bfloat16>(p, st);
+    case DType::kFloat16:
+      return launch<F, __half>(p, st);
+    default:
+      break;
   }
   FP8DP_CHECK(false, "quantize_cuda: no kernel for input dtype ", dtype_name(p.input_dtype));
 }

@@ -34,8 +34,8 @@ __device__ __forceinline__ float device_scale(float amax, float fp8_max, float m
 
 __global__ void __launch_bounds__(kCols* kRows)
     update_scaling_kernel(float* __restrict__ hist, float* __restrict__ scale,
-                          float* __restrict__ scale_inv, const float* __restrict__ fp8_max, int64_t n,
-                          int64_t L, bool use_max, float margin) {
+                          float* __restrict__ scale_inv, const float* __restrict__ fp8_max,
+                          int64_t n, int64_t L, bool use_max, float margin) {
   __shared__ float red[kRows][kCols];
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kCols + threadIdx.x;
   const bool active = t < n;
@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(kCols* kRows)
   red[threadIdx.y][threadIdx.x] = m;
   __syncthreads();  // every read of the old history for the max is done before the roll writes
   // Roll from the top down: a step reads old rows [b - 1, b + kStep - 1) into registers, the block
-  // syncs, then writes them to rows [b, b + kStep). Lower rows are read before any step overwrites them.
+  // syncs, then writes them to rows [b, b + kStep). Lower rows are read before any step overwrites
+  // them.
   for (int64_t b = L - kStep; b > -kStep; b -= kStep) {
     float v[kPerThread];
 #pragma unroll
@@ -89,7 +90,8 @@ struct SlotBatch {
 // A slot's history is n * L contiguous floats, so rolling it by one row is a shift by n elements;
 // the block shifts it top down in chunks of kBatchThreads * kRollPerThread (each chunk's reads land
 // below every write made so far). Before that, thread t reduces column t % n over rows t / n,
-// t / n + lanes, ... (lanes = kBatchThreads / n) for the max; the lane results meet in shared memory.
+// t / n + lanes, ... (lanes = kBatchThreads / n) for the max; the lane results meet in shared
+// memory.
 __global__ void __launch_bounds__(kBatchThreads)
     update_scaling_batched_kernel(const __grid_constant__ SlotBatch b) {
   __shared__ float red[kBatchThreads];
@@ -169,8 +171,8 @@ void update_scaling_cuda(const ScalingUpdateParams& p, void* stream) {
   const unsigned blocks = static_cast<unsigned>((p.n + cuda::kCols - 1) / cuda::kCols);
   cuda::update_scaling_kernel<<<blocks, dim3(cuda::kCols, cuda::kRows), 0,
                                 static_cast<cudaStream_t>(stream)>>>(
-      p.amax_history, p.scale, p.scale_inv, p.fp8_max, p.n, p.history_len,
-      p.algo == AmaxAlgo::kMax, p.margin);
+      p.amax_history, p.scale, p.scale_inv, p.fp8_max, p.n, p.history_len, p.algo == AmaxAlgo::kMax,
+      p.margin);
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 

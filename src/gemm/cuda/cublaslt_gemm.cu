@@ -1,7 +1,7 @@
 // cuBLASLt GEMM with cached plans and per-shape algorithm selection (see cublaslt_gemm.h).
 // Row-major out[m, n] = a[m, k] · b[n, k]ᵀ is, in cuBLASLt's column-major terms, the [n, m] matrix
-// b · aᵀ: so A := b (k x n, op T), B := a (k x m, op N), M = n, N = m, K = k. That is the "TN" layout
-// Hopper's FP8 tensor cores require, and A's scale pointer is therefore b's scale_inv.
+// b · aᵀ: so A := b (k x n, op T), B := a (k x m, op N), M = n, N = m, K = k. That is the "TN"
+// layout Hopper's FP8 tensor cores require, and A's scale pointer is therefore b's scale_inv.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -28,11 +28,16 @@ constexpr int kTimedReps = 5;
 
 cudaDataType_t to_cuda(DType t) {
   switch (t) {
-    case DType::kFloat32: return CUDA_R_32F;
-    case DType::kBFloat16: return CUDA_R_16BF;
-    case DType::kFloat16: return CUDA_R_16F;
-    case DType::kE4M3: return CUDA_R_8F_E4M3;
-    case DType::kE5M2: return CUDA_R_8F_E5M2;
+    case DType::kFloat32:
+      return CUDA_R_32F;
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    case DType::kFloat16:
+      return CUDA_R_16F;
+    case DType::kE4M3:
+      return CUDA_R_8F_E4M3;
+    case DType::kE5M2:
+      return CUDA_R_8F_E5M2;
   }
   return CUDA_R_32F;
 }
@@ -98,7 +103,8 @@ State& state() {
 // Caller holds state().mu.
 cublasLtHandle_t handle_for(int dev) {
   auto& h = state().handles[dev];
-  if (h == nullptr) FP8DP_CHECK_CUBLAS(cublasLtCreate(&h), "(creating the handle of device ", dev, ")");
+  if (h == nullptr)
+    FP8DP_CHECK_CUBLAS(cublasLtCreate(&h), "(creating the handle of device ", dev, ")");
   return h;
 }
 
@@ -169,12 +175,15 @@ int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
 std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void* ws,
                                  cudaStream_t st, bool autotune) {
   auto pl = std::make_unique<Plan>();
-  FP8DP_CHECK_CUBLAS(cublasLtMatmulDescCreate(&pl->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), shape_of(p));
+  FP8DP_CHECK_CUBLAS(cublasLtMatmulDescCreate(&pl->op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                     shape_of(p));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   FP8DP_CHECK_CUBLAS(
-      cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), shape_of(p));
+      cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
+      shape_of(p));
   FP8DP_CHECK_CUBLAS(
-      cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), shape_of(p));
+      cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
+      shape_of(p));
   if (is_fp8(p.a_type)) {
     const int8_t fast = p.fast_accum ? 1 : 0;
     FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
@@ -191,8 +200,10 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
                                                       &bt, sizeof(bt)),
                        shape_of(p));
   }
-  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->la, to_cuda(p.b_type), p.k, p.n, p.ldb), shape_of(p));
-  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lb, to_cuda(p.a_type), p.k, p.m, p.lda), shape_of(p));
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->la, to_cuda(p.b_type), p.k, p.n, p.ldb),
+                     shape_of(p));
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lb, to_cuda(p.a_type), p.k, p.m, p.lda),
+                     shape_of(p));
   FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lc, to_cuda(p.out_type), p.n, p.m, p.ldo),
                      shape_of(p));
 

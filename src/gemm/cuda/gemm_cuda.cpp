@@ -42,8 +42,9 @@ at::Tensor gemm_cuda_checked(const GemmArgs& args) {
   const int64_t m = a0.size(0), k = a0.size(1), n = b0.size(0);
   const bool fp8 = is_fp8(a0.scalar_type());
   FP8DP_CHECK_ARG(!(a0.scalar_type() == at::kFloat8_e5m2 && b0.scalar_type() == at::kFloat8_e5m2),
-                  kFn, ": FP8 GEMM of two float8_e5m2 operands is not supported by the tensor "
-                       "cores; use float8_e4m3fn for one of them");
+                  kFn,
+                  ": FP8 GEMM of two float8_e5m2 operands is not supported by the tensor "
+                  "cores; use float8_e4m3fn for one of them");
   c10::cuda::CUDAGuard guard(a0.device());
 
   at::Tensor out = args.out;
@@ -90,8 +91,8 @@ at::Tensor gemm_cuda_checked(const GemmArgs& args) {
                     ": FP8 GEMM needs row strides that are multiples of 16, got ", p.lda, " and ",
                     p.ldb);
   }
-  // cuBLASLt has no BIAS epilogue for FP8 inputs with an FP32 output (CUBLAS_STATUS_NOT_SUPPORTED on
-  // the H200); there the bias is added by a separate kernel after the GEMM.
+  // cuBLASLt has no BIAS epilogue for FP8 inputs with an FP32 output (CUBLAS_STATUS_NOT_SUPPORTED
+  // on the H200); there the bias is added by a separate kernel after the GEMM.
   const bool bias_after = bias.defined() && fp8 && ot == at::kFloat;
   if (bias.defined() && !bias_after) {
     p.bias = bias.data_ptr();

@@ -201,9 +201,8 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   static OccupancyCache cache;  // static storage: zero-initialised
   const int per_sm = resident_blocks(kernel, block, cache);
   const int64_t rpb = block / a.tpr;
-  const int64_t blocks =
-      std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, rpb),
-                                             int64_t{sm_count()} * std::max(per_sm, 1)));
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(p.rows, rpb), int64_t{sm_count()} * std::max(per_sm, 1)));
   const int64_t groups = blocks * rpb;
   const int64_t nparts = p.dbeta != nullptr ? 2 : 1;
   const size_t part_bytes = static_cast<size_t>(groups * p.cols) * sizeof(float);
@@ -219,7 +218,8 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   // dgamma / dbeta[c] = sum over groups of the partial rows, in group order, rounded once to T.
   launch_column_sums(ColumnSums<T>{{a.dgamma_part, a.dbeta_part},
                                    {static_cast<T*>(p.dgamma), static_cast<T*>(p.dbeta)},
-                                   groups, p.cols},
+                                   groups,
+                                   p.cols},
                      static_cast<int>(nparts), 128, st);
   FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
 }
@@ -229,8 +229,19 @@ template <typename T, int kMinBlocks = 1>
 void dispatch(const NormBwdParams& p, cudaStream_t st) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;  // 3 vectors of bf16 / fp16, 6 of fp32
-  BwdArgs a{p.dz, p.x, p.mu, p.rsigma, p.gamma, p.dx, nullptr, nullptr,
-            p.rows, p.cols, p.zero_centered_gamma ? 1.0f : 0.0f, p.rms, 1};
+  BwdArgs a{p.dz,
+            p.x,
+            p.mu,
+            p.rsigma,
+            p.gamma,
+            p.dx,
+            nullptr,
+            nullptr,
+            p.rows,
+            p.cols,
+            p.zero_centered_gamma ? 1.0f : 0.0f,
+            p.rms,
+            1};
   const int64_t nvec = ceil_div(p.cols, kV);
   a.tpr = pick_tpr(nvec, kNV);
   const bool in_regs = ceil_div(nvec, a.tpr) <= kNV;

@@ -56,8 +56,7 @@ struct FwdArgs {
 // z of the elements of one vector, rounded to T; writes out / out_fp8 and folds |z| into amax.
 template <typename T, bool kVec>
 __device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, int64_t row, int64_t vi,
-                                     int64_t nvec, float mu, float rs, float scale,
-                                     uint32_t& am) {
+                                     int64_t nvec, float mu, float rs, float scale, uint32_t& am) {
   constexpr int kV = Vec<T>::kV;
   Vec<T> g, b, o;
   load_vec<T, kVec, false>(g, static_cast<const T*>(a.gamma), vi, a.cols);
@@ -209,9 +208,8 @@ void launch(const FwdArgs& a, int block, cudaStream_t st) {
   static OccupancyCache cache;  // static storage: zero-initialised
   const int per_sm = resident_blocks(kernel, block, cache);
   const int64_t rpb = block / a.tpr;
-  const int64_t blocks =
-      std::max<int64_t>(1, std::min<int64_t>(ceil_div(a.rows, rpb),
-                                             int64_t{sm_count()} * std::max(per_sm, 1)));
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(a.rows, rpb), int64_t{sm_count()} * std::max(per_sm, 1)));
   kernel<<<static_cast<unsigned>(blocks), block, 0, st>>>(a);
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
@@ -229,9 +227,22 @@ void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st)
 template <typename T, int kMinBlocks = kMinBlocks4>
 void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) {
   constexpr int kV = Vec<T>::kV;
-  FwdArgs a{p.input, p.gamma, p.beta, p.out, p.out_fp8, p.scale,
-            reinterpret_cast<unsigned int*>(p.amax), p.mu, p.rsigma, p.rows, p.cols, p.eps,
-            p.zero_centered_gamma ? 1.0f : 0.0f, p.rms, p.format, 1};
+  FwdArgs a{p.input,
+            p.gamma,
+            p.beta,
+            p.out,
+            p.out_fp8,
+            p.scale,
+            reinterpret_cast<unsigned int*>(p.amax),
+            p.mu,
+            p.rsigma,
+            p.rows,
+            p.cols,
+            p.eps,
+            p.zero_centered_gamma ? 1.0f : 0.0f,
+            p.rms,
+            p.format,
+            1};
   const int64_t nvec = ceil_div(p.cols, kV);
   a.tpr = pick_tpr(nvec, target);
   const int block = block_for(a.tpr);

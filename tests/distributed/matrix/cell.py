@@ -79,8 +79,15 @@ def _recipe(name: str):
 def _build(cell: dict, prob: Problem, device, dtype, delay: bool, fuse: bool) -> TwoLayer:
     torch.manual_seed(prob.seed)  # same weights on every rank and in both copies
     cls = {"Linear": fp8dp.Linear, "LayerNormLinear": fp8dp.LayerNormLinear}[cell["module"]]
-    return TwoLayer(cls, prob.hidden, bias=cell["bias"], params_dtype=dtype, device=device,
-                    delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
+    return TwoLayer(
+        cls,
+        prob.hidden,
+        bias=cell["bias"],
+        params_dtype=dtype,
+        device=device,
+        delay_wgrad_compute=delay,
+        fuse_wgrad_accumulation=fuse,
+    )
 
 
 def _batch(prob: Problem, step: int, rank: int, micro: int, device, dtype):
@@ -140,7 +147,9 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
         grad_reduce_in_fp32=(dtype == torch.float32),
         overlap_grad_reduce=cell["overlap_grad_reduce"],
         use_distributed_optimizer=cell["use_distributed_optimizer"],
-        bucket_size=prob.bucket_size, delay_wgrad_compute=delay)
+        bucket_size=prob.bucket_size,
+        delay_wgrad_compute=delay,
+    )
     params = dict(model.named_parameters())
     # Registered before DDP wraps the model, so on every parameter it runs before DDP's own hook:
     # the harder case, DDP finds .grad already moved.
@@ -155,8 +164,9 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
     for step in range(prob.steps):
         ref.load_state_dict(model.state_dict())  # same weights and FP8 state as the DDP model
         ddp.zero_grad_buffer()
-        g_sum = {k: torch.zeros(p.shape, dtype=torch.float64, device=device)
-                 for k, p in params.items()}
+        g_sum = {
+            k: torch.zeros(p.shape, dtype=torch.float64, device=device) for k, p in params.items()
+        }
         g_abs = {k: torch.zeros_like(v) for k, v in g_sum.items()}
         for m in range(prob.micro_batches):
             x, w = _batch(prob, step, rank, m, device, dtype)
@@ -187,8 +197,8 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
         off = 0
         for k, p in params.items():
             numel = p.numel()
-            g_sum[k] = flat[off: off + numel].view(p.shape) / world
-            g_abs[k] = flat[off + numel: off + 2 * numel].view(p.shape) / world
+            g_sum[k] = flat[off : off + numel].view(p.shape) / world
+            g_abs[k] = flat[off + numel : off + 2 * numel].view(p.shape) / world
             off += 2 * numel
         if not cell["use_distributed_optimizer"]:
             for k, p in params.items():  # all-reduced: every element on every rank
@@ -200,8 +210,13 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
             for shard in ddp._sync.owned_shards():
                 k = names[shard.param]
                 sl = slice(shard.param_offset, shard.param_offset + shard.numel)
-                e, a = _compare(ddp._sync.grad_shard(shard), g_sum[k].flatten()[sl],
-                                g_abs[k].flatten()[sl], u, n)
+                e, a = _compare(
+                    ddp._sync.grad_shard(shard),
+                    g_sum[k].flatten()[sl],
+                    g_abs[k].flatten()[sl],
+                    u,
+                    n,
+                )
                 worst_grad = max(worst_grad, e, a)
                 checks += 1
         before = {k: p.detach().double().clone() for k, p in params.items()}
@@ -210,15 +225,20 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
         for k, p in params.items():
             want = before[k] - prob.lr * g_sum[k]
             # the update inherits the gradient's bound times lr, plus the parameter's own rounding
-            scale = (prob.lr * g_abs[k]
-                     + (u_p / (n * u + _GEMM_ORDER)) * (want.abs() + before[k].abs()))
+            scale = prob.lr * g_abs[k] + (u_p / (n * u + _GEMM_ORDER)) * (
+                want.abs() + before[k].abs()
+            )
             e, a = _compare(p.detach(), want, scale, u, n)
             worst_param = max(worst_param, e, a)
             checks += 1
     if consumer:
         consumer.remove()
-    return {"ok": worst_grad <= 1.0 and worst_param <= 1.0, "grad_ratio": worst_grad,
-            "param_ratio": worst_param, "checks": checks}
+    return {
+        "ok": worst_grad <= 1.0 and worst_param <= 1.0,
+        "grad_ratio": worst_grad,
+        "param_ratio": worst_param,
+        "checks": checks,
+    }
 
 
 class _PlainSGD:

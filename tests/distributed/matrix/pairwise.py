@@ -20,8 +20,12 @@ def _pairs_of(cell: dict, names: list) -> set:
 
 def all_pairs(axes: dict) -> set:
     names = list(axes)
-    return {((a, va), (b, vb)) for a, b in itertools.combinations(names, 2)
-            for va in axes[a] for vb in axes[b]}
+    return {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2)
+        for va in axes[a]
+        for vb in axes[b]
+    }
 
 
 def pairwise(axes: dict) -> list:
@@ -36,18 +40,27 @@ def pairwise(axes: dict) -> list:
     uncovered = all_pairs(axes)
     cells = []
     while uncovered:
-        (a, va), (b, vb) = min(uncovered, key=lambda p: (order[p[0][0]], order[p[1][0]],
-                                                         axes[p[0][0]].index(p[0][1]),
-                                                         axes[p[1][0]].index(p[1][1])))
+        (a, va), (b, vb) = min(
+            uncovered,
+            key=lambda p: (
+                order[p[0][0]],
+                order[p[1][0]],
+                axes[p[0][0]].index(p[0][1]),
+                axes[p[1][0]].index(p[1][1]),
+            ),
+        )
         cell = {a: va, b: vb}
         for n in names:
             if n in cell:
                 continue
 
             def gain(v, n=n):
-                return sum(1 for m, vm in cell.items()
-                           if (((m, vm), (n, v)) if order[m] < order[n] else ((n, v), (m, vm)))
-                           in uncovered)
+                return sum(
+                    1
+                    for m, vm in cell.items()
+                    if (((m, vm), (n, v)) if order[m] < order[n] else ((n, v), (m, vm)))
+                    in uncovered
+                )
 
             cell[n] = max(axes[n], key=lambda v: (gain(v), -axes[n].index(v)))
         cell = {n: cell[n] for n in names}

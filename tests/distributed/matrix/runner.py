@@ -41,11 +41,19 @@ AXES = {
     "grad_dtype": ("fp32", "bf16"),
     "consumer": ("ddp", "external"),
 }
-_COLUMNS = [("id", "id"), ("world_size", "ws"), ("module", "module"), ("recipe", "recipe"),
-            ("bias", "bias"), ("delay_wgrad_compute", "delay"),
-            ("fuse_wgrad_accumulation", "fuse"), ("overlap_grad_reduce", "overlap"),
-            ("use_distributed_optimizer", "distopt"), ("grad_dtype", "grad"),
-            ("consumer", "consumer")]
+_COLUMNS = [
+    ("id", "id"),
+    ("world_size", "ws"),
+    ("module", "module"),
+    ("recipe", "recipe"),
+    ("bias", "bias"),
+    ("delay_wgrad_compute", "delay"),
+    ("fuse_wgrad_accumulation", "fuse"),
+    ("overlap_grad_reduce", "overlap"),
+    ("use_distributed_optimizer", "distopt"),
+    ("grad_dtype", "grad"),
+    ("consumer", "consumer"),
+]
 
 
 def load_matrix(path: str) -> tuple:
@@ -96,15 +104,26 @@ def make_cells(axes: dict, backend: str, full: bool) -> list:
 
 def gpu_count() -> tuple:
     """(GPUs usable by fp8dp, reason when none)."""
-    import fp8dp
     import torch
+
+    import fp8dp
 
     ok, reason = fp8dp.cuda_available(return_reason=True)
     return (torch.cuda.device_count(), "") if ok else (0, reason)
 
 
-def _launch(cells: list, world: int, prob: Problem, backend: str, workdir: str, timeout: float,
-            log, inject: str, chunk=None, devices: str = "") -> dict:
+def _launch(
+    cells: list,
+    world: int,
+    prob: Problem,
+    backend: str,
+    workdir: str,
+    timeout: float,
+    log,
+    inject: str,
+    chunk=None,
+    devices: str = "",
+) -> dict:
     """Run cells in torchrun launches of `world` ranks until each has a result; returns id ->
     result. A launch that dies blames the first cell without a result and resumes after it.
     chunk (None: the only launch of this world size) names this launch's files; devices, if
@@ -116,12 +135,22 @@ def _launch(cells: list, world: int, prob: Problem, backend: str, workdir: str, 
         job = os.path.join(workdir, f"ws{world}-{chunk or 0}-{attempt}.json")
         out = os.path.join(workdir, f"ws{world}-{chunk or 0}-{attempt}.jsonl")
         with open(job, "w") as f:
-            json.dump({"backend": backend, "problem": prob.__dict__, "cells": pending,
-                       "inject": inject}, f)
-        log(f"[matrix] world size {world}: {len(pending)} cell(s) in one torchrun launch"
-            + (f" (part {chunk + 1})" if chunk is not None else ""))
-        rc, output = torchrun("tests.distributed.matrix.worker", world, [job, out], env=env,
-                              timeout=timeout, module=True)
+            json.dump(
+                {"backend": backend, "problem": prob.__dict__, "cells": pending, "inject": inject},
+                f,
+            )
+        log(
+            f"[matrix] world size {world}: {len(pending)} cell(s) in one torchrun launch"
+            + (f" (part {chunk + 1})" if chunk is not None else "")
+        )
+        rc, output = torchrun(
+            "tests.distributed.matrix.worker",
+            world,
+            [job, out],
+            env=env,
+            timeout=timeout,
+            module=True,
+        )
         tail = output[-3000:]
         if os.path.exists(out):
             with open(out) as f:
@@ -131,13 +160,20 @@ def _launch(cells: list, world: int, prob: Problem, backend: str, workdir: str, 
         pending = [c for c in pending if c["id"] not in results]
         if pending and rc != 0:
             blamed = pending.pop(0)
-            results[blamed["id"]] = {"id": blamed["id"], "ok": False,
-                                     "error": f"torchrun exited with {rc} during this cell",
-                                     "log_tail": tail}
+            results[blamed["id"]] = {
+                "id": blamed["id"],
+                "ok": False,
+                "error": f"torchrun exited with {rc} during this cell",
+                "log_tail": tail,
+            }
         elif pending:
             for c in pending:
-                results[c["id"]] = {"id": c["id"], "ok": False, "error": "no result written",
-                                    "log_tail": tail}
+                results[c["id"]] = {
+                    "id": c["id"],
+                    "ok": False,
+                    "error": "no result written",
+                    "log_tail": tail,
+                }
             pending = []
     return results
 
@@ -154,11 +190,15 @@ def print_table(cells: list, results: dict, out=sys.stdout) -> None:
     for c in cells:
         r = results[c["id"]]
         status = r["status"]
-        rows.append([_fmt(c[k]) for k, _ in _COLUMNS] + [
-            status,
-            f"{r['grad_ratio']:.3g}" if "grad_ratio" in r and r.get("checks") else "",
-            f"{r['param_ratio']:.3g}" if "param_ratio" in r and r.get("checks") else "",
-            f"{r['time_s']:.1f}" if "time_s" in r else ""])
+        rows.append(
+            [_fmt(c[k]) for k, _ in _COLUMNS]
+            + [
+                status,
+                f"{r['grad_ratio']:.3g}" if "grad_ratio" in r and r.get("checks") else "",
+                f"{r['param_ratio']:.3g}" if "param_ratio" in r and r.get("checks") else "",
+                f"{r['time_s']:.1f}" if "time_s" in r else "",
+            ]
+        )
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
     print(line, file=out)
@@ -167,8 +207,16 @@ def print_table(cells: list, results: dict, out=sys.stdout) -> None:
         print("  ".join(x.ljust(w) for x, w in zip(row, widths)), file=out)
 
 
-def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: float,
-               log=print, inject: str = "", jobs: int = 1) -> dict:
+def run_matrix(
+    backend: str,
+    full: bool,
+    config: str,
+    json_path: str,
+    timeout: float,
+    log=print,
+    inject: str = "",
+    jobs: int = 1,
+) -> dict:
     """Run the matrix; ``inject`` ("double" / "skip", see cell.run_cell) is for the matrix's own
     tests, which check that a miscounted micro-batch fails its cell. ``jobs`` > 1 splits the cells
     of each world size into that many parts and runs every part's launch at once (cells are
@@ -198,19 +246,39 @@ def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: f
             launches.append((group[part::jobs], world, part, devices))
     with tempfile.TemporaryDirectory(prefix="fp8dp-matrix-") as workdir:
         with ThreadPoolExecutor(max_workers=len(launches) if jobs > 1 else 1) as pool:
-            futures = [pool.submit(_launch, part_cells, world, prob, backend, workdir, timeout,
-                                   log, inject, part if jobs > 1 else None, devices)
-                       for part_cells, world, part, devices in launches]
+            futures = [
+                pool.submit(
+                    _launch,
+                    part_cells,
+                    world,
+                    prob,
+                    backend,
+                    workdir,
+                    timeout,
+                    log,
+                    inject,
+                    part if jobs > 1 else None,
+                    devices,
+                )
+                for part_cells, world, part, devices in launches
+            ]
             for fut in futures:
                 for rid, r in fut.result().items():
                     r["status"] = "pass" if r["ok"] else ("error" if "error" in r else "FAIL")
                     results[rid] = r
     elapsed = time.perf_counter() - t0
-    counts = {s: sum(1 for r in results.values() if r["status"] == s)
-              for s in ("pass", "FAIL", "error", "skipped")}
-    report = {"backend": backend, "mode": "full" if full else "pairwise", "config": config,
-              "problem": prob.__dict__, "cells": [dict(c, **results[c["id"]]) for c in cells],
-              "summary": dict(total=len(cells), time_s=round(elapsed, 1), **counts)}
+    counts = {
+        s: sum(1 for r in results.values() if r["status"] == s)
+        for s in ("pass", "FAIL", "error", "skipped")
+    }
+    report = {
+        "backend": backend,
+        "mode": "full" if full else "pairwise",
+        "config": config,
+        "problem": prob.__dict__,
+        "cells": [dict(c, **results[c["id"]]) for c in cells],
+        "summary": dict(total=len(cells), time_s=round(elapsed, 1), **counts),
+    }
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
@@ -219,26 +287,48 @@ def run_matrix(backend: str, full: bool, config: str, json_path: str, timeout: f
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.distributed.matrix",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tests.distributed.matrix", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--backend", required=True, choices=["gloo", "nccl"])
-    p.add_argument("--full", action="store_true",
-                   help="the whole product instead of the pairwise subset")
-    p.add_argument("--config", default=str(CONFIG),
-                   help="the axes and the problem (default configs/test_matrix.yaml)")
-    p.add_argument("--json", default=None,
-                   help="report path (default runs/test_matrix_<backend>.json)")
-    p.add_argument("--launch-timeout", type=float, default=1800.0,
-                   help="seconds one torchrun launch may take (default %(default)s)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="split each world size's cells into this many torchrun launches that run "
-                        "at once (default %(default)s)")
-    p.add_argument("--inject", default="", choices=["", "double", "skip"],
-                   help=argparse.SUPPRESS)  # fault injection for the matrix's own tests
+    p.add_argument(
+        "--full", action="store_true", help="the whole product instead of the pairwise subset"
+    )
+    p.add_argument(
+        "--config",
+        default=str(CONFIG),
+        help="the axes and the problem (default configs/test_matrix.yaml)",
+    )
+    p.add_argument(
+        "--json", default=None, help="report path (default runs/test_matrix_<backend>.json)"
+    )
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds one torchrun launch may take (default %(default)s)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="split each world size's cells into this many torchrun launches that run "
+        "at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--inject", default="", choices=["", "double", "skip"], help=argparse.SUPPRESS
+    )  # fault injection for the matrix's own tests
     args = p.parse_args(argv)
     json_path = args.json or f"runs/test_matrix_{args.backend}.json"
-    report = run_matrix(args.backend, args.full, args.config, json_path, args.launch_timeout,
-                        inject=args.inject, jobs=args.jobs)
+    report = run_matrix(
+        args.backend,
+        args.full,
+        args.config,
+        json_path,
+        args.launch_timeout,
+        inject=args.inject,
+        jobs=args.jobs,
+    )
     by_id = {c["id"]: c for c in report["cells"]}
     print_table(report["cells"], by_id)
     for c in report["cells"]:
@@ -250,9 +340,11 @@ def main(argv=None) -> int:
         elif c["status"] == "skipped":
             print(f"{c['id']}: skipped: {c['reason']}")
     s = report["summary"]
-    print(f"\n{s['total']} cells ({report['mode']}, {args.backend}): {s['pass']} passed, "
-          f"{s['FAIL'] + s['error']} failed, {s['skipped']} skipped in {s['time_s']} s; "
-          f"report {json_path}")
+    print(
+        f"\n{s['total']} cells ({report['mode']}, {args.backend}): {s['pass']} passed, "
+        f"{s['FAIL'] + s['error']} failed, {s['skipped']} skipped in {s['time_s']} s; "
+        f"report {json_path}"
+    )
     return 1 if s["FAIL"] or s["error"] else 0
 
 

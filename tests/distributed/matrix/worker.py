@@ -45,14 +45,18 @@ def main(argv=None) -> int:
         try:
             res = run_cell(cell, prob, device, inject)
         except Exception as e:  # recorded per rank; the cell fails, the next one still runs
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc(limit=4)}
+            res = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=4),
+            }
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, res)
         if rank == 0:
             errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if "error" in g]
             line = {
-                "id": cell["id"], "ok": all(g["ok"] for g in gathered),
+                "id": cell["id"],
+                "ok": all(g["ok"] for g in gathered),
                 "grad_ratio": max((g.get("grad_ratio", 0.0) for g in gathered), default=0.0),
                 "param_ratio": max((g.get("param_ratio", 0.0) for g in gathered), default=0.0),
                 "checks": sum(g.get("checks", 0) for g in gathered),
