@@ -83,7 +83,9 @@ class Block(torch.nn.Module):
 
 
 def _reference_block(x, p, i):
-    g = lambda n: p[f"{i}.{n}"]
+    def g(n):
+        return p[f"{i}.{n}"]
+
     h = F.layer_norm(x, (H,), g("fc1.layer_norm_weight"), g("fc1.layer_norm_bias"), 1e-5)
     h = F.gelu(F.linear(h, g("fc1.weight"), g("fc1.bias")))
     return x + F.linear(h, g("fc2.weight"), g("fc2.bias"))

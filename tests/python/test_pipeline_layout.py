@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 import torch.distributed as dist
+
 from fp8dp.pipeline import check_layout, split_blocks, stage_ranks
 
 
