@@ -29,6 +29,16 @@ def time_interleaved(variants, warmup=3, rounds=20):
     return {n: statistics.median(s.elapsed_time(e) for s, e in ev) for n, ev in samples.items()}
 
 
+def peak_step_mib(step):
+    """MiB that one call of `step` allocates at its peak, above what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def device_info():
     p = torch.cuda.get_device_properties(0)
     return {

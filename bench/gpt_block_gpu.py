@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cuda_timing import device_info, print_table, time_interleaved, write_json  # noqa: E402
+from cuda_timing import (  # noqa: E402
+    device_info,
+    peak_step_mib,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 
 import fp8dp  # noqa: E402
 
@@ -143,15 +149,6 @@ class _nullcontext:
 
     def __exit__(self, *a):
         return False
-
-
-def peak_step_mib(step):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def host_ms(step, n=5):

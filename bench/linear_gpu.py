@@ -16,7 +16,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cuda_timing import device_info, print_table, time_interleaved, write_json  # noqa: E402
+from cuda_timing import (  # noqa: E402
+    device_info,
+    peak_step_mib,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 from linear_step import make_step  # noqa: E402
 
 import fp8dp  # noqa: E402
@@ -49,15 +55,6 @@ def gemms_alone(t, k, n):
         _C._gemm_cuda(dyt, xt, a_scale_inv=s, b_scale_inv=s, out_dtype=torch.bfloat16)
 
     return run
-
-
-def peak_step_mib(step):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def bench_shape(t, k, n, rounds):
