@@ -87,6 +87,13 @@ fi
 wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 300 "$PY" bench/gpt_block_gpu.py --json "$OUT/bench_gpt.json"
+if wantb profile_gpt; then
+  # Kernel time and launches per step of the GPT block stack, per variant (PROFILE_SHAPES).
+  for s in ${PROFILE_SHAPES:-8192x2 2048x8}; do
+    run_step profile_gpt "$OUT/profile.log" 200 "$PY" bench/profile_gpt_block.py --shape "$s" \
+      --json "$OUT/profile_gpt_$s.json"
+  done
+fi
 if [ "$NGPU" -ge 2 ]; then
   # Every visible GPU: the same benchmarks on 4 or 8 GPUs are issue 7's run.
   TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU")
@@ -124,7 +131,7 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_gemm bench_linear bench_gpt \
+  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_gemm bench_linear bench_gpt profile_gpt \
            bench_reduce_scatter bench_ddp bench_ddp_mb8 matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done

@@ -40,7 +40,7 @@ namespace {
 
 // quantize() and amax() share the checks and the kernel; fn names the public entry point in errors.
 Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format format,
-                        QuantizeOptions opts, const char* fn) {
+                        QuantizeOptions opts, const at::Tensor& amax_into, const char* fn) {
   FP8DP_CHECK_ARG(x_in.defined(), fn, ": argument 'x' is undefined");
   check_device_supported(x_in, fn, "argument 'x'");
   const DType dt = to_high_precision_dtype(x_in.scalar_type(), fn, "argument 'x'");
@@ -60,7 +60,8 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
   auto f8 = x.options().dtype(fp8_dtype(format));
 
   Quantized q;
-  q.amax = at::empty({1}, f32);
+  if (amax_into.defined()) check_amax_into(amax_into, x, fn);
+  q.amax = amax_into.defined() ? amax_into : at::empty({1}, f32);
   q.scale_inv = at::empty({1}, f32);
   if (opts.data) q.data = at::empty(x.sizes(), f8);
   if (opts.transpose) q.data_t = at::empty({cols, rows}, f8);
@@ -76,6 +77,7 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
   p.out = opts.data ? static_cast<uint8_t*>(q.data.data_ptr()) : nullptr;
   p.out_t = opts.transpose ? static_cast<uint8_t*>(q.data_t.data_ptr()) : nullptr;
   p.amax = q.amax.data_ptr<float>();
+  p.amax_accumulate = amax_into.defined();
   p.scale_inv = q.scale_inv.data_ptr<float>();
   p.dbias = opts.dbias ? q.dbias.data_ptr<float>() : nullptr;
   dispatch_kernel(x.device(), quantize_cpu, FP8DP_CUDA_KERNEL(quantize_cuda), p);
@@ -85,8 +87,16 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
 }  // namespace
 
 Quantized quantize(const at::Tensor& x, const at::Tensor& scale, Format format,
-                   QuantizeOptions opts) {
-  return quantize_impl(x, scale, format, opts, "fp8dp.quantize");
+                   QuantizeOptions opts, const at::Tensor& amax_into) {
+  return quantize_impl(x, scale, format, opts, amax_into, "fp8dp.quantize");
+}
+
+void check_amax_into(const at::Tensor& a, const at::Tensor& like, const char* fn) {
+  FP8DP_CHECK_ARG(a.scalar_type() == at::kFloat && a.numel() == 1 && a.is_contiguous(), fn,
+                  ": 'amax_into' must be a contiguous float32 tensor with one element, got ",
+                  a.scalar_type(), " of shape ", a.sizes());
+  FP8DP_CHECK_ARG(a.device() == like.device(), fn, ": 'amax_into' is on ", a.device(),
+                  " but the input is on ", like.device());
 }
 
 at::Tensor amax(const at::Tensor& x) {
@@ -94,7 +104,28 @@ at::Tensor amax(const at::Tensor& x) {
   FP8DP_CHECK_ARG(x.defined(), fn, ": argument 'x' is undefined");
   // Same one-pass kernel without writing bytes; the scale is never applied to anything.
   auto one = at::ones({1}, x.options().dtype(at::kFloat));
-  return quantize_impl(x, one, Format::kE4M3, QuantizeOptions{false, false, false}, fn).amax;
+  return quantize_impl(x, one, Format::kE4M3, QuantizeOptions{false, false, false}, {}, fn).amax;
+}
+
+at::Tensor transpose_fp8(const at::Tensor& data) {
+  constexpr const char* fn = "fp8dp.transpose_fp8";
+  FP8DP_CHECK_ARG(data.defined() && data.dim() == 2, fn, ": argument 'data' must be 2-D, got ",
+                  data.defined() ? data.sizes() : at::IntArrayRef{});
+  format_of(data.scalar_type(), fn, "data");
+#if defined(FP8DP_WITH_CUDA)
+  if (data.is_cuda() && data.is_contiguous()) {
+    const int64_t rows = data.size(0), cols = data.size(1);
+    at::Tensor out = at::empty({cols, rows}, data.options());
+    if (transpose_bytes_cuda_supported(rows, cols, data.data_ptr(), out.data_ptr())) {
+      c10::cuda::CUDAGuard guard(data.device());
+      transpose_bytes_cuda(static_cast<const uint8_t*>(data.data_ptr()),
+                           static_cast<uint8_t*>(out.data_ptr()), rows, cols,
+                           c10::cuda::getCurrentCUDAStream().stream());
+      return out;
+    }
+  }
+#endif
+  return data.t().contiguous();
 }
 
 at::Tensor dequantize(const at::Tensor& data_in, const at::Tensor& scale_inv,

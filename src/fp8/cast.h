@@ -28,11 +28,22 @@ struct QuantizeOptions {
 // x: float32 / bfloat16 / float16 of any shape (viewed as [numel / last_dim, last_dim]; a
 // non-contiguous x is copied first). scale: float32 with one element on x's device, finite and > 0
 // (checked on the CPU; on CUDA the check would need a host sync, so the kernel trusts it).
+// amax_into: optional float32 [1] on x's device holding a running amax (>= 0 or NaN, e.g. a
+// delayed-scaling history's row 0); the cast max-merges its amax into it in the same kernel and
+// returns it as q.amax.
 Quantized quantize(const at::Tensor& x, const at::Tensor& scale, Format format,
-                   QuantizeOptions opts = {});
+                   QuantizeOptions opts = {}, const at::Tensor& amax_into = {});
+
+// The check of an amax_into argument (quantize, norm_forward): float32, one element, contiguous,
+// on like's device.
+void check_amax_into(const at::Tensor& amax_into, const at::Tensor& like, const char* fn);
 
 // float32 [1] tensor: max |x| with the NaN / Inf rules of quantize.
 at::Tensor amax(const at::Tensor& x);
+
+// data: a 2-D FP8 tensor [rows, cols]; returns its transpose [cols, rows], contiguous (the tiled
+// kernel of src/fp8/cuda/transpose.cu on CUDA where the shape allows, else an ATen copy).
+at::Tensor transpose_fp8(const at::Tensor& data);
 
 // data: an FP8 tensor; returns decode(data) * scale_inv as `dtype`.
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scale_inv, at::ScalarType dtype);

@@ -13,7 +13,9 @@ namespace fp8dp {
 //   out       [rows, cols]  saturate(rne(x * scale)) as FP8 bytes
 //   out_t     [cols, rows]  the same bytes transposed (the layout Hopper's FP8 GEMM needs)
 //   amax      [1]           max |x| over the input, NaN if any NaN, +Inf if any Inf (and no NaN);
-//                           written (not max-accumulated); 0 for an empty input
+//                           0 for an empty input; written, or with amax_accumulate max-merged
+//                           into the running amax already there (a delayed-scaling history's
+//                           row 0: no separate launches to zero it and merge it afterwards)
 //   scale_inv [1]           1 / scale
 //   dbias     [cols]        column sums of x in FP32 (the bias gradient of a grad_output), summed
 //                           in a fixed order (within each 64-row chunk in row order, then the
@@ -29,6 +31,7 @@ struct QuantizeParams {
   uint8_t* out = nullptr;
   uint8_t* out_t = nullptr;
   float* amax = nullptr;
+  bool amax_accumulate = false;  // *amax holds an amax (>= 0, or NaN): merge with max
   float* scale_inv = nullptr;
   float* dbias = nullptr;
 };
@@ -51,6 +54,12 @@ void dequantize_cpu(const DequantizeParams& p);
 // stream is a cudaStream_t; kept as void* so this header stays free of CUDA headers.
 void quantize_cuda(const QuantizeParams& p, void* stream);
 void dequantize_cuda(const DequantizeParams& p, void* stream);
+// out [cols, rows] <- in [rows, cols], FP8 bytes (src/fp8/cuda/transpose.cu). Only for shapes and
+// pointers that transpose_bytes_cuda_supported() accepts (rows and cols multiples of 16, 16-byte
+// alignment); the caller copies other shapes another way.
+bool transpose_bytes_cuda_supported(int64_t rows, int64_t cols, const void* in, const void* out);
+void transpose_bytes_cuda(const uint8_t* in, uint8_t* out, int64_t rows, int64_t cols,
+                          void* stream);
 #endif
 
 }  // namespace fp8dp

@@ -302,7 +302,10 @@ void quantize_cpu(const QuantizeParams& p) {
   const uint32_t amax = p.format == Format::kE4M3
                             ? quantize_dispatch_dtype<Format::kE4M3>(p, scale)
                             : quantize_dispatch_dtype<Format::kE5M2>(p, scale);
-  if (p.amax) *p.amax = amax_from_bits(amax);
+  if (p.amax) {
+    // The bits of amaxes (>= 0, NaN above +Inf) order like their values: the CUDA kernels' merge.
+    *p.amax = amax_from_bits(p.amax_accumulate ? amax_bits_of(amax, float_bits(*p.amax)) : amax);
+  }
   if (p.scale_inv) *p.scale_inv = 1.0f / scale;
 }
 

@@ -160,7 +160,8 @@ void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
   unplaced_ = false;
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t len = recipe.amax_history_len;
-  if (!amax_history_.defined()) {
+  const bool fresh = !amax_history_.defined();
+  if (fresh) {
     amax_history_ = at::zeros({len, kNumRoles}, f32);
     scale_ = at::ones({kNumRoles}, f32);
     scale_inv_ = at::ones({kNumRoles}, f32);
@@ -179,8 +180,12 @@ void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
   FP8DP_CHECK_ARG(amax_history_.device() == device, "FP8 scaling state lives on ",
                   amax_history_.device(), " but a tensor on ", device,
                   " was cast with it (move the module before its first FP8 forward)");
-  for (int r = 0; r < kNumRoles; ++r) {
-    fp8_max_[r].fill_(fp8_max(role_format(static_cast<Role>(r), recipe)));
+  // Only when the formats can have changed: this runs before every cast, and three fills per cast
+  // were three kernel launches (and their host time) per role and step.
+  if (fresh || fwd_format_ != recipe.fwd_format || bwd_format_ != recipe.bwd_format) {
+    for (int r = 0; r < kNumRoles; ++r) {
+      fp8_max_[r].fill_(fp8_max(role_format(static_cast<Role>(r), recipe)));
+    }
   }
   if (algo_ != recipe.amax_compute_algo || margin_ != recipe.margin ||
       fwd_format_ != recipe.fwd_format || bwd_format_ != recipe.bwd_format) {
@@ -223,22 +228,19 @@ at::Tensor ScalingState::prepare_scale(Role role, const Recipe& recipe,
   return scale_.narrow(0, r, 1);
 }
 
-void ScalingState::record_amax(Role role, const at::Tensor& amax, int64_t numel) {
+at::Tensor ScalingState::amax_slot(Role role, int64_t numel) {
   // C9: an empty cast says nothing about the range; an inference cast changes no training state.
-  if (numel == 0 || c10::InferenceMode::is_enabled()) return;
-  // Row 0 is the max over every cast of this role in the step (NaN propagates, and keeps the
-  // previous scale at the update, C7).
-  at::Tensor slot = amax_history_.select(0, 0).narrow(0, static_cast<int>(role), 1);
-  slot.copy_(at::maximum(slot, amax.to(slot.device())));
+  if (numel == 0 || c10::InferenceMode::is_enabled()) return at::Tensor();
   registry().observed.store(true);
+  // Row 0 is the max over every cast of this role in the step (NaN propagates, and keeps the
+  // previous scale at the update, C7). Row-major [L, roles]: the slot is one contiguous float.
+  return amax_history_.select(0, 0).narrow(0, static_cast<int>(role), 1);
 }
 
 Quantized ScalingState::cast(const at::Tensor& x, Role role, const Recipe& recipe,
                              QuantizeOptions opts) {
   at::Tensor s = prepare_scale(role, recipe, x, [&] { return fp8dp::amax(x); });
-  Quantized q = quantize(x, s, role_format(role, recipe), opts);
-  record_amax(role, q.amax, x.numel());
-  return q;
+  return quantize(x, s, role_format(role, recipe), opts, amax_slot(role, x.numel()));
 }
 
 at::Tensor ScalingState::current_amax() const { return amax_history_.select(0, 0); }

@@ -42,16 +42,18 @@ class ScalingState {
   // Casts x for `role` with the recipe's delayed scaling and records the amax in row 0.
   Quantized cast(const at::Tensor& x, Role role, const Recipe& recipe, QuantizeOptions opts);
   // For casts done elsewhere (the fused norm kernel): the scale to use (a [1] tensor, the
-  // first-cast rule applied with `first_amax` when it is needed) and the amax to record afterwards
-  // (`numel`: the number of elements it was taken over; 0 records nothing).
-  // Under torch.inference_mode() prepare_scale allocates and initialises nothing and record_amax
+  // first-cast rule applied with `first_amax` when it is needed) and where the cast records its
+  // amax: amax_slot(role, numel) is the [1] view of row 0 that the kernel max-merges into (its
+  // amax_into argument; no launches of its own), or undefined when nothing is recorded (`numel`,
+  // the number of elements cast, is 0); a defined slot marks the step as observed.
+  // Under torch.inference_mode() prepare_scale allocates and initialises nothing and amax_slot
   // records nothing: an inference cast uses the scale that training set, or, for a role that has
   // none yet, the scale its own amax gives (current scaling, not kept). Evaluation must not move
   // training's scales, and tensors made in inference mode could never be updated in place by
   // training afterwards. (Casts under torch.no_grad() do record: that is a normal forward.)
   at::Tensor prepare_scale(Role role, const Recipe& recipe, const at::Tensor& device_like,
                            const std::function<at::Tensor()>& first_amax);
-  void record_amax(Role role, const at::Tensor& amax, int64_t numel);
+  at::Tensor amax_slot(Role role, int64_t numel);
 
   bool allocated() const { return amax_history_.defined(); }
   // Restored from a checkpoint and not yet bound to a device by a cast; place() moves such a

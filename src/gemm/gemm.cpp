@@ -20,9 +20,15 @@ void check_operand(const at::Tensor& t, const at::Tensor& scale_inv, const char*
                    const char* what, const char* scale_name, GemmStrides strides) {
   FP8DP_CHECK_ARG(t.defined(), kFn, ": operand '", name, "' is undefined");
   FP8DP_CHECK_ARG(t.dim() == 2, kFn, ": operand '", name, "' must be 2-D, got shape ", t.sizes());
-  FP8DP_CHECK_ARG(strides == GemmStrides::kAny || t.is_contiguous(), kFn, ": operand '", name,
-                  "' must be row-major contiguous (TN layout), got strides ", t.strides());
   to_dtype(t.scalar_type(), kFn, what);
+  if (strides == GemmStrides::kContiguous && !t.is_contiguous()) {
+    FP8DP_CHECK_ARG(!is_fp8(t.scalar_type()), kFn, ": FP8 operand '", name,
+                    "' must be row-major contiguous (TN layout), got strides ", t.strides());
+    FP8DP_CHECK_ARG(t.t().is_contiguous(), kFn, ": operand '", name,
+                    "' must be row-major contiguous or the transpose of a contiguous tensor, got "
+                    "shape ",
+                    t.sizes(), " and strides ", t.strides());
+  }
   if (is_fp8(t.scalar_type())) {
     FP8DP_CHECK_ARG(scale_inv.defined(), kFn, ": operand '", name, "' is FP8 but '", scale_name,
                     "' is undefined ('", scale_name,
@@ -93,8 +99,11 @@ void check_gemm_args(const GemmArgs& g, GemmStrides strides) {
 
 namespace {
 
+// Row-major FP32: a column-major operand is copied here, so that the CPU result is the same bytes
+// whichever layout the caller passed.
 at::Tensor to_fp32(const at::Tensor& t, const at::Tensor& scale_inv) {
-  return is_fp8(t.scalar_type()) ? dequantize(t, scale_inv, at::kFloat) : t.to(at::kFloat);
+  return is_fp8(t.scalar_type()) ? dequantize(t, scale_inv, at::kFloat)
+                                 : t.to(at::kFloat).contiguous();
 }
 
 at::Tensor gemm_cpu(const GemmArgs& g) {

@@ -11,10 +11,15 @@ namespace fp8dp {
 //   fprop  y  = x  · Wᵀ : a = x  [tokens, in],  b = W   [out, in]
 //   dgrad  dx = dy · W  : a = dy [tokens, out], b = Wᵀ  [in, out]    (cached transposed weight)
 //   wgrad  dW = dyᵀ· x  : a = dyᵀ [out, tokens], b = xᵀ [in, tokens] (cast_transpose outputs)
+// High-precision operands may instead be column-major, i.e. the transpose view of a contiguous
+// tensor (w.t(), dy.t()): cuBLASLt then reads them with a transposed op instead of a copy, which
+// is how the layers without FP8 run dgrad and wgrad (a strided transpose copy costs more than the
+// GEMM's own memory traffic). FP8 operands must be row-major: Hopper's FP8 tensor cores take TN
+// only, so their transposes come from the cast kernels.
 struct GemmArgs {
-  at::Tensor a;             // [m, k] row-major; FP8 (e4m3 / e5m2) or float32 / bfloat16 / float16
+  at::Tensor a;             // [m, k]; FP8 (e4m3 / e5m2) or float32 / bfloat16 / float16
   at::Tensor a_scale_inv;   // float32 [1] when a is FP8, else undefined
-  at::Tensor b;             // [n, k] row-major; FP8 when a is FP8, else a's dtype
+  at::Tensor b;             // [n, k]; FP8 when a is FP8, else a's dtype
   at::Tensor b_scale_inv;   // float32 [1] when b is FP8, else undefined
   at::Tensor bias;          // optional [n], added to every row (fprop epilogue)
   at::Tensor out;           // optional preallocated [m, n] output (e.g. a main_grad view)
@@ -23,9 +28,9 @@ struct GemmArgs {
   bool use_split_accumulator = true;      // CUDA FP8: exact FP32 accumulation (dgrad / wgrad)
 };
 
-// What check_gemm_args asks of the strides: gemm() takes contiguous operands and `out`;
-// gemm_cuda() copies operands of any layout and writes into an `out` whose rows are contiguous
-// (a slice of a wider buffer).
+// What check_gemm_args asks of the strides: gemm() takes row-major contiguous operands (or, high
+// precision, column-major ones) and a contiguous `out`; gemm_cuda() copies operands of any other
+// layout and writes into an `out` whose rows are contiguous (a slice of a wider buffer).
 enum class GemmStrides { kContiguous, kAny };
 
 // The one set of GEMM argument checks: dtypes, devices, shapes (FP8 needs k % 16 == 0 and

@@ -93,11 +93,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
         at::Tensor s = core->scaling().prepare_scale(Role::kInput, ac.recipe, x2d, [&] {
           return norm_forward(x2d, ln_weight, ln_bias, cfg.norm, false, {}, fmt).amax;
         });
-        nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt);
-        core->scaling().record_amax(Role::kInput, nf.amax, x2d.numel());
+        nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt,
+                          core->scaling().amax_slot(Role::kInput, x2d.numel()));
         qin.data = nf.out_fp8;
         qin.scale_inv = at::reciprocal(s);
-        if (need_wgrad) qin.data_t = nf.out_fp8.t().contiguous();
+        if (need_wgrad) qin.data_t = transpose_fp8(nf.out_fp8);
       } else {
         // Current scaling needs the output's amax before the cast: norm, then one cast pass.
         nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, true, {}, fmt);
@@ -136,7 +136,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     } else {
       g.a = gemm_in.contiguous();
       g.b = weight.detach().contiguous();
-      if (need_wgrad) c->in_hp = gemm_in;
+      if (need_wgrad) c->in_hp = g.a;
       c->w_hp = g.b;
     }
     std::vector<int64_t> y_shape = c->x_shape;
@@ -210,14 +210,16 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       task.b = c->in_t;
       task.b_scale_inv = c->in_scale_inv;
     } else {
+      // Without FP8 the GEMMs take transpose views (column-major operands, gemm.h): a strided
+      // transpose copy of dy, x or W would cost more than the GEMM's own memory traffic.
       if (need_dgrad) {
         g.a = dy;
-        g.b = c->w_hp.t().contiguous();
+        g.b = c->w_hp.t();
         dgrad = gemm(g);
       }
       if (need_w) {
-        task.a = dy.t().contiguous();
-        task.b = c->in_hp.t().contiguous();
+        task.a = dy.t();
+        task.b = c->in_hp.t();
         // Without FP8 the bias gradient travels with the weight gradient (deferred with it).
         if (need_b) task.dy = dy;
       } else if (need_b) {

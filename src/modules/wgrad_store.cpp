@@ -9,7 +9,8 @@
 namespace fp8dp {
 
 at::Tensor bias_grad_hp(const at::Tensor& dy, at::ScalarType dtype) {
-  return dy.to(at::kFloat).sum(0).to(dtype);
+  // Summed in FP32 without an FP32 copy of dy (a pass over it that the sum does not need).
+  return at::sum(dy, {0}, false, at::kFloat).to(dtype);
 }
 
 WgradResult run_wgrad(const WgradTask& t) {

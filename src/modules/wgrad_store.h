@@ -14,7 +14,8 @@
 namespace fp8dp {
 
 // dW = a · bᵀ with a = dyᵀ [out, tokens] and b = xᵀ [in, tokens] (FP8 with scale_inv, or high
-// precision), written into main_grad (fused) or returned.
+// precision, where a and b are transpose views of dy and x: gemm.h's column-major operands),
+// written into main_grad (fused) or returned.
 struct WgradTask {
   at::Tensor a, a_scale_inv, b, b_scale_inv;
   at::Tensor dy;  // [tokens, out] high precision: the bias gradient without FP8, else undefined

@@ -49,7 +49,7 @@ NormForward norm_forward_aten(const at::Tensor& x, const at::Tensor& gamma, cons
 
 NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
                          const at::Tensor& beta_in, const NormConfig& cfg, bool want_out,
-                         const at::Tensor& scale, Format format) {
+                         const at::Tensor& scale, Format format, const at::Tensor& amax_into) {
   FP8DP_CHECK_ARG(x_in.dim() == 2, "norm: input must be [rows, cols], got ", x_in.sizes());
   const int64_t rows = x_in.size(0), cols = x_in.size(1);
   FP8DP_CHECK_ARG(cols > 0, "norm: input must have at least one column, got ", x_in.sizes());
@@ -73,7 +73,8 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   NormForward r;
   r.mu = at::empty({rows}, f32);
   r.rsigma = at::empty({rows}, f32);
-  r.amax = at::empty({1}, f32);
+  if (amax_into.defined()) check_amax_into(amax_into, x, "norm");
+  r.amax = amax_into.defined() ? amax_into : at::empty({1}, f32);
   if (want_out) r.out = at::empty({rows, cols}, x.options());
   at::Tensor sc;
   if (scale.defined()) {
@@ -95,6 +96,7 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   p.scale = scale.defined() ? sc.data_ptr<float>() : nullptr;
   p.format = format;
   p.amax = r.amax.data_ptr<float>();
+  p.amax_accumulate = amax_into.defined();
   p.mu = r.mu.data_ptr<float>();
   p.rsigma = r.rsigma.data_ptr<float>();
   dispatch_kernel(x.device(), norm_fwd_cpu, FP8DP_CUDA_KERNEL(norm_fwd_cuda), p);

@@ -27,9 +27,11 @@ struct NormForward {
 // both give the same FP8 bytes for the same rounded output (which itself may differ in the last
 // bits between the devices: FP32 row sums in another order).
 // Errors (ValueError) name the argument: not 2-D, no columns, dtype or device mismatches.
+// amax_into (optional): a running amax the pass max-merges into instead of a new one (quantize's
+// argument of that name, fp8/cast.h); returned as .amax.
 NormForward norm_forward(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                          const NormConfig& cfg, bool want_out, const at::Tensor& scale,
-                         Format format);
+                         Format format, const at::Tensor& amax_into = {});
 
 // The same forward in ATen ops (FP32 statistics, output rounded to x's dtype, then one quantize):
 // the independent reference of the kernel tests; no longer on a dispatch path (CPU and CUDA both

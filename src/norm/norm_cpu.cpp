@@ -72,7 +72,7 @@ void norm_dispatch(const NormFwdParams& p) {
       norm_rows<F, T>(p, b * grain, std::min(p.rows, (b + 1) * grain), &amax[b]);
     }
   });
-  float total = 0.0f;
+  float total = (p.amax != nullptr && p.amax_accumulate) ? *p.amax : 0.0f;
   for (float a : amax) {
     total = (std::isnan(a) || std::isnan(total)) ? std::numeric_limits<float>::quiet_NaN()
                                                  : std::max(total, a);

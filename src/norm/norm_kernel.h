@@ -30,9 +30,10 @@ struct NormFwdParams {
   uint8_t* out_fp8 = nullptr;    // optional [rows, cols] FP8 bytes: saturate(rne(z * scale))
   const float* scale = nullptr;  // needed with out_fp8 (host memory on the CPU, device on CUDA)
   Format format = Format::kE4M3;
-  float* amax = nullptr;    // optional [1]: max |z| (NaN if any z is NaN), written not accumulated
-  float* mu = nullptr;      // optional [rows] (0 for RMSNorm)
-  float* rsigma = nullptr;  // optional [rows]
+  float* amax = nullptr;         // optional [1]: max |z| (NaN if any z is NaN), written, or with
+  bool amax_accumulate = false;  // max-merged into the amax already there (quantize.h)
+  float* mu = nullptr;           // optional [rows] (0 for RMSNorm)
+  float* rsigma = nullptr;       // optional [rows]
 };
 
 void norm_fwd_cpu(const NormFwdParams& p);

@@ -78,7 +78,7 @@ def test_empty_first_microbatch_is_no_observation(kind, device):
     empty cast takes the first scale, from amax 0: scale 1, as before the fix). All 3 (CPU) fail
     at the first comparison, `assert torch.equal(ya, yb)`: the real micro-batch was cast at scale
     1 (e.g. 2.3955 vs 2.5629 in the first output element).
-    (The same guard in ScalingState::record_amax is checked by the C++ test
+    (The same guard in ScalingState::amax_slot (then record_amax) is checked by the C++ test
     Fp8Registry.EmptyCastIsNoObservation: removed, `registry_signature().observed` turns true.)"""
     a, b = twins(kind, device)
     x, dy = data(32, 11, device)
@@ -124,16 +124,16 @@ def test_first_fp8_forward_in_inference_mode_leaves_module_trainable(kind, devic
     afterwards is bit-for-bit that of a twin that never ran inference.
 
     Mutations tried:
-    - every inference rule removed (prepare_scale's inference branch, record_amax's inference
-      test, LinearCore::weight_fp8's inference return, NormalTensorMode made empty), as before
-      the fix: all 3 (CPU) fail at "AssertionError: inference allocated or recorded FP8 state"
-      (input amax recorded, first scales set); past that assert, the first training forward
+    - every inference rule removed (prepare_scale's inference branch, the inference test of
+      amax_slot, then named record_amax, LinearCore::weight_fp8's inference return,
+      NormalTensorMode made empty), as before the fix: all 3 (CPU) fail at "AssertionError:
+      inference allocated or recorded FP8 state" (input amax recorded, first scales set); past that assert, the first training forward
       raises "RuntimeError: Inplace update to inference tensor outside InferenceMode is not
       allowed" (checked by hand), the issue's defect;
     - only prepare_scale's inference branch removed: the same assert fails (state allocated as
       normal tensors, first scales set, no amax recorded);
-    - only record_amax's inference test removed: "IndexError: select(): index 0 out of range"
-      (it records into a state that inference did not allocate)."""
+    - only amax_slot's (then record_amax's) inference test removed: "IndexError: select(): index 0
+      out of range" (it records into a state that inference did not allocate)."""
     a, b = twins(kind, device)
     x0, _ = data(32, 21, device, scale=7.0)
     with torch.inference_mode(), fp8dp.fp8_autocast(fp8_recipe=RECIPE):
@@ -162,7 +162,7 @@ def test_inference_after_training_uses_training_scales_and_changes_nothing(kind,
     trains exactly as in a twin without the inference forward.
 
     Mutation tried: `if (numel == 0 || c10::InferenceMode::is_enabled()) return;` in
-    ScalingState::record_amax without the inference test: all 3 (CPU) fail with
+    ScalingState::amax_slot (then record_amax) without the inference test: all 3 (CPU) fail with
         AssertionError: amax_history: [[31.016..., 1.923..., 3.215...], ...] != [[3.805..., ...
     (inference recorded its 10x input amax into training's step).
     (The inference early return in LinearCore::weight_fp8 removed is not caught here: the

@@ -391,9 +391,11 @@ void quantize_cuda(const QuantizeParams& p, void* stream) {
   FP8DP_CHECK(p.scale != nullptr, "quantize_cuda: scale pointer is null");
   FP8DP_CHECK(p.rows * p.cols == 0 || p.input != nullptr, "quantize_cuda: input pointer is null");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  // The kernels merge block results with atomicMax, so amax starts at 0 (= amax of an empty input):
-  // the result is written, never max-accumulated with what was there.
-  if (p.amax != nullptr) FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
+  // The kernels merge block results with atomicMax on the bits (a valid max for amaxes >= 0, NaN
+  // above all), so a written amax starts at 0 (= amax of an empty input); an accumulated one keeps
+  // what is there and the blocks merge into it.
+  if (p.amax != nullptr && !p.amax_accumulate)
+    FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
   if (p.rows * p.cols == 0) {
     if (p.scale_inv != nullptr) {
       cuda::write_scale_inv_kernel<<<1, 1, 0, st>>>(p.scale, p.scale_inv);

@@ -2,6 +2,8 @@
 // Row-major out[m, n] = a[m, k] · b[n, k]ᵀ is, in cuBLASLt's column-major terms, the [n, m] matrix
 // b · aᵀ: so A := b (k x n, op T), B := a (k x m, op N), M = n, N = m, K = k. That is the "TN"
 // layout Hopper's FP8 tensor cores require, and A's scale pointer is therefore b's scale_inv.
+// A column-major b ([n, k] with columns ldb apart) is already n x k column-major for cuBLASLt, so A
+// takes op N; a column-major a is m x k column-major, so B takes op T (high precision only).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -54,7 +56,8 @@ std::string shape_of(const LtGemmParams& p) {
   using std::to_string;
   return "(GEMM m=" + to_string(p.m) + " n=" + to_string(p.n) + " k=" + to_string(p.k) +
          " a=" + dtype_name(p.a_type) + " b=" + dtype_name(p.b_type) +
-         " out=" + dtype_name(p.out_type) + (p.bias ? " +bias" : "") +
+         " out=" + dtype_name(p.out_type) + (p.a_col ? " a col-major" : "") +
+         (p.b_col ? " b col-major" : "") + (p.bias ? " +bias" : "") +
          (p.accumulate ? " accumulate" : "") + (p.fast_accum ? " fast_accum" : "") + ")";
 }
 
@@ -62,11 +65,11 @@ struct Key {
   int device;
   int64_t m, n, k, lda, ldb, ldo;
   int a_type, b_type, out_type, bias_type;
-  bool bias, accumulate, fast_accum;
+  bool bias, accumulate, fast_accum, a_col, b_col;
   uint32_t align_a, align_b, align_out;
   auto tie() const {
     return std::tie(device, m, n, k, lda, ldb, ldo, a_type, b_type, out_type, bias_type, bias,
-                    accumulate, fast_accum, align_a, align_b, align_out);
+                    accumulate, fast_accum, a_col, b_col, align_a, align_b, align_out);
   }
   bool operator<(const Key& o) const { return tie() < o.tie(); }
 };
@@ -177,7 +180,8 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
   auto pl = std::make_unique<Plan>();
   FP8DP_CHECK_CUBLAS(cublasLtMatmulDescCreate(&pl->op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                      shape_of(p));
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const cublasOperation_t ta = p.b_col ? CUBLAS_OP_N : CUBLAS_OP_T;
+  const cublasOperation_t tb = p.a_col ? CUBLAS_OP_T : CUBLAS_OP_N;
   FP8DP_CHECK_CUBLAS(
       cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
       shape_of(p));
@@ -200,9 +204,11 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
                                                       &bt, sizeof(bt)),
                        shape_of(p));
   }
-  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->la, to_cuda(p.b_type), p.k, p.n, p.ldb),
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->la, to_cuda(p.b_type), p.b_col ? p.n : p.k,
+                                                p.b_col ? p.k : p.n, p.ldb),
                      shape_of(p));
-  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lb, to_cuda(p.a_type), p.k, p.m, p.lda),
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lb, to_cuda(p.a_type), p.a_col ? p.m : p.k,
+                                                p.a_col ? p.k : p.m, p.lda),
                      shape_of(p));
   FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lc, to_cuda(p.out_type), p.n, p.m, p.ldo),
                      shape_of(p));
@@ -253,6 +259,9 @@ void gemm_lt(const LtGemmParams& p, void* stream) {
   FP8DP_CHECK(p.a && p.b && p.out, "gemm_lt: null operand pointer ", shape_of(p));
   FP8DP_CHECK(!is_fp8(p.a_type) || (p.a_scale_inv && p.b_scale_inv),
               "gemm_lt: FP8 operands need both scale_inv pointers ", shape_of(p));
+  FP8DP_CHECK(!is_fp8(p.a_type) || (!p.a_col && !p.b_col),
+              "gemm_lt: FP8 operands must be row-major (Hopper's FP8 GEMM is TN only) ",
+              shape_of(p));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int dev = 0;
   FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
@@ -270,6 +279,8 @@ void gemm_lt(const LtGemmParams& p, void* stream) {
                 p.bias != nullptr,
                 p.accumulate,
                 p.fast_accum && is_fp8(p.a_type),
+                p.a_col,
+                p.b_col,
                 alignment(p.a),
                 alignment(p.b),
                 alignment(p.out)};

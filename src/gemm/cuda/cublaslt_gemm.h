@@ -11,12 +11,15 @@ namespace fp8dp {
 
 struct LtGemmParams {
   int64_t m = 0, n = 0, k = 0;
-  const void* a = nullptr;  // [m, k], rows lda elements apart
+  const void* a = nullptr;  // [m, k], rows lda elements apart (a_col: columns lda apart)
   DType a_type = DType::kBFloat16;
   int64_t lda = 0;
-  const void* b = nullptr;  // [n, k], rows ldb elements apart
+  const void* b = nullptr;  // [n, k], rows ldb elements apart (b_col: columns ldb apart)
   DType b_type = DType::kBFloat16;
   int64_t ldb = 0;
+  // Column-major operand (high precision only: FP8 on Hopper is TN): read with a transposed op, so
+  // a transpose view (w.t(), dy.t()) needs no copy.
+  bool a_col = false, b_col = false;
   const float* a_scale_inv = nullptr;  // device float[1] (FP8 only): a's dequantization factor
   const float* b_scale_inv = nullptr;
   const void* bias = nullptr;  // [n] of bias_type, or null

@@ -14,11 +14,22 @@ namespace {
 
 constexpr const char* kFn = "fp8dp.gemm";
 
-// A 2-D operand whose rows are contiguous (stride(1) == 1) keeps its row stride as the leading
-// dimension; anything else is made contiguous first.
-at::Tensor rows_contiguous(const at::Tensor& t) {
-  if (t.stride(1) == 1 && t.stride(0) >= t.size(1) && t.stride(0) > 0) return t;
-  return t.contiguous();
+// How an operand reaches cuBLASLt: rows contiguous (stride(1) == 1) keeps its row stride as the
+// leading dimension; a high-precision operand whose columns are contiguous (a transpose view such
+// as w.t()) goes in as column-major, read with a transposed op; anything else is copied first.
+struct Operand {
+  at::Tensor t;
+  bool col = false;
+  int64_t ld = 0;
+};
+
+Operand operand_layout(const at::Tensor& t, bool fp8) {
+  if (t.stride(1) == 1 && t.stride(0) >= t.size(1) && t.stride(0) > 0)
+    return {t, false, t.stride(0)};
+  if (!fp8 && t.stride(0) == 1 && t.stride(1) >= t.size(0) && t.stride(1) > 0)
+    return {t, true, t.stride(1)};
+  at::Tensor c = t.contiguous();
+  return {c, false, c.stride(0)};
 }
 
 }  // namespace
@@ -70,17 +81,19 @@ at::Tensor gemm_cuda_checked(const GemmArgs& args) {
     return out;
   }
 
-  const at::Tensor a = rows_contiguous(a0), b = rows_contiguous(b0);
+  const Operand a = operand_layout(a0, fp8), b = operand_layout(b0, fp8);
   LtGemmParams p;
   p.m = m;
   p.n = n;
   p.k = k;
-  p.a = a.data_ptr();
-  p.a_type = to_dtype(a.scalar_type(), kFn, "operand 'a'");
-  p.lda = a.stride(0);
-  p.b = b.data_ptr();
-  p.b_type = to_dtype(b.scalar_type(), kFn, "operand 'b'");
-  p.ldb = b.stride(0);
+  p.a = a.t.data_ptr();
+  p.a_type = to_dtype(a.t.scalar_type(), kFn, "operand 'a'");
+  p.lda = a.ld;
+  p.a_col = a.col;
+  p.b = b.t.data_ptr();
+  p.b_type = to_dtype(b.t.scalar_type(), kFn, "operand 'b'");
+  p.ldb = b.ld;
+  p.b_col = b.col;
   at::Tensor a_si, b_si;
   if (fp8) {
     a_si = args.a_scale_inv.contiguous();

@@ -282,7 +282,8 @@ void norm_fwd_cuda(const NormFwdParams& p, void* stream) {
   FP8DP_CHECK(p.out_fp8 == nullptr || p.scale != nullptr, "norm_fwd_cuda: out_fp8 needs a scale");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   // Blocks merge their amax with atomicMax on the bits, so it starts at 0 (the amax of no rows).
-  if (p.amax != nullptr) FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
+  if (p.amax != nullptr && !p.amax_accumulate)
+    FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
   if (p.rows == 0) return;
   cuda::norm::dispatch_dtype(p, st);
 }

@@ -1,0 +1,77 @@
+"""Where one step of bench/gpt_block_gpu.py's GPT block stack spends its GPU time: per variant, the
+kernels grouped by name (total ms per step, launches per step) and the launch count per step, from
+torch.profiler. The tool behind issue 14's kernel and host work: it says which kernels a variant
+runs that the torch BF16 baseline does not, and how many launches each layer costs.
+
+    python3 bench/profile_gpt_block.py [--shape 8192x2] [--variants bf16,fp8dp_off,fp8dp_delayed]
+                                       [--steps 3] [--top 25] [--json out.json]
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpt_block_gpu import BATCH, SEQ, make_model, make_step  # noqa: E402
+
+
+def kernel_table(step, steps):
+    """{kernel name: [ms per step, launches per step]} over `steps` profiled steps."""
+    for _ in range(3):  # warm-up: autotuning, allocator, first casts
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    agg = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        agg[ev.name][0] += ev.device_time / 1e3 / steps
+        agg[ev.name][1] += 1
+    return {k: [v[0], v[1] / steps] for k, v in agg.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8192x2", help="hidden x layers")
+    ap.add_argument("--variants", default="bf16,fp8dp_off,fp8dp_delayed")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    hidden, layers = (int(v) for v in args.shape.split("x"))
+    torch.manual_seed(1)
+    x = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16) * 1e-2
+    ref = make_model(hidden, layers, "torch")
+    out = {"shape": args.shape, "variants": {}}
+    for v in args.variants.split(","):
+        model = ref if v == "bf16" else make_model(hidden, layers, v.split("_")[0], ref)
+        step, _ = make_step(model, x, dy, v)
+        table = kernel_table(step, args.steps)
+        total = sum(ms for ms, _ in table.values())
+        launches = sum(n for _, n in table.values())
+        out["variants"][v] = {"kernel_ms": total, "launches": launches, "kernels": table}
+        print(
+            f"\n== {v} {args.shape}: {total:.2f} ms of kernels per step, "
+            f"{launches:.0f} launches per step ({launches / layers:.0f} per layer)"
+        )
+        for name, (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[: args.top]:
+            print(f"  {ms:8.3f} ms  {n:5.0f}x  {name[:150]}")
+        if model is not ref:
+            del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
