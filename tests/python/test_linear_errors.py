@@ -221,8 +221,9 @@ def fp8(shape, fmt=torch.float8_e4m3fn):
             r"inner dimensions differ: a is \[4, 8\] and b is \[5, 9\]",
         ),
         (
-            lambda: dict(a=torch.randn(4, 8), b=torch.randn(8, 5).t()),
-            r"operand 'b' must be row-major contiguous",
+            # Neither rows nor columns contiguous (a transpose view is taken as column-major).
+            lambda: dict(a=torch.randn(4, 8), b=torch.randn(5, 16)[:, ::2]),
+            r"operand 'b' must be row-major contiguous or the transpose of a contiguous tensor",
         ),
         (
             lambda: dict(a=torch.randn(4, 8), b=torch.randn(5, 8), accumulate=True),
@@ -244,8 +245,11 @@ def fp8(shape, fmt=torch.float8_e4m3fn):
     ids=["k16", "n16", "scale_inv", "k_mismatch", "layout", "accumulate", "bias", "out", "dtypes"],
 )
 def test_gemm_errors(args, message, device):
-    # .to() keeps strides, so the transposed operand stays non-contiguous on the device too.
-    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args().items()}
+    # The same strides on the device (.to() would make a non-dense operand contiguous).
+    def on_device(v):
+        return torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=device).copy_(v)
+
+    kw = {k: on_device(v) if isinstance(v, torch.Tensor) else v for k, v in args().items()}
     with pytest.raises(ValueError, match=message):
         _C.gemm(**kw)
 
