@@ -16,6 +16,14 @@ bound, the ops of all blocks counted. Two steps per case: the first learns the r
 the second launches buckets from them (the last micro-batch's B and W steps).
 
 Pipeline cases have seeds >= PIPELINE_SEED_BASE, so --case-seed reruns one alone.
+
+Evidence (seed 0, world size 2): its first run found that Pipeline's W runner called
+backward_dw() once per delayed module per micro-batch, whatever the B step had queued: 8 of 8
+cases failed ("no weight-gradient computation is queued" for an unused module, "never computed
+by backward_dw()" for one used twice); fixed in fp8dp/pipeline.py (_StageSync counts). Mutations
+tried since, then reverted: that runner capped at one call per module per micro-batch, 10 of 12
+cases fail (the ledger's / finish_grad_sync's "never computed"); Pipeline.step without its
+1/n_microbatches scaling, 6 of 6 fail with main_grad n_mb times the reference.
 """
 
 from __future__ import annotations
