@@ -1,7 +1,8 @@
 """The training loop: one optimizer step = micro-batches under no_sync(), each a forward in FP8, a
 backward that produces input gradients only, and backward_dw() on every fp8dp module (the weight
 gradients, as a zero-bubble pipeline schedule would run them); then finish_grad_sync() and the
-distributed optimizer's step."""
+distributed optimizer's step. With parallel.pipeline_parallel_size > 1 the step, validation and
+checkpointed state come from pipeline_run.py instead; the rest of the loop is shared."""
 
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def train(
     if cfg.parallel.pipeline_parallel_size > 1:
         from .pipeline_run import PipelineRun
 
-        pipe = PipelineRun(cfg, model, ddp_cfg, n_micro, corpus, world_size, device)
+        pipe = PipelineRun(cfg, model, ddp_cfg, n_micro, corpus, device)
         opt, state_model = pipe.optimizer, pipe.modules  # what a checkpoint holds of this rank
     else:
         ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)

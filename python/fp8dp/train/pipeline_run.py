@@ -124,7 +124,6 @@ class PipelineRun:
         ddp_cfg,
         n_micro: int,
         corpus: ByteCorpus,
-        world_size: int,
         device,
     ):
         par, t, m = cfg.parallel, cfg.train, cfg.model
@@ -134,6 +133,8 @@ class PipelineRun:
         g = self.groups
         dtype = getattr(torch, m.params_dtype)
         mb = t.micro_batch_size
+        # Every rank built the whole (small) GPT from the seed, so the blocks hold the DP run's
+        # initial weights; only this rank's stages are wrapped, trained and saved.
         blocks = pipeline_blocks(model)
         self.pp = Pipeline(
             blocks,
