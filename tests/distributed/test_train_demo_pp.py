@@ -26,7 +26,7 @@ Tolerances, derived:
   (relative) and that the PP-vs-DP difference stays below 4 × the largest FP8-vs-FP32 gap plus
   the FP32 bound. Measured: PP vs DP 6.3e-4, DP 4 FP8 vs FP8 off 9.3e-4 (largest over the 9
   losses).
-Run time: two 4-rank launches, 63-81 s on the 2-core machine at load average 7-10 (other jobs
+Run time: two 4-rank launches, 47-81 s on the 2-core machine at load average 7-10 (other jobs
 compiling); most of it is process start-up (a 1-step launch took 30 s there at load 7).
 """
 
