@@ -15,8 +15,10 @@ torch's schedules run the pipeline; fp8dp plugs in where torch cannot see inside
   Its blocks keep their index in the whole model as their name (``blocks.<i>``), so FP8 scaling
   identities (C9) never collide between the two stages of one rank.
 - **W steps.** Every stage gets a ``dw_builder``; the runner it returns for a micro-batch calls
-  ``backward_dw()`` on every delayed fp8dp module of the stage. A stage runs its B steps and its
-  W steps in micro-batch order, so the head of each module's FIFO is always that micro-batch's.
+  ``backward_dw()`` on every delayed fp8dp module of the stage, as many times as that
+  micro-batch's B step queued (once per use: a module used twice in the forward queues two, an
+  unused one none). A stage runs its B steps and its W steps in micro-batch order, so the head
+  of each module's FIFO is always that micro-batch's.
 - **Static metadata.** Each PipelineStage gets ``input_args`` / ``output_args`` built from example
   tensors, so torch never runs a shape-inference forward: under ``fp8_autocast`` that forward,
   on uninitialised memory, would be the first cast and set the delayed scales.
@@ -196,9 +198,17 @@ class _StageSync:
             if isinstance(m, _FP8LinearBase) and m.delay_wgrad_compute
         ]
         self.b_done = 0
+        # A module may be reached by a micro-batch's backward any number of times (used twice in
+        # the forward, or not at all): each W pops exactly what its own B queued, counted from
+        # the queue's length right after each B (the FIFO holds B(mb)'s entries behind those of
+        # earlier micro-batches whose W has not run yet).
+        self.pending = [0] * len(self.delayed)  # entries queued by Bs whose W has not run
+        self.queued_by = {}  # micro-batch -> entries its B queued, per delayed module
 
     def begin_step(self) -> None:
         self.b_done = 0
+        self.pending = [0] * len(self.delayed)
+        self.queued_by = {}
         # Readiness is counted during the last micro-batch's B step only (and its W, below).
         self.ddp._sync.sync_enabled = self.n == 1
 
@@ -212,15 +222,21 @@ class _StageSync:
             )
         # B(mb) is done; the next B is micro-batch mb + 1, the last one's or not.
         self.ddp._sync.sync_enabled = mb + 1 == self.n - 1
+        now = [m._core.queued_wgrads for m in self.delayed]
+        self.queued_by[mb] = [q - p for q, p in zip(now, self.pending)]
+        self.pending = now
         return functools.partial(self._run_w, mb)
 
     def _run_w(self, mb: int) -> None:
         sync = self.ddp._sync
         previous = sync.sync_enabled
         sync.sync_enabled = mb == self.n - 1  # a W before the last B may run after it
+        counts = self.queued_by.pop(mb)
         try:
-            for m in self.delayed:  # each module's FIFO head is micro-batch mb's (module doc)
-                m.backward_dw()
+            for i, m in enumerate(self.delayed):  # FIFO head: micro-batch mb's (module doc)
+                for _ in range(counts[i]):
+                    m.backward_dw()
+                    self.pending[i] -= 1
         finally:
             sync.sync_enabled = previous
 

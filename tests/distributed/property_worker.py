@@ -37,7 +37,8 @@ Not covered yet: parameters in bf16 / fp16 (every parameter is FP32, so grad_red
 drawn but changes nothing), DelayedScaling (its scales carry state across steps and ranks; only
 Float8CurrentScaling is drawn), double backward, an external consumer hooked before DDP, a
 different backward_dw() schedule in each step (the windows are fixed per configuration, like a
-pipeline schedule; the order inside a window varies), pipeline stages (C10), NCCL / CUDA.
+pipeline schedule; the order inside a window varies), NCCL / CUDA. Pipeline stages (C10) are
+the pipeline axis, property_pipeline.py (--pipeline-cases, PP 2 at even world sizes).
 
 A configuration that the library may reject (see `may_reject`) must either pass or raise an
 exception of the class listed there with a message naming the parameter or module; any other
@@ -61,6 +62,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import property_pipeline
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -714,6 +716,8 @@ def run_one(c, group):
     """Runs the case and classifies its outcome."""
     t0 = time.perf_counter()
     res = dict(case_seed=c["case_seed"], ws=c["ws"], rank=group.rank(), config=c)
+    if c.get("pattern") == "pipeline":
+        return run_one_pipeline(c, res, t0)
     model_for_reject = None
     try:
         torch.manual_seed(c["case_seed"])
@@ -748,6 +752,30 @@ def run_one(c, group):
     res["seconds"] = round(time.perf_counter() - t0, 3)
     res["worst_err_over_tol"] = {k: round(v, 4) for k, v in WORST.items()}
     return res
+
+
+def run_one_pipeline(c, res, t0):
+    """A pipeline case (property_pipeline.py): nothing in it may be rejected."""
+    WORST.clear()
+    try:
+        found = []
+        res["checks"] = property_pipeline.run_case(sys.modules[__name__], c, found, COMM_TIMEOUT_S)
+        if found:
+            res.update(status="fail", mismatch=found[0], n_mismatches=len(found))
+        else:
+            res["status"] = "pass"
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}"
+        res.update(status="error", error=msg[:2000], traceback=traceback.format_exc()[-3000:])
+    res["seconds"] = round(time.perf_counter() - t0, 3)
+    res["worst_err_over_tol"] = {k: round(v, 4) for k, v in WORST.items()}
+    return res
+
+
+def gen_any_config(case_seed: int, ws: int) -> dict:
+    if property_pipeline.is_pipeline_seed(case_seed):
+        return property_pipeline.gen_pipeline_config(sys.modules[__name__], case_seed, ws)
+    return gen_config(case_seed, ws)
 
 
 def case_seeds(seed: int, n: int, ws: int):
@@ -937,6 +965,7 @@ class Runner:
         dist.all_reduce(flag, group=self.ctrl)
         if int(flag) and dist.get_world_size() > 1:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=COMM_TIMEOUT_S))
+            property_pipeline.reset_groups()
         return res
 
     def anywhere(self, ok: bool) -> bool:
@@ -980,6 +1009,12 @@ def main():
         "{name, why, world_size, config}) whose world size is this one's, first",
     )
     ap.add_argument(
+        "--pipeline-cases",
+        type=int,
+        default=0,
+        help="also run this many generated pipeline cases (PP 2; even world sizes only)",
+    )
+    ap.add_argument(
         "--shrink",
         action="store_true",
         help="shrink every failing case to a minimal configuration that fails alike",
@@ -996,7 +1031,9 @@ def main():
         configs = [c]
     else:
         seeds = args.case_seed or case_seeds(args.seed, args.cases, ws)
-        configs = [gen_config(cs, ws) for cs in seeds]
+        if not args.case_seed and ws % property_pipeline.PP == 0:
+            seeds += property_pipeline.pipeline_case_seeds(args.seed, args.pipeline_cases, ws)
+        configs = [gen_any_config(cs, ws) for cs in seeds]
         if args.regressions:
             with open(args.regressions) as f:
                 named = json.load(f)
@@ -1017,7 +1054,7 @@ def main():
         cs = c["case_seed"]
         bad = res["status"] in ("fail", "error")
         n_bad += bad
-        if args.shrink and runner.anywhere(bad):
+        if args.shrink and c.get("pattern") != "pipeline" and runner.anywhere(bad):
             sig = signature(res) if bad else None
             # every rank shrinks the same signature: the first failing rank's
             sigs = [None] * ws

@@ -4,7 +4,9 @@ each rank writes one JSON line per case, and this wrapper fails with every faili
 configuration, first mismatch and the command that reruns it alone.
 
 Environment: FP8DP_PROPERTY_SEED (default 0) picks the sample; FP8DP_PROPERTY_CASES (default 210)
-is the total number of configurations, split over the world sizes as 35% / 35% / 30%;
+is the total number of configurations, split over the world sizes as 35% / 35% / 30%, and at
+world size 2, 15% more run through fp8dp.pipeline (PP 2, property_pipeline.py; count overridden by
+FP8DP_PROPERTY_PIPELINE_CASES);
 FP8DP_PROPERTY_SHRINK=1 also shrinks each failing case to a minimal configuration that fails
 alike (slower). The worker alone: `torchrun --standalone --nproc_per_node=W
 tests/distributed/property_worker.py --seed S --cases N` (or `--case-seed C` for one case)."""
@@ -16,6 +18,7 @@ import pytest
 from harness import HERE, torchrun
 
 SHARE = {1: 0.35, 2: 0.35, 3: 0.30}
+PIPELINE_SHARE = 0.15  # ~0.3 s each on 2 cores: 32 cases add ~15 s to the world-size-2 launch
 
 
 def _cases(ws: int) -> int:
@@ -23,7 +26,20 @@ def _cases(ws: int) -> int:
     return max(1, round(total * SHARE[ws]))
 
 
+def _pipeline_cases(ws: int) -> int:
+    if ws % 2:
+        return 0
+    total = int(os.environ.get("FP8DP_PROPERTY_CASES", "210"))
+    return int(os.environ.get("FP8DP_PROPERTY_PIPELINE_CASES", round(total * PIPELINE_SHARE)))
+
+
 def _brief(c: dict) -> str:
+    if c.get("pattern") == "pipeline":
+        blocks = [f"[{_brief(b)}]" for b in c["blocks"]]
+        return (
+            f"pipeline {c['schedule']} x{c['virtual_stages']}, {c['n_mb']} micro-batches, "
+            f"ddp {json.dumps(c['ddp'])}, blocks {' '.join(blocks)}"
+        )
     mods = []
     for m in c["fp8_mods"]:
         flags = [k for k in ("bias", "fuse", "delay") if m[k]]
@@ -53,7 +69,9 @@ def _brief(c: dict) -> str:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_gradient_accounting_property(world_size, tmp_path):
     seed = int(os.environ.get("FP8DP_PROPERTY_SEED", "0"))
+    n_pipe = _pipeline_cases(world_size)
     args = ["--seed", seed, "--cases", _cases(world_size), "--out", tmp_path]
+    args += ["--pipeline-cases", n_pipe]
     # the minimal configurations of earlier findings, by name, each at its world size
     args += ["--regressions", HERE / "property_regressions.json"]
     regs = json.loads((HERE / "property_regressions.json").read_text())
@@ -69,9 +87,10 @@ def test_gradient_accounting_property(world_size, tmp_path):
     by_case = {}
     for r in rows:
         by_case.setdefault(r["case_seed"], []).append(r)
-    assert (
-        len(by_case) == _cases(world_size) + n_reg
-    ), f"{len(by_case)} of {_cases(world_size) + n_reg} cases reported\n{log[-3000:]}"
+    expected = _cases(world_size) + n_reg + n_pipe
+    assert len(by_case) == expected, f"{len(by_case)} of {expected} cases reported\n{log[-3000:]}"
+    n_pipe_run = sum(rs[0]["config"].get("pattern") == "pipeline" for rs in by_case.values())
+    assert n_pipe_run == n_pipe, f"{n_pipe_run} of {n_pipe} pipeline cases reported"
     failures = []
     rejected = 0
     for cs, rs in by_case.items():
@@ -109,7 +128,8 @@ def test_gradient_accounting_property(world_size, tmp_path):
             )
         failures.append(msg)
     print(
-        f"world size {world_size}: {len(by_case)} cases, {len(failures)} failing, "
+        f"world size {world_size}: {len(by_case)} cases ({n_pipe} through fp8dp.pipeline), "
+        f"{len(failures)} failing, "
         f"{rejected} rejected as allowed (seed {seed})"
     )
     assert (

@@ -114,3 +114,54 @@ def test_readme_documents_every_key():
         if f"`{s}.{f.name}`" not in readme
     ]
     assert not missing, f"README's configuration reference lacks {missing}"
+
+
+def test_demo_pp_loads_as_pp2_on_four_ranks():
+    cfg = load_config(str(REPO / "configs" / "demo_pp.yaml"))
+    assert (cfg.parallel.pipeline_parallel_size, cfg.parallel.schedule) == (2, "zbv")
+    # 16 sequences / (micro-batch 2 x DP 2) = 4 micro-batches per pipeline
+    assert cfg.check_world_size(4) == 4
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"schedule": "gpipe"}, r"parallel.schedule: expected one of \['1f1b'.*got 'gpipe'"),
+        (
+            {"schedule": "zbv", "virtual_stages": 1},
+            r"parallel.virtual_stages: schedule 'zbv' expected 2, got 1",
+        ),
+        (
+            {"schedule": "1f1b", "virtual_stages": 2},
+            r"parallel.virtual_stages: schedule '1f1b' expected 1, got 2",
+        ),
+        ({"pipeline_parallel_size": 0}, r"parallel.pipeline_parallel_size: .*>= 1, got 0"),
+        (
+            # 4 pipeline ranks x 2 stages = 8 stages, 3 layers + embedding + head = 5 blocks
+            {"pipeline_parallel_size": 4, "schedule": "zbv", "virtual_stages": 2},
+            r"model.n_layer: expected at least .* = 6 .*got 3",
+        ),
+    ],
+)
+def test_bad_parallel_values_name_the_key(values, message):
+    raw = _demo()
+    raw["parallel"] = values
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "world, message",
+    [
+        (3, r"parallel.pipeline_parallel_size: expected a divisor of the world size 3, got 2"),
+        # 16 sequences do not split into micro-batches of 2 over the 16 ranks of the DP run
+        (16, r"train.global_batch_size: expected a multiple of .* 2 \* 16 = 32 \(the pipelines"),
+    ],
+)
+def test_pipeline_world_size_errors_name_the_key(world, message):
+    raw = _demo()
+    raw["parallel"] = {"pipeline_parallel_size": 2}
+    cfg = config_from_dict(raw)
+    assert cfg.check_world_size(2) == 8  # DP 1: one pipeline runs all 16 / 2 micro-batches
+    with pytest.raises(ValueError, match=message):
+        cfg.check_world_size(world)

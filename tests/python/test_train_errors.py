@@ -34,6 +34,9 @@ Evidence that each test catches its defect (2026-12-01, each fix reverted alone,
   (exit 0), a bad model state dict is a multi-line RuntimeError traceback, a bad RNG state
   `TypeError: expected a torch.ByteTensor`.
 
+- test_checkpoint_from_before_the_parallel_section_resumes: without the parallel section's
+  defaults in checkpoint._read_and_check, `parallel.pipeline_parallel_size: expected None (the
+  checkpoint ... was trained with it ...), got 1`.
 - test_compare_bf16_misuse: with __main__.py as it was (1a0ce06), `SystemExit: --compare-bf16
   trains two runs; use --save/--resume without it`.
 
@@ -315,3 +318,21 @@ def test_compare_bf16_misuse(finished, tmp_path):
     )
     rc, _, err = run("--config", cfg, "--compare-bf16", "--set", "fp8.enabled=false")
     assert_one_error(rc, err, "--compare-bf16: expected a config with fp8.enabled true, got false")
+
+
+def test_checkpoint_from_before_the_parallel_section_resumes(finished, tmp_path):
+    # A checkpoint's meta.json written before parallel.* existed (a data-parallel run) matches
+    # the section's defaults; one that names another layout is refused, naming the key.
+    cfg, ckpt = finished
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["config"]["parallel"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    rc, out, err = run("--config", cfg, "--resume", old)
+    assert rc == 0, err
+    assert "nothing to train" in out, out
+    rc, _, err = run(
+        "--config", cfg, "--resume", ckpt, "--set", "parallel.schedule=interleaved_1f1b"
+    )
+    assert_one_error(rc, err, "parallel.schedule: expected '1f1b'", "got 'interleaved_1f1b'")

@@ -83,8 +83,15 @@ def main(argv=None) -> int:
             name = "fp8" if run_cfg.fp8.enabled else "nofp8"
             run_dir = os.path.join(run_cfg.out.dir, name)
             if rank == 0:
+                par = run_cfg.parallel
+                layout = (
+                    f", PP {par.pipeline_parallel_size} x DP "
+                    f"{world // par.pipeline_parallel_size} ({par.schedule})"
+                    if par.pipeline_parallel_size > 1
+                    else ""
+                )
                 print(
-                    f"[fp8dp.train] {name}: {world} rank(s), {backend}, "
+                    f"[fp8dp.train] {name}: {world} rank(s), {backend}{layout}, "
                     f"{run_cfg.model.n_layer} layers x {run_cfg.model.d_model}, "
                     f"{run_cfg.train.steps} steps",
                     flush=True,

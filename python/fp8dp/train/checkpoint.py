@@ -10,12 +10,15 @@ and the config, checked on resume.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 
 import torch
 import torch.distributed as dist
+
+from .config import ParallelSection
 
 _RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.save_every", "out.dir"}
 _STATE_KEYS = {"step", "model", "optimizer", "rng"}
@@ -150,7 +153,13 @@ def _read_and_check(
             f"--resume: the checkpoint was written by {meta['world_size']} ranks and resumes "
             f"exactly only at the same world size, got {world_size}"
         )
-    old, new = _flatten(meta["config"]), _flatten(config)
+    # A checkpoint written before the parallel section existed was trained data-parallel: the
+    # section's defaults.
+    old = {
+        **_flatten({"parallel": dataclasses.asdict(ParallelSection())}),
+        **_flatten(meta["config"]),
+    }
+    new = _flatten(config)
     for key in sorted(set(old) | set(new)):
         if key not in _RESUMABLE_CHANGES and old.get(key) != new.get(key):
             raise ValueError(

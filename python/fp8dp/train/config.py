@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from fp8dp.pipeline import _VIRTUAL as _SCHEDULES  # schedule -> its stages per pipeline rank
 from fp8dp.recipe import MAX_MARGIN
 
 _DTYPES = ("float32", "bfloat16")
@@ -237,6 +238,34 @@ class DDPSection:
 
 
 @dataclass
+class ParallelSection:
+    """Pipeline parallelism (fp8dp.pipeline, contract C10). The world splits into
+    pipeline_parallel_size pipeline ranks x world / pipeline_parallel_size data-parallel ranks
+    (Megatron's rank order); with 1 the demo is plain data-parallel and never touches the pipeline
+    code."""
+
+    pipeline_parallel_size: int = 1
+    """Pipeline ranks; a divisor of the world size. Default 1: data-parallel only."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank: 1 for 1f1b, 1 or 2 for interleaved_1f1b and zero_bubble, 2 for
+    zbv (its V). Default 1."""
+    schedule: str = "1f1b"
+    """torch.distributed.pipelining schedule: "1f1b", "interleaved_1f1b", "zero_bubble" or "zbv";
+    the last two run fp8dp's deferred weight gradients as their W steps. Default 1f1b."""
+
+    def __post_init__(self):
+        _int("parallel.pipeline_parallel_size", self.pipeline_parallel_size)
+        _int("parallel.virtual_stages", self.virtual_stages)
+        _choice("parallel.schedule", self.schedule, _SCHEDULES)
+        allowed = _SCHEDULES[self.schedule]
+        if self.virtual_stages not in allowed:
+            raise ValueError(
+                f"parallel.virtual_stages: schedule {self.schedule!r} expected "
+                f"{' or '.join(map(str, allowed))}, got {self.virtual_stages}"
+            )
+
+
+@dataclass
 class DataSection:
     """The byte-level text corpus."""
 
@@ -270,6 +299,7 @@ _SECTIONS = {
     "train": TrainSection,
     "fp8": FP8Section,
     "ddp": DDPSection,
+    "parallel": ParallelSection,
     "data": DataSection,
     "out": OutputSection,
 }
@@ -281,6 +311,7 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     fp8: FP8Section = field(default_factory=FP8Section)
     ddp: DDPSection = field(default_factory=DDPSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     data: DataSection = field(default_factory=DataSection)
     out: OutputSection = field(default_factory=OutputSection)
 
@@ -292,10 +323,24 @@ class TrainConfig:
                 f"must be a multiple of 16, got {self.train.micro_batch_size} * "
                 f"{self.model.seq_len} = {tokens}"
             )
+        par = self.parallel
+        if par.pipeline_parallel_size > 1:
+            # fp8dp.pipeline's blocks: the embedding, each transformer block, the norm + head.
+            blocks, stages = self.model.n_layer + 2, par.pipeline_parallel_size * par.virtual_stages
+            if blocks < stages:
+                raise ValueError(
+                    f"model.n_layer: expected at least parallel.pipeline_parallel_size * "
+                    f"parallel.virtual_stages - 2 = {stages - 2} (one block per stage; the "
+                    f"embedding and the head are blocks too), got {self.model.n_layer}"
+                )
 
     def check_world_size(self, world_size: int) -> int:
-        """Micro-batches per rank per step; error naming train.global_batch_size when the global
-        batch does not split into whole micro-batches on every rank."""
+        """Micro-batches per data-parallel rank per step; error naming train.global_batch_size when
+        the global batch does not split into whole micro-batches on every data-parallel rank, or
+        the parallel.* key that the world size or the schedule cannot take."""
+        pp = self.parallel.pipeline_parallel_size
+        if pp > 1:
+            return self._check_pipeline(world_size)
         per_step = self.train.micro_batch_size * world_size
         if self.train.global_batch_size % per_step != 0:
             raise ValueError(
@@ -304,6 +349,29 @@ class TrainConfig:
                 f"got {self.train.global_batch_size}"
             )
         return self.train.global_batch_size // per_step
+
+    def _check_pipeline(self, world_size: int) -> int:
+        pp = self.parallel.pipeline_parallel_size
+        if world_size % pp != 0:
+            raise ValueError(
+                f"parallel.pipeline_parallel_size: expected a divisor of the world size "
+                f"{world_size}, got {pp}"
+            )
+        dp = world_size // pp
+        # The pipelines read the global batch exactly as the data-parallel run of the same world
+        # size does (train/pipeline.py), so it must split the same way: whole micro-batches per
+        # rank of that run.
+        per_step = self.train.micro_batch_size * world_size
+        if self.train.global_batch_size % per_step != 0:
+            raise ValueError(
+                f"train.global_batch_size: expected a multiple of train.micro_batch_size * world "
+                f"size = {self.train.micro_batch_size} * {world_size} = {per_step} (the "
+                f"pipelines read the batches of the data-parallel run of the same world size), "
+                f"got {self.train.global_batch_size}"
+            )
+        # So every pipeline runs pp * k micro-batches: at least pp, and whole rounds of pp, which
+        # is all that fp8dp.pipeline.check_layout asks of the micro-batch count.
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

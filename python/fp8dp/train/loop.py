@@ -1,7 +1,8 @@
 """The training loop: one optimizer step = micro-batches under no_sync(), each a forward in FP8, a
 backward that produces input gradients only, and backward_dw() on every fp8dp module (the weight
 gradients, as a zero-bubble pipeline schedule would run them); then finish_grad_sync() and the
-distributed optimizer's step."""
+distributed optimizer's step. With parallel.pipeline_parallel_size > 1 the step, validation and
+checkpointed state come from pipeline_run.py instead; the rest of the loop is shared."""
 
 from __future__ import annotations
 
@@ -82,6 +83,30 @@ def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, device) -> 
     return _all_mean(total / cfg.train.eval_batches, device)
 
 
+def _dp_step(cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device) -> float:
+    """One data-parallel optimizer step (the module docstring's); returns the mean training
+    loss over all ranks."""
+    t = cfg.train
+    ddp.zero_grad_buffer()
+    loss_sum = 0.0
+    for i in range(n_micro):
+        x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
+        x, y = x.to(device), y.to(device)
+        # Only the last micro-batch may launch collectives; the others just accumulate.
+        sync = ddp.no_sync() if i < n_micro - 1 else contextlib.nullcontext()
+        with sync:
+            with fp8dp.fp8_autocast(enabled=cfg.fp8.enabled, fp8_recipe=recipe):
+                logits = ddp(x, is_first_microbatch=(i == 0))
+            loss = F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.view(-1))
+            (loss / n_micro).backward()  # input gradients only with delayed wgrad
+            for m in wgrad_modules:  # the weight gradients, later, in reverse layer order
+                m.backward_dw()
+        loss_sum += loss.item()
+    ddp.finish_grad_sync()
+    opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
+    return _all_mean(loss_sum / n_micro, device)
+
+
 def train(
     cfg: TrainConfig,
     run_dir: str,
@@ -109,11 +134,19 @@ def train(
         delay_wgrad_compute=d.delay_wgrad_compute,
         check_for_nan_in_grad=d.check_for_nan_in_grad,
     )
-    ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
     t = cfg.train
-    opt = fp8dp.DistributedOptimizer(
-        torch.optim.AdamW, ddp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay
-    )
+    pipe = None  # the pipeline (pipeline_parallel_size > 1); the data-parallel path never has one
+    if cfg.parallel.pipeline_parallel_size > 1:
+        from .pipeline_run import PipelineRun
+
+        pipe = PipelineRun(cfg, model, ddp_cfg, n_micro, corpus, device)
+        opt, state_model = pipe.optimizer, pipe.modules  # what a checkpoint holds of this rank
+    else:
+        ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
+        opt = fp8dp.DistributedOptimizer(
+            torch.optim.AdamW, ddp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay
+        )
+        state_model = model
     recipe = make_recipe(cfg)
     wgrad_modules = list(reversed(model.fp8_modules())) if d.delay_wgrad_compute else []
     config_dict = cfg.to_dict()
@@ -121,7 +154,12 @@ def train(
     start = 0
     if resume:
         start = load_checkpoint(
-            resume, model=model, optimizer=opt, config=config_dict, rank=rank, world_size=world_size
+            resume,
+            model=state_model,
+            optimizer=opt,
+            config=config_dict,
+            rank=rank,
+            world_size=world_size,
         )
         if start > t.steps:
             raise ValueError(
@@ -134,7 +172,7 @@ def train(
                 save_checkpoint(
                     save,
                     step=start,
-                    model=model,
+                    model=state_model,
                     optimizer=opt,
                     config=config_dict,
                     rank=rank,
@@ -172,7 +210,9 @@ def train(
         )
     first_val = last_val = None
     if start == 0:
-        first_val = last_val = evaluate(model, corpus, cfg, rank, device)
+        first_val = last_val = (
+            pipe.evaluate() if pipe else evaluate(model, corpus, cfg, rank, device)
+        )
         if writer:
             writer.write({"step": 0, "val_loss": first_val})
     t_start = time.perf_counter()
@@ -181,24 +221,12 @@ def train(
         lr = lr_at(cfg, step)
         for group in opt.param_groups:
             group["lr"] = lr
-        ddp.zero_grad_buffer()
-        loss_sum = 0.0
-        for i in range(n_micro):
-            x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
-            x, y = x.to(device), y.to(device)
-            # Only the last micro-batch may launch collectives; the others just accumulate.
-            sync = ddp.no_sync() if i < n_micro - 1 else contextlib.nullcontext()
-            with sync:
-                with fp8dp.fp8_autocast(enabled=cfg.fp8.enabled, fp8_recipe=recipe):
-                    logits = ddp(x, is_first_microbatch=(i == 0))
-                loss = F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.view(-1))
-                (loss / n_micro).backward()  # input gradients only with delayed wgrad
-                for m in wgrad_modules:  # the weight gradients, later, in reverse layer order
-                    m.backward_dw()
-            loss_sum += loss.item()
-        ddp.finish_grad_sync()
-        opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
-        train_loss = _all_mean(loss_sum / n_micro, device)
+        if pipe:
+            train_loss = pipe.step(step, recipe)
+        else:
+            train_loss = _dp_step(
+                cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device
+            )
         dt = time.perf_counter() - t0
         rec = {
             "step": step + 1,
@@ -209,7 +237,9 @@ def train(
         }
         done = step + 1
         if done % t.eval_every == 0 or done == t.steps:
-            rec["val_loss"] = last_val = evaluate(model, corpus, cfg, rank, device)
+            rec["val_loss"] = last_val = (
+                pipe.evaluate() if pipe else evaluate(model, corpus, cfg, rank, device)
+            )
         if writer:
             writer.write(rec)
         if bar:
@@ -222,7 +252,7 @@ def train(
             save_checkpoint(
                 os.path.join(save, f"step_{done:06d}"),
                 step=done,
-                model=model,
+                model=state_model,
                 optimizer=opt,
                 config=config_dict,
                 rank=rank,
@@ -235,7 +265,7 @@ def train(
         save_checkpoint(
             save,
             step=t.steps,
-            model=model,
+            model=state_model,
             optimizer=opt,
             config=config_dict,
             rank=rank,

@@ -25,6 +25,13 @@ def _normal(std: float, w: torch.Tensor) -> None:
     torch.nn.init.normal_(w, mean=0.0, std=std)
 
 
+def embed(tok: torch.nn.Embedding, pos: torch.nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [seq, batch] -> token + position embeddings [seq, batch, hidden] (GPT.forward and
+    the pipeline's first block share it)."""
+    s = tokens.shape[0]
+    return tok(tokens) + pos(torch.arange(s, device=tokens.device))[:, None, :]
+
+
 class Block(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, proj: dict):
         super().__init__()
@@ -84,8 +91,7 @@ class GPT(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, is_first_microbatch=None) -> torch.Tensor:
         """tokens [seq, batch] (int64) -> logits [seq, batch, 256]."""
-        s = tokens.shape[0]
-        x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[:, None, :]
+        x = embed(self.tok, self.pos, tokens)
         for block in self.blocks:
             x = block(x, is_first_microbatch)
         return self.head(x, is_first_microbatch=is_first_microbatch)
