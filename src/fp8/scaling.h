@@ -42,7 +42,13 @@ void update_scaling_batched_cpu(const ScalingSlot* slots, int64_t count);
 // The scale a current-scaling cast uses for a tensor whose amax is `amax` (same rule, no history).
 float compute_scale(float amax, float fp8_max, float margin, float previous_scale);
 
+// *scale = compute_scale(*amax, fp8_max, margin, 1): a current-scaling cast's scale from the amax
+// its first pass wrote, computed where the amax is (host memory for the CPU version, device memory
+// for CUDA: one launch and no host sync instead of a chain of element-wise ops).
+void current_scale_cpu(const float* amax, float* scale, float fp8_max, float margin);
+
 #if defined(FP8DP_WITH_CUDA)
+void current_scale_cuda(const float* amax, float* scale, float fp8_max, float margin, void* stream);
 void update_scaling_cuda(const ScalingUpdateParams& p, void* stream);
 // Every slot in ceil(count / kMaxSlotsPerLaunch) launches (the slots travel as kernel parameters;
 // one block per slot), so the delayed-scaling update of a whole model is one launch (C7).

@@ -17,6 +17,10 @@ float compute_scale(float amax, float fp8_max, float margin, float previous_scal
   return s;
 }
 
+void current_scale_cpu(const float* amax, float* scale, float fp8_max, float margin) {
+  *scale = compute_scale(*amax, fp8_max, margin, 1.0f);
+}
+
 void update_scaling_cpu(const ScalingUpdateParams& p) {
   FP8DP_CHECK(p.history_len >= 1, "update_scaling: history_len must be >= 1, got ", p.history_len);
   FP8DP_CHECK(p.n >= 0, "update_scaling: n must be >= 0, got ", p.n);

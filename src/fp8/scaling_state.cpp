@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/dispatch.h"
+#include "fp8/scaling.h"
 #include "fp8/scaling_update.h"
 
 namespace fp8dp {
@@ -380,12 +382,17 @@ void ScalingState::reset() {
 }
 
 at::Tensor current_scale(const at::Tensor& amax, Format format, float margin) {
-  // Same float operations as compute_scale(): fp8_max / amax / 2^margin, FLT_MAX on overflow, and
-  // 1 when amax says nothing (0, NaN or Inf).
-  at::Tensor s = at::div(at::div(at::full_like(amax, fp8_max(format)), amax), std::exp2(margin));
-  s = at::where(at::isinf(s), at::full_like(s, FLT_MAX), s);
-  const at::Tensor usable = at::logical_and(at::gt(amax, 0.0), at::isfinite(amax));
-  return at::where(usable, s, at::ones_like(s));
+  // compute_scale()'s rule (fp8_max / amax / 2^margin, FLT_MAX on overflow, 1 when amax says
+  // nothing: 0, NaN or Inf) where the amax lives: one launch on CUDA. It was ten element-wise ATen
+  // ops, each a launch, which made current scaling host-bound.
+  FP8DP_CHECK(amax.scalar_type() == at::kFloat && amax.numel() == 1 && amax.is_contiguous(),
+              "current_scale: amax must be one contiguous float32, got ", amax.scalar_type(), " ",
+              amax.sizes());
+  at::Tensor s = at::empty({1}, amax.options());
+  dispatch_kernel(amax.device(), current_scale_cpu, FP8DP_CUDA_KERNEL(current_scale_cuda),
+                  static_cast<const float*>(amax.data_ptr<float>()), s.data_ptr<float>(),
+                  fp8_max(format), margin);
+  return s;
 }
 
 Quantized cast_current(const at::Tensor& x, Format format, float margin, QuantizeOptions opts) {

@@ -265,8 +265,13 @@ def test_pipeline_step_matches_float64_reference(layout, case):
     case_key = (pp_size, case)
     for r, rank_res in enumerate(res):
         if case_key not in rank_res:
-            failed = [(c, v[1]) for c, v in rank_res.items() if v[0] == "fail"]
-            pytest.fail(f"rank {r} did not run {case}; earlier failure: {failed or 'none (died?)'}")
+            # Every rank's failure: the first one to fail is often not rank 0 (the others then
+            # only see its closed connection).
+            failed = {
+                rr: [(c, v[1]) for c, v in other.items() if v[0] == "fail"] or "none (died?)"
+                for rr, other in enumerate(res)
+            }
+            pytest.fail(f"rank {r} did not run {case}; failures by rank: {failed}")
         status, detail = rank_res[case_key]
         assert status == "pass", f"rank {r}: {detail}"
         if case[3]:  # FP8 on: the error shows the casts ran

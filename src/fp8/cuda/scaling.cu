@@ -142,6 +142,11 @@ __global__ void __launch_bounds__(kBatchThreads)
   if (tid < n) hist[tid] = 0.0f;
 }
 
+__global__ void current_scale_kernel(const float* __restrict__ amax, float* __restrict__ scale,
+                                     float fp8_max, float margin) {
+  *scale = device_scale(*amax, fp8_max, margin, 1.0f);
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -162,6 +167,13 @@ void update_scaling_batched_cuda(const ScalingSlot* slots, int64_t count, void* 
                                           static_cast<cudaStream_t>(stream)>>>(b);
     FP8DP_CHECK_CUDA(cudaGetLastError());
   }
+}
+
+void current_scale_cuda(const float* amax, float* scale, float fp8_max, float margin,
+                        void* stream) {
+  cuda::current_scale_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(amax, scale, fp8_max,
+                                                                            margin);
+  FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
 void update_scaling_cuda(const ScalingUpdateParams& p, void* stream) {
