@@ -18,9 +18,7 @@ namespace {
 Format format_of(Wire w) { return w == Wire::kE4M3 ? Format::kE4M3 : Format::kE5M2; }
 
 // Elements of chunk k that hold data when n elements are split in chunks of m.
-int64_t valid(int64_t n, int64_t m, int64_t k) {
-  return std::clamp<int64_t>(n - k * m, 0, m);
-}
+int64_t valid(int64_t n, int64_t m, int64_t k) { return std::clamp<int64_t>(n - k * m, 0, m); }
 
 void check_flat(const at::Tensor& t, at::ScalarType dt, const char* what) {
   FP8DP_CHECK(t.defined() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == dt, what,
@@ -33,8 +31,9 @@ void check_chunks(const at::Tensor& data, const at::Tensor& scale_inv, Wire w) {
   FP8DP_CHECK(w != Wire::kBuffer, "wire: the 'buffer' wire has no encoding");
   check_flat(data, wire_dtype(w), "wire data");
   check_flat(scale_inv, at::kFloat, "wire scale_inv");
-  FP8DP_CHECK(scale_inv.numel() > 0 && data.numel() % scale_inv.numel() == 0, "wire data: ",
-              data.numel(), " elements do not split into ", scale_inv.numel(), " chunks");
+  FP8DP_CHECK(scale_inv.numel() > 0 && data.numel() % scale_inv.numel() == 0,
+              "wire data: ", data.numel(), " elements do not split into ", scale_inv.numel(),
+              " chunks");
 }
 
 // FP8 decode of n bytes at data[offset] with scale_inv[k] into out (float32), on data's device.
@@ -119,9 +118,9 @@ void encode_chunks(const at::Tensor& src, Wire w, const at::Tensor& data,
   const at::Tensor usable = at::logical_and(finite, amax > 0);
   // The ratio is capped below float's overflow (an amax near float's smallest values), so frexp
   // always sees a finite number; e then stays within [-125, 125] and both 2^e and 2^-e are normal.
-  const at::Tensor ratio = at::where(usable, at::div(at::full({1}, fp8_max(f), f32), amax),
-                                     at::ones_like(amax))
-                               .clamp_max(std::ldexp(1.0, 125));
+  const at::Tensor ratio =
+      at::where(usable, at::div(at::full({1}, fp8_max(f), f32), amax), at::ones_like(amax))
+          .clamp_max(std::ldexp(1.0, 125));
   at::Tensor e = std::get<1>(at::frexp(ratio)).sub(1).clamp(-125, 125);
   const at::Tensor scale = e.add(127).bitwise_left_shift(23).view(at::kFloat);
   at::Tensor inv = e.neg().add(127).bitwise_left_shift(23).view(at::kFloat);

@@ -78,7 +78,8 @@ TEST_P(WireRoundTrip, DecodeOfEncodeIsWithinTheFormatsRounding) {
       EXPECT_GT(amax / si, max / 2);
       // The bytes are the FP8 cast kernel's (C7) with that scale.
       const at::Tensor scale = at::full({1}, 1.0f / si, at::kFloat);
-      const at::Tensor q = quantize(xk, scale, w == Wire::kE4M3 ? Format::kE4M3 : Format::kE5M2).data;
+      const at::Tensor q =
+          quantize(xk, scale, w == Wire::kE4M3 ? Format::kE4M3 : Format::kE5M2).data;
       EXPECT_TRUE(at::equal(q.view(at::kByte), c.data.narrow(0, k * m, len)));
     }
     const at::Tensor bound = xk.abs().to(at::kDouble) * rel + sub * si;
@@ -115,12 +116,11 @@ std::string name(const ::testing::TestParamInfo<Param>& info) {
   return std::string(wire_name(w)) + "_n" + std::to_string(n) + "_chunks" + std::to_string(chunks);
 }
 
-INSTANTIATE_TEST_SUITE_P(Wires, WireRoundTrip,
-                         ::testing::Combine(::testing::Values(Wire::kBF16, Wire::kE4M3,
-                                                              Wire::kE5M2),
-                                            ::testing::Values(1, 7, 64, 127, 1000),
-                                            ::testing::Values(1, 2, 3)),
-                         name);
+INSTANTIATE_TEST_SUITE_P(
+    Wires, WireRoundTrip,
+    ::testing::Combine(::testing::Values(Wire::kBF16, Wire::kE4M3, Wire::kE5M2),
+                       ::testing::Values(1, 7, 64, 127, 1000), ::testing::Values(1, 2, 3)),
+    name);
 
 TEST(Wire, ZeroChunkHasScaleOneAndNonFiniteChunksArriveAsNaN) {
   for (Wire w : {Wire::kE4M3, Wire::kE5M2}) {

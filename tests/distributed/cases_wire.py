@@ -111,13 +111,13 @@ def local_contributions(model, x, y, rank, n_mb):
 
 
 # ---------------------------------------------------------------------------------------------
-@case(dtype=[torch.float32, torch.bfloat16, torch.uint8])
-def communicator_all_to_all(rank, ws, dtype):
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+
+
+def all_to_all_exact(comm, rank, ws, dtype):
     """Chunk j of rank r's input arrives as chunk r of rank j's output, grouped (two buffers of
-    different sizes and dtypes in one call); uint8 carries FP8 bytes. Values r * 10 + j + k / 8
-    (k the position in the chunk) are exact in every dtype (uint8: integers only)."""
-    C = fp8dp._C
-    comm = C.ProcessGroupCommunicator(dist.group.WORLD)
+    different sizes and a float32 one in one call); uint8 carries FP8 bytes. Values r * 10 + j +
+    k / 8 (k the position in the chunk) are exact in every dtype (uint8: integers only)."""
     ins, outs = [], []
     for m in (3, 40):
         k = torch.arange(m, dtype=torch.float32, device=D.DEV)
@@ -143,6 +143,20 @@ def communicator_all_to_all(rank, ws, dtype):
         "all_to_all outputs[0]: expected a buffer apart from inputs[0]",
         lambda: comm.all_to_all([ins[0]], [ins[0]]),
     )
+
+
+@case(dtype=list(DTYPES))
+def communicator_all_to_all(rank, ws, dtype):
+    """The ProcessGroupCommunicator's all-to-all (all_to_all_exact)."""
+    comm = fp8dp._C.ProcessGroupCommunicator(dist.group.WORLD)
+    all_to_all_exact(comm, rank, ws, DTYPES[dtype])
+
+
+@case(runs=("nccl_native",), dtype=list(DTYPES))
+def nccl_all_to_all(rank, ws, dtype):
+    """The native NCCL communicator's all-to-all (grouped ncclSend / ncclRecv), as above."""
+    comm = fp8dp._C.make_communicator("nccl", dist.group.WORLD, True)
+    all_to_all_exact(comm, rank, ws, DTYPES[dtype])
 
 
 @case(

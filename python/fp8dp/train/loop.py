@@ -108,6 +108,7 @@ def train(
         average_in_collective=d.average_in_collective,
         delay_wgrad_compute=d.delay_wgrad_compute,
         check_for_nan_in_grad=d.check_for_nan_in_grad,
+        grad_reduce_wire=d.grad_reduce_wire,
     )
     ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
     t = cfg.train
