@@ -109,7 +109,8 @@ class DistributedDataParallelConfig:
       holding NaN or Inf arrives as all NaN (never as a finite number).
 
     Costs: two scratch buffers per bucket in the wire dtype (bf16: the size of the FP32 buffer in
-    all; fp8: half of it), an encode and a decode pass over each bucket, and without the
+    all; fp8: half of it, plus an FP32 chunk for decoding), kept for the life of the DDP; an
+    encode and a decode pass over each bucket; and without the
     distributed optimizer a second collective (the all-gather), launched by finish_grad_sync()
     after the first one's wait, so with overlap_grad_reduce only the reduce half overlaps the
     backward pass. With one rank nothing is sent and nothing is rounded. average_in_collective

@@ -239,7 +239,7 @@ def wire_random_gradients(rank, ws, wire, dist_opt):
         ddp.zero_grad_buffer()
         ddp().backward()
         ddp.finish_grad_sync()
-        local = [c.double().cpu() / ws for c in cs]
+        local = [c.double() / ws for c in cs]  # on the device: NCCL gathers CUDA tensors
         sums, bnds = bounds(local, wire, not dist_opt)
         check_within(ddp, sums, bnds, f"{wire} seed {seed}")
         for i, got, _ in reduced(ddp):
