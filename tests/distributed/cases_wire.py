@@ -15,6 +15,12 @@ T = sum_i |a_i| (wire.h has the rounding rules):
 - without the distributed optimizer the sum is encoded once more for the all-gather: u |sum| plus
   the subnormal floor of the sum's scale;
 - the local FP32 gradients themselves differ from the float64 reference by cases_ddp.FP32.
+
+Mutations tried (2 ranks), each caught: the owner keeping its FP32 sum instead of the decoded
+all-gathered one (wire_matches_float64_within_its_bound: "main_grad of rank 1 differs from rank
+0's"); a non-finite chunk's scale_inv left finite (wire_keeps_nonfinite_gradients, E4M3: the Inf
+arrived as 448; test_wire's NaN test too); the option ignored in GradSync ("the result equals
+the FP32 wire's bit for bit").
 """
 
 import copy
