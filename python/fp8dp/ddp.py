@@ -189,6 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
         opts.check_for_nan_in_grad = config.check_for_nan_in_grad
         opts.pad_buckets_for_high_nccl_busbw = config.pad_buckets_for_high_nccl_busbw
         opts.grad_ledger = config.grad_ledger
+        opts.grad_reduce_wire = config.grad_reduce_wire
         is_cuda = bool(named) and named[0][1].is_cuda
         comm = _C.make_communicator(
             config.comm_backend, process_group, is_cuda, config.nccl_high_priority_stream

@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 _BACKENDS = ("auto", "nccl", "process_group")
+_WIRES = ("buffer", "bf16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -89,6 +90,32 @@ class DistributedDataParallelConfig:
     first (torch's ProcessGroupNCCL default): the collectives may slow the kernels they overlap
     with less, and may start later. Ignored by the process-group communicator."""
 
+    grad_reduce_wire: str = "buffer"
+    """Default "buffer": each bucket is all-reduced or reduce-scattered in the buffer's own dtype
+    (FP32 with grad_reduce_in_fp32), exactly as without this option. The others send fewer bytes
+    and keep the sum in FP32 (needs grad_reduce_in_fp32=True): every rank encodes its 1/dp
+    pre-scaled bucket as dp chunks, an all-to-all sends chunk j to rank j, and rank j adds the dp
+    decoded chunks in FP32, in rank order (Megatron's reduce-scatter with FP32 accumulation); without
+    the distributed optimizer the owners then encode their sums and all-gather them, so main_grad
+    is bit-identical on every rank.
+
+    - "bf16": half the bytes of FP32. Each contribution is rounded once to BF16 (relative error
+      <= 2^-8: BF16 keeps 8 significant bits), the all-gathered sum once more.
+    - "fp8_e4m3" / "fp8_e5m2": a quarter of the bytes, plus 4 bytes per chunk for its scale. Each
+      chunk is scaled by the largest power of two that keeps its amax within the format's max
+      (MS-AMP's per-tensor scaling, here per chunk); each value is then rounded with relative error
+      <= 2^-4 (E4M3) or 2^-3 (E5M2), or by half a subnormal step (2^-10 or 2^-17 of the chunk's
+      scale_inv, i.e. <= 2^-17.8 or 2^-31.8 of its amax) for values far below the amax. A chunk
+      holding NaN or Inf arrives as all NaN (never as a finite number).
+
+    Costs: two scratch buffers per bucket in the wire dtype (bf16: the size of the FP32 buffer in
+    all; fp8: half of it, plus an FP32 chunk for decoding), kept for the life of the DDP; an
+    encode and a decode pass over each bucket; and without the
+    distributed optimizer a second collective (the all-gather), launched by finish_grad_sync()
+    after the first one's wait, so with overlap_grad_reduce only the reduce half overlaps the
+    backward pass. With one rank nothing is sent and nothing is rounded. average_in_collective
+    applies the 1/dp to the FP32 sum instead of before encoding."""
+
     comm_backend: str = "auto"
     """Default "auto": fp8dp's native NCCL communicator for CUDA parameters when the build has it,
     the process group's own collectives otherwise. "nccl" insists on the native one (an error when
@@ -111,6 +138,16 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "overlap_param_gather: True needs use_distributed_optimizer=True (only the "
                 "distributed optimizer all-gathers parameters), got use_distributed_optimizer=False"
+            )
+        if self.grad_reduce_wire not in _WIRES:
+            raise ValueError(
+                f"grad_reduce_wire: expected one of {_WIRES}, got {self.grad_reduce_wire!r}"
+            )
+        if self.grad_reduce_wire != "buffer" and not self.grad_reduce_in_fp32:
+            raise ValueError(
+                f"grad_reduce_wire: {self.grad_reduce_wire!r} encodes an FP32 gradient buffer and "
+                "sums in FP32, so it needs grad_reduce_in_fp32=True, got grad_reduce_in_fp32=False "
+                "(a buffer in the parameter dtype is reduced in that dtype: use 'buffer')"
             )
         if self.comm_backend not in _BACKENDS:
             raise ValueError(

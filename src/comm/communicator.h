@@ -1,6 +1,7 @@
 // Communicator: the collectives the gradient buffer needs (all-reduce, reduce-scatter, all-gather,
-// broadcast of flat buffers), grouped per bucket group and asynchronous, behind one interface that
-// the ProcessGroup (any c10d group, e.g. gloo) and the native NCCL communicators implement.
+// all-to-all, broadcast of flat buffers), grouped per bucket group and asynchronous, behind one
+// interface that the ProcessGroup (any c10d group, e.g. gloo) and the native NCCL communicators
+// implement.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -35,8 +36,10 @@ class CommWork {
 
 // Every collective takes a list of flat (1-D, contiguous, same device) buffers and runs them as one
 // group (one ncclGroupStart/End on NCCL): one call per bucket group. Dtypes: float32, bfloat16,
-// float16 (and int64 for the small bookkeeping tensors). The public methods check their arguments
-// and call check_for_errors() first, then hand off to the do_* hooks that implementations override.
+// float16 (and int64 for the small bookkeeping tensors); the collectives that only move data
+// (all-gather, all-to-all, broadcast) also take uint8, which carries FP8 bytes. The public methods
+// check their arguments and call check_for_errors() first, then hand off to the do_* hooks that
+// implementations override.
 //
 // Contract for implementations (the CUDA one in src/comm/cuda/ included):
 // - do_* return at once; the collective runs asynchronously. On CUDA: record an event on the
@@ -70,6 +73,11 @@ class Communicator {
   // size() * inputs[i].numel(). inputs[i] may be chunk `rank()` of outputs[i] (in place).
   std::shared_ptr<CommWork> all_gather(const std::vector<at::Tensor>& inputs,
                                        const std::vector<at::Tensor>& outputs);
+  // Chunk j of outputs[i] <- chunk rank() of rank j's inputs[i], where each buffer is split into
+  // size() equal chunks (numel divisible by size(); inputs[i] and outputs[i] equally long, of one
+  // dtype, not overlapping). Moves bytes only, so any dtype above (uint8: FP8 bytes) works alike.
+  std::shared_ptr<CommWork> all_to_all(const std::vector<at::Tensor>& inputs,
+                                       const std::vector<at::Tensor>& outputs);
   // buffers[i] <- root's buffers[i].
   std::shared_ptr<CommWork> broadcast(const std::vector<at::Tensor>& buffers, int root);
 
@@ -94,6 +102,8 @@ class Communicator {
                                                       const std::vector<at::Tensor>& outputs,
                                                       ReduceOp op) = 0;
   virtual std::shared_ptr<CommWork> do_all_gather(const std::vector<at::Tensor>& inputs,
+                                                  const std::vector<at::Tensor>& outputs) = 0;
+  virtual std::shared_ptr<CommWork> do_all_to_all(const std::vector<at::Tensor>& inputs,
                                                   const std::vector<at::Tensor>& outputs) = 0;
   virtual std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers,
                                                  int root) = 0;

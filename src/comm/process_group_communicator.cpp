@@ -44,6 +44,28 @@ c10::intrusive_ptr<c10d::Work> all_gather_flat(G& g, at::Tensor& out, at::Tensor
   }
 }
 
+// torch 2.11's name for the flat all-to-all is alltoall_base; newer releases call it
+// all_to_all_single and deprecate the old name.
+template <typename G, typename = void>
+struct HasAllToAllSingle : std::false_type {};
+template <typename G>
+struct HasAllToAllSingle<
+    G, std::void_t<decltype(std::declval<G&>().all_to_all_single(
+           std::declval<at::Tensor&>(), std::declval<at::Tensor&>(),
+           std::declval<std::vector<int64_t>&>(), std::declval<std::vector<int64_t>&>(),
+           std::declval<const c10d::AllToAllOptions&>()))>> : std::true_type {};
+
+template <typename G>
+c10::intrusive_ptr<c10d::Work> all_to_all_flat(G& g, at::Tensor& out, at::Tensor& in) {
+  std::vector<int64_t> equal;  // empty split sizes: equal chunks
+  c10d::AllToAllOptions opts;
+  if constexpr (HasAllToAllSingle<G>::value) {
+    return g.all_to_all_single(out, in, equal, equal, opts);
+  } else {
+    return g.alltoall_base(out, in, equal, equal, opts);
+  }
+}
+
 // The backend's own operation timeout stays the group's (init_process_group(timeout=...)); wait()
 // gives up after the communicator's timeout, whichever comes first.
 class ProcessGroupWork : public CommWork {
@@ -217,6 +239,23 @@ std::shared_ptr<CommWork> ProcessGroupCommunicator::do_all_gather(
   }
   return std::make_shared<ProcessGroupWork>(name() + " all_gather", timeout(), std::move(works),
                                             [copies] {});
+}
+
+std::shared_ptr<CommWork> ProcessGroupCommunicator::do_all_to_all(
+    const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> keep;  // the byte views, kept alive until wait() returns
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    // An all-to-all only moves bytes: sending the buffers as uint8 spares us the backends' dtype
+    // gaps (gloo's all-to-all, for one, has no bfloat16 everywhere) and gives equal byte chunks.
+    at::Tensor in = inputs[i].view(at::kByte);
+    at::Tensor out = outputs[i].view(at::kByte);
+    works.push_back(all_to_all_flat(*group_, out, in));
+    keep.push_back(in);
+    keep.push_back(out);
+  }
+  return std::make_shared<ProcessGroupWork>(name() + " all_to_all", timeout(), std::move(works),
+                                            [keep] {});
 }
 
 std::shared_ptr<CommWork> ProcessGroupCommunicator::do_broadcast(

@@ -1,7 +1,9 @@
 // BucketGroup: the buckets whose collectives are issued together (one grouped call on the
 // communicator). start_grad_sync() flags non-finite local gradients (on the device), pre-scales and
 // launches; finish waits. start_param_sync() / finish_param_sync() do the same for the parameter
-// all-gather of the distributed optimizer.
+// all-gather of the distributed optimizer. With a low-precision wire (wire.h) the reduction is an
+// all-to-all of encoded chunks plus an FP32 sum on the owner, and, for an all-reduce, an all-gather
+// of the encoded sums.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,6 +14,7 @@
 
 #include "comm/communicator.h"
 #include "grad_buffer/buffer.h"
+#include "grad_buffer/wire.h"
 
 namespace fp8dp {
 
@@ -19,6 +22,7 @@ struct SyncSettings {
   bool reduce_scatter = false;         // distributed optimizer: rank r keeps chunk r of each bucket
   bool average_in_collective = false;  // AVG in the collective instead of a 1/dp pre-scale
   bool check_for_nan = false;
+  Wire wire = Wire::kBuffer;  // what goes on the wire for FP32 buckets (wire.h)
 };
 
 class BucketGroup {
@@ -31,7 +35,10 @@ class BucketGroup {
   // 1/dp unless the collective averages, and launches one grouped all-reduce or in-place
   // reduce-scatter.
   void start_grad_sync(Communicator& comm, const SyncSettings& s);
-  // Waits for the launched collective; a no-op when nothing is in flight.
+  // Waits for the launched collective; a no-op when nothing is in flight. With a low-precision wire
+  // it then sums the received chunks into this rank's chunk and, for an all-reduce, launches the
+  // all-gather of the encoded sums and waits for it too (so on the CPU that half does not overlap
+  // the backward pass; on CUDA the waits are stream-ordered and this only enqueues).
   void finish_grad_sync();
   // All-gathers every bucket's param views from the rank chunks (after the optimizer step).
   void start_param_sync(Communicator& comm);
@@ -52,11 +59,27 @@ class BucketGroup {
   void reset();
 
  private:
+  // Per bucket: the wire's buffers, allocated at the first launch and reused every iteration (a
+  // collective in flight reads and writes them until its wait; the group owns them, and on CUDA
+  // the communicator records them on its stream).
+  struct WireScratch {
+    at::Tensor send, recv;              // [dp * m] wire dtype; send's padding past numel stays 0
+    at::Tensor send_scale, recv_scale;  // [dp] float32: the chunks' scale_inv (1 for BF16)
+    at::Tensor tmp;                     // [m] float32: FP8 decode target
+    int64_t m = 0;                      // chunk length: ceil(numel / dp)
+  };
+  void start_wire_reduce(Communicator& comm, const SyncSettings& s);
+  void finish_wire_reduce();
+  enum class WireStage { kNone, kReduce, kGather };
   std::vector<const Bucket*> buckets_;
   const std::vector<std::string>* names_;
   std::shared_ptr<CommWork> grad_work_, param_work_;
   bool launched_ = false;
   at::Tensor nonfinite_;
+  std::vector<WireScratch> wire_;
+  WireStage wire_stage_ = WireStage::kNone;
+  Communicator* wire_comm_ = nullptr;  // the launch's communicator, for the all-gather half
+  SyncSettings wire_settings_;
 };
 
 }  // namespace fp8dp

@@ -43,6 +43,7 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
   settings_.reduce_scatter = opts_.use_distributed_optimizer;
   settings_.average_in_collective = opts_.average_in_collective;
   settings_.check_for_nan = opts_.check_for_nan_in_grad;
+  settings_.wire = wire_from_name(opts_.grad_reduce_wire);
 
   LayoutOptions lo;
   // Without overlap there is nothing to overlap with: one bucket per buffer, one collective.
@@ -70,6 +71,14 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
     }
     buffers_.emplace_back(ps, members[dt], opts_.grad_reduce_in_fp32 ? at::kFloat : dt, lo);
   }
+
+  if (settings_.wire != Wire::kBuffer)
+    for (const auto& b : buffers_)
+      FP8DP_CHECK_ARG(b.grad_dtype == at::kFloat, "grad_reduce_wire: '", opts_.grad_reduce_wire,
+                      "' encodes FP32 gradient buffers, but parameter '",
+                      names_[b.global_index.at(0)], "' has a ", b.grad_dtype,
+                      " buffer (grad_reduce_in_fp32=False): set grad_reduce_in_fp32=True or "
+                      "grad_reduce_wire='buffer'");
 
   // Bucket groups: one per bucket with overlap (launched as each completes), else one for all.
   group_of_param_.assign(params_.size(), 0);

@@ -33,6 +33,9 @@ struct GradSyncOptions {
   bool check_for_nan_in_grad = false;
   bool pad_buckets_for_high_nccl_busbw = false;
   bool grad_ledger = false;
+  // What the bucket reductions put on the wire: "buffer" (the buffer's dtype), "bf16", "fp8_e4m3"
+  // or "fp8_e5m2" (wire.h; the buffers must be FP32).
+  std::string grad_reduce_wire = "buffer";
 };
 
 // One shard of a parameter owned by this rank under the distributed optimizer.

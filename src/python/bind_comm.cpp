@@ -37,6 +37,8 @@ void bind_comm(py::module_& m) {
            py::arg("op"), py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &Communicator::all_gather, py::arg("inputs"), py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all", &Communicator::all_to_all, py::arg("inputs"), py::arg("outputs"),
+           py::call_guard<py::gil_scoped_release>())
       .def("broadcast", &Communicator::broadcast, py::arg("buffers"), py::arg("root"),
            py::call_guard<py::gil_scoped_release>());
   py::class_<ProcessGroupCommunicator, Communicator, std::shared_ptr<ProcessGroupCommunicator>>(

@@ -37,7 +37,8 @@ void bind_grad_buffer(py::module_& m) {
       .def_readwrite("check_for_nan_in_grad", &GradSyncOptions::check_for_nan_in_grad)
       .def_readwrite("pad_buckets_for_high_nccl_busbw",
                      &GradSyncOptions::pad_buckets_for_high_nccl_busbw)
-      .def_readwrite("grad_ledger", &GradSyncOptions::grad_ledger);
+      .def_readwrite("grad_ledger", &GradSyncOptions::grad_ledger)
+      .def_readwrite("grad_reduce_wire", &GradSyncOptions::grad_reduce_wire);
   py::class_<OwnedShard>(m, "OwnedShard")
       .def_readonly("param", &OwnedShard::param)
       .def_readonly("param_offset", &OwnedShard::param_offset)

@@ -21,11 +21,22 @@ from fp8dp import _C
         ("nccl_high_priority_stream", "no", "nccl_high_priority_stream: expected a bool"),
         ("overlap_param_gather", 1, "overlap_param_gather: expected a bool, got 1"),
         ("overlap_param_gather", True, "overlap_param_gather: True needs use_distributed_optim"),
+        ("grad_reduce_wire", "fp8", "grad_reduce_wire: expected one of .*'fp8_e5m2'.*, got 'fp8'"),
+        ("grad_reduce_wire", None, "grad_reduce_wire: expected one of .*, got None"),
     ],
 )
 def test_config_rejects_bad_fields(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         fp8dp.DistributedDataParallelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_low_precision_wire_needs_an_fp32_buffer(wire):
+    with pytest.raises(ValueError, match="grad_reduce_wire: .* needs grad_reduce_in_fp32=True"):
+        fp8dp.DistributedDataParallelConfig(grad_reduce_wire=wire, grad_reduce_in_fp32=False)
+    assert fp8dp.DistributedDataParallelConfig(grad_reduce_wire=wire).grad_reduce_wire == wire
+    # the default path, whatever the buffer dtype
+    fp8dp.DistributedDataParallelConfig(grad_reduce_wire="buffer", grad_reduce_in_fp32=False)
 
 
 @pytest.mark.parametrize("dp,expected", [(1, 40_000_000), (8, 40_000_000), (64, 64_000_000)])
@@ -50,3 +61,17 @@ def test_ddp_without_process_group_is_a_clear_error():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         fp8dp.DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+# Last in the module: the module-scoped `group` stays initialised until the module ends.
+def test_grad_sync_options_reject_an_unknown_wire_in_cpp(group):
+    """The C++ side checks the name too (GradSync built without the Python config)."""
+    o = _C.GradSyncOptions()
+    assert o.grad_reduce_wire == "buffer"
+    o.grad_reduce_wire = "fp4"
+    comm = _C.ProcessGroupCommunicator(group)
+    with pytest.raises(ValueError, match="grad_reduce_wire: expected one of .*got 'fp4'"):
+        _C.GradSync([torch.zeros(3)], ["w"], comm, o)
+    o.grad_reduce_wire, o.grad_reduce_in_fp32 = "bf16", False
+    with pytest.raises(ValueError, match="grad_reduce_wire: 'bf16' encodes FP32 gradient buffers"):
+        _C.GradSync([torch.zeros(3, dtype=torch.bfloat16)], ["w"], comm, o)

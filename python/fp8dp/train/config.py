@@ -216,6 +216,9 @@ class DDPSection:
     """Average with the collective's AVG instead of a 1/dp pre-scale."""
     check_for_nan_in_grad: bool = True
     """Fail (naming the parameters) when a reduced gradient holds a NaN."""
+    grad_reduce_wire: str = "buffer"
+    """What the gradient reduction sends: "buffer" (FP32), "bf16", "fp8_e4m3" or "fp8_e5m2"
+    (fp8dp.DistributedDataParallelConfig.grad_reduce_wire)."""
 
     def __post_init__(self):
         for k in (
@@ -230,6 +233,11 @@ class DDPSection:
             _bool(f"ddp.{k}", getattr(self, k))
         if self.bucket_size is not None:
             _int("ddp.bucket_size", self.bucket_size)
+        _choice(
+            "ddp.grad_reduce_wire",
+            self.grad_reduce_wire,
+            ("buffer", "bf16", "fp8_e4m3", "fp8_e5m2"),
+        )
         if not self.use_distributed_optimizer:
             raise ValueError(
                 "ddp.use_distributed_optimizer: the demo trains with fp8dp.DistributedOptimizer, "

@@ -133,6 +133,7 @@ def train(
         average_in_collective=d.average_in_collective,
         delay_wgrad_compute=d.delay_wgrad_compute,
         check_for_nan_in_grad=d.check_for_nan_in_grad,
+        grad_reduce_wire=d.grad_reduce_wire,
     )
     t = cfg.train
     pipe = None  # the pipeline (pipeline_parallel_size > 1); the data-parallel path never has one

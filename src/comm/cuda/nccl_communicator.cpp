@@ -29,8 +29,10 @@ ncclDataType_t nccl_dtype(at::ScalarType t) {
       return ncclFloat16;
     case at::kLong:
       return ncclInt64;
+    case at::kByte:
+      return ncclUint8;
     default:
-      FP8DP_CHECK_ARG(false, "nccl: expected float32, bfloat16, float16 or int64, got ", t);
+      FP8DP_CHECK_ARG(false, "nccl: expected float32, bfloat16, float16, int64 or uint8, got ", t);
   }
 }
 
@@ -250,6 +252,31 @@ std::shared_ptr<CommWork> NcclCommunicator::do_all_gather(const std::vector<at::
           ncclAllGather(inputs[i].const_data_ptr(), outputs[i].data_ptr(), inputs[i].numel(),
                         nccl_dtype(inputs[i].scalar_type()), comm, s);
       if (r != ncclSuccess) return r;
+    }
+    return ncclSuccess;
+  });
+}
+
+std::shared_ptr<CommWork> NcclCommunicator::do_all_to_all(const std::vector<at::Tensor>& inputs,
+                                                          const std::vector<at::Tensor>& outputs) {
+  check_device(inputs, "all_to_all inputs");
+  check_device(outputs, "all_to_all outputs");
+  const std::string what = detail::concat("nccl all_to_all of ", inputs.size(), " buffer(s)");
+  std::vector<at::Tensor> all(inputs);
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  // NCCL has no all-to-all collective: one send and one receive per peer inside the group call
+  // (what torch's ProcessGroupNCCL does too), on bytes, since the data is only moved.
+  return launch(what, all, [&](ncclComm_t comm, cudaStream_t s) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const size_t chunk = inputs[i].nbytes() / static_cast<size_t>(size_);
+      const auto* in = static_cast<const char*>(inputs[i].const_data_ptr());
+      auto* out = static_cast<char*>(outputs[i].data_ptr());
+      for (int peer = 0; peer < size_; ++peer) {
+        ncclResult_t r = ncclSend(in + peer * chunk, chunk, ncclUint8, peer, comm, s);
+        if (r != ncclSuccess) return r;
+        r = ncclRecv(out + peer * chunk, chunk, ncclUint8, peer, comm, s);
+        if (r != ncclSuccess) return r;
+      }
     }
     return ncclSuccess;
   });

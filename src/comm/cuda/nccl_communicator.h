@@ -42,6 +42,8 @@ class NcclCommunicator : public Communicator {
                                               ReduceOp op) override;
   std::shared_ptr<CommWork> do_all_gather(const std::vector<at::Tensor>& inputs,
                                           const std::vector<at::Tensor>& outputs) override;
+  std::shared_ptr<CommWork> do_all_to_all(const std::vector<at::Tensor>& inputs,
+                                          const std::vector<at::Tensor>& outputs) override;
   std::shared_ptr<CommWork> do_broadcast(const std::vector<at::Tensor>& buffers, int root) override;
 
  private:

@@ -27,6 +27,9 @@ whole (rounding errors are unbiased, rms u * sqrt(n / 12) each): ||main_grad - r
 (u sqrt(n) + 256 * 2^-24) ||A||_2. A micro-batch counted twice or not at all moves an element by
 |g_(r,m)| / W, on average A / (M W) - above both bounds for every cell of the matrix (M W <= 24,
 u sqrt(n) <= 2^-8 * sqrt(22) < 1/24).
+A cell with a low-precision grad_reduce_wire adds the wire's own rounding to both bounds
+(_wire_bound: u_wire A per rounding on the wire, plus the FP8 subnormal floor); the fault
+injection runs on the FP32 wire, whose bound the argument above is about.
 """
 
 from __future__ import annotations
@@ -43,6 +46,26 @@ import fp8dp
 
 _U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 _GEMM_ORDER = 256 * 2.0**-24
+# grad_reduce_wire -> (relative rounding, half a subnormal step in units of scale_inv, format max).
+_WIRE = {
+    "bf16": (2.0**-8, 0.0, math.inf),
+    "fp8_e4m3": (2.0**-4, 2.0**-10, 448.0),
+    "fp8_e5m2": (2.0**-3, 2.0**-17, 57344.0),
+}
+
+
+def _wire_bound(wire: str, a: torch.Tensor, a_max: float, world: int, all_reduce: bool):
+    """The extra error a low-precision wire may add to an element whose A (see the module
+    docstring) is `a`; a_max: the largest A of the model (a chunk spans parameters). Each rank's
+    contribution a_r (|a_r| <= A elementwise, sum_r |a_r| <= A) is rounded once (relative u, plus
+    half a subnormal step times its chunk's scale_inv < 2 amax / fp8_max), an all-reduced sum once
+    more (the all-gather); 5% covers the FP32 additions and the local gradients' own rounding."""
+    if wire == "buffer" or world == 1:
+        return torch.zeros_like(a)
+    u, half_sub, fmax = _WIRE[wire]
+    times = 2 if all_reduce else 1
+    floor = half_sub * 2 * a_max / fmax * (world + times - 1)
+    return 1.05 * (times * u * a + floor)
 
 
 @dataclass
@@ -120,11 +143,15 @@ class _ExternalConsumer:
             h.remove()
 
 
-def _compare(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, u: float, n: int):
-    """(elementwise ratio, aggregate ratio): error / bound, both must be <= 1."""
+def _compare(
+    got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, u: float, n: int, wire=0.0
+):
+    """(elementwise ratio, aggregate ratio): error / bound, both must be <= 1. wire: the extra
+    elementwise bound of a low-precision gradient wire (_wire_bound)."""
     diff = (got.double() - want).abs()
-    elem = (n * u + _GEMM_ORDER) * scale + 1e-30
-    agg = (u * math.sqrt(n) + _GEMM_ORDER) * scale.norm() + 1e-30
+    wire = torch.as_tensor(wire, dtype=torch.float64, device=diff.device).expand_as(diff)
+    elem = (n * u + _GEMM_ORDER) * scale + wire + 1e-30
+    agg = (u * math.sqrt(n) + _GEMM_ORDER) * scale.norm() + wire.norm() + 1e-30
     return (diff / elem).max().item(), (diff.norm() / agg).item()
 
 
@@ -149,7 +176,9 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
         use_distributed_optimizer=cell["use_distributed_optimizer"],
         bucket_size=prob.bucket_size,
         delay_wgrad_compute=delay,
+        grad_reduce_wire=cell.get("grad_reduce_wire", "buffer"),
     )
+    wire = cfg.grad_reduce_wire
     params = dict(model.named_parameters())
     # Registered before DDP wraps the model, so on every parameter it runs before DDP's own hook:
     # the harder case, DDP finds .grad already moved.
@@ -200,9 +229,12 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
             g_sum[k] = flat[off : off + numel].view(p.shape) / world
             g_abs[k] = flat[off + numel : off + 2 * numel].view(p.shape) / world
             off += 2 * numel
+        a_max = max(float(a.max()) for a in g_abs.values())
+        dist_opt = cell["use_distributed_optimizer"]
+        w_bound = {k: _wire_bound(wire, g_abs[k], a_max, world, not dist_opt) for k in params}
         if not cell["use_distributed_optimizer"]:
             for k, p in params.items():  # all-reduced: every element on every rank
-                e, a = _compare(p.main_grad, g_sum[k], g_abs[k], u, n)
+                e, a = _compare(p.main_grad, g_sum[k], g_abs[k], u, n, w_bound[k])
                 worst_grad = max(worst_grad, e, a)
                 checks += 1
         else:  # reduce-scattered: this rank's chunk of every bucket, as the optimizer reads it
@@ -216,6 +248,7 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
                     g_abs[k].flatten()[sl],
                     u,
                     n,
+                    w_bound[k].flatten()[sl],
                 )
                 worst_grad = max(worst_grad, e, a)
                 checks += 1
@@ -228,7 +261,7 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
             scale = prob.lr * g_abs[k] + (u_p / (n * u + _GEMM_ORDER)) * (
                 want.abs() + before[k].abs()
             )
-            e, a = _compare(p.detach(), want, scale, u, n)
+            e, a = _compare(p.detach(), want, scale, u, n, prob.lr * w_bound[k])
             worst_param = max(worst_param, e, a)
             checks += 1
     if consumer:

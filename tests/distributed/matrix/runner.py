@@ -40,7 +40,12 @@ AXES = {
     "use_distributed_optimizer": (False, True),
     "grad_dtype": ("fp32", "bf16"),
     "consumer": ("ddp", "external"),
+    "grad_reduce_wire": ("buffer", "bf16", "fp8_e4m3", "fp8_e5m2"),
 }
+# Axes dealt out over the cells instead of multiplying them (pairwise or full): each value goes, in
+# turn, to the cells where it means something, so adding one costs no cells. grad_reduce_wire only
+# changes cells that reduce an FP32 buffer over more than one rank; every other cell gets "buffer".
+SPREAD = ("grad_reduce_wire",)
 _COLUMNS = [
     ("id", "id"),
     ("world_size", "ws"),
@@ -53,6 +58,7 @@ _COLUMNS = [
     ("use_distributed_optimizer", "distopt"),
     ("grad_dtype", "grad"),
     ("consumer", "consumer"),
+    ("grad_reduce_wire", "wire"),
 ]
 
 
@@ -97,8 +103,17 @@ def load_matrix(path: str) -> tuple:
 def make_cells(axes: dict, backend: str, full: bool) -> list:
     if backend not in axes["backend"]:
         raise ValueError(f"--backend: {backend!r} is not in axes.backend {axes['backend']}")
-    rest = {k: v for k, v in axes.items() if k != "backend"}
+    rest = {k: v for k, v in axes.items() if k != "backend" and k not in SPREAD}
     combos = full_product(rest) if full else pairwise(rest)
+    for name in SPREAD:
+        values = axes[name]
+        turn = 0
+        for c in combos:
+            if c["grad_dtype"] == "fp32" and c["world_size"] > 1:
+                c[name] = values[turn % len(values)]
+                turn += 1
+            else:
+                c[name] = "buffer"
     return [dict(id=f"{backend}-{i:04d}", backend=backend, **c) for i, c in enumerate(combos)]
 
 
