@@ -119,5 +119,55 @@ TEST(Fp8Registry, RestoreRefusesImpossibleScales) {
   EXPECT_NO_THROW(st.restore(t));
 }
 
+// current_scale is compute_scale's rule where the amax lives (one launch on CUDA): every case of
+// the rule, bit for bit, including the ones that keep 1 (0, NaN, Inf) and the FLT_MAX clamp.
+TEST(CurrentScale, SameRuleAsComputeScale) {
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  for (float margin : {0.0f, 1.0f, 0.5f}) {
+    for (float a : {3.5f, 448.0f, 1e-30f, tiny, 0.0f, std::numeric_limits<float>::quiet_NaN(),
+                    std::numeric_limits<float>::infinity(), 6e4f}) {
+      for (Format f : {Format::kE4M3, Format::kE5M2}) {
+        const float got = current_scale(at::full({1}, a), f, margin).item<float>();
+        const float want = compute_scale(a, fp8_max(f), margin, 1.0f);
+        EXPECT_EQ(got, want) << "amax " << a << " margin " << margin;
+      }
+    }
+  }
+}
+
+// A delayed cast merges its amax into row 0 of the history inside the cast (amax_slot): the row
+// is the max over the step's casts of a role, and the update starts the next step from 0.
+TEST(AmaxSlot, RowZeroIsTheMaxOfTheStepsCasts) {
+  settle();
+  ScalingState st;
+  st.cast(at::tensor({1.0f, -3.0f}), Role::kInput, delayed(), QuantizeOptions{});
+  st.cast(at::tensor({2.0f, 0.5f}), Role::kInput, delayed(), QuantizeOptions{});
+  st.cast(at::tensor({-7.0f}), Role::kGradOutput, delayed(), QuantizeOptions{});
+  EXPECT_EQ(st.amax_history()[0][0].item<float>(), 3.0f);
+  EXPECT_EQ(st.amax_history()[0][1].item<float>(), 0.0f);  // no weight cast
+  EXPECT_EQ(st.amax_history()[0][2].item<float>(), 7.0f);
+  const Quantized q = st.cast(at::tensor({5.0f}), Role::kInput, delayed(), QuantizeOptions{});
+  EXPECT_EQ(q.amax.data_ptr(), st.amax_history()[0][0].data_ptr());  // the slot itself
+  EXPECT_EQ(st.amax_history()[0][0].item<float>(), 5.0f);
+  registry_update(registry_amaxes());
+  EXPECT_EQ(st.amax_history()[0][0].item<float>(), 0.0f);  // rolled: row 1 holds 5
+  EXPECT_EQ(st.amax_history()[1][0].item<float>(), 5.0f);
+}
+
+// fp8_max is written when the state is made and when the recipe's formats change, not on every
+// cast (it was three launches per cast); a format change must still reach it.
+TEST(AmaxSlot, FormatChangeRewritesFp8Max) {
+  ScalingState st;
+  Recipe r = delayed();
+  r.fwd_format = Format::kE4M3;
+  r.bwd_format = Format::kE5M2;
+  st.cast(at::tensor({1.0f}), Role::kInput, r, QuantizeOptions{});
+  EXPECT_EQ(st.update_slot(nullptr).params.fp8_max[0], 448.0f);
+  EXPECT_EQ(st.update_slot(nullptr).params.fp8_max[2], 57344.0f);
+  r.bwd_format = Format::kE4M3;  // E4M3 everywhere
+  st.cast(at::tensor({1.0f}), Role::kGradOutput, r, QuantizeOptions{});
+  EXPECT_EQ(st.update_slot(nullptr).params.fp8_max[2], 448.0f);
+}
+
 }  // namespace
 }  // namespace fp8dp

@@ -12,6 +12,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -457,6 +458,54 @@ TEST(UpdateScalingCuda, BatchedRejectsTooManyColumns) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("n must be in [1, 256], got 257"), std::string::npos)
         << e.what();
+  }
+}
+
+// current_scale_cuda and the CPU rule agree bit for bit on every case (integer margins: exp2f is
+// exact on both sides), and an accumulated amax merges into what the buffer held.
+TEST(CurrentScaleCuda, MatchesComputeScale) {
+  SKIP_WITHOUT_GPU();
+  const float vals[] = {3.5f,
+                        448.0f,
+                        1e-30f,
+                        std::numeric_limits<float>::denorm_min(),
+                        0.0f,
+                        std::numeric_limits<float>::quiet_NaN(),
+                        std::numeric_limits<float>::infinity(),
+                        6e4f};
+  DevBuf a(4), s(4);
+  for (float margin : {0.0f, 2.0f}) {
+    for (float v : vals) {
+      CK(cudaMemcpy(a.get(), &v, 4, cudaMemcpyHostToDevice));
+      current_scale_cuda(a.get<float>(), s.get<float>(), 448.0f, margin, nullptr);
+      float got = 0.0f;
+      CK(cudaMemcpy(&got, s.get(), 4, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(bits(got), bits(compute_scale(v, 448.0f, margin, 1.0f))) << v;
+    }
+  }
+}
+
+TEST(QuantizeCuda, AmaxAccumulateMergesIntoTheBuffer) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<float> x = {1.0f, -2.5f, 0.25f, 2.0f};
+  DevBuf in(16), amax(4), scale(4), out(4);
+  CK(cudaMemcpy(in.get(), x.data(), 16, cudaMemcpyHostToDevice));
+  const float one = 1.0f;
+  CK(cudaMemcpy(scale.get(), &one, 4, cudaMemcpyHostToDevice));
+  for (const auto& [start, want] : {std::pair<float, float>{7.0f, 7.0f}, {1.0f, 2.5f}}) {
+    CK(cudaMemcpy(amax.get(), &start, 4, cudaMemcpyHostToDevice));
+    QuantizeParams p;
+    p.input = in.get();
+    p.rows = 1;
+    p.cols = 4;
+    p.scale = scale.get<float>();
+    p.out = out.get<uint8_t>();
+    p.amax = amax.get<float>();
+    p.amax_accumulate = true;
+    quantize_cuda(p, nullptr);
+    float got = 0.0f;
+    CK(cudaMemcpy(&got, amax.get(), 4, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got, want) << "start " << start;
   }
 }
 

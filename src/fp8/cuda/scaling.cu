@@ -172,7 +172,7 @@ void update_scaling_batched_cuda(const ScalingSlot* slots, int64_t count, void* 
 void current_scale_cuda(const float* amax, float* scale, float fp8_max, float margin,
                         void* stream) {
   cuda::current_scale_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(amax, scale, fp8_max,
-                                                                            margin);
+                                                                             margin);
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 

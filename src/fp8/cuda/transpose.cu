@@ -19,8 +19,8 @@ constexpr int kThreads = 256;  // each thread moves 16 bytes in and 16 bytes out
 
 // Needs rows % 16 == 0, cols % 16 == 0 and 16-byte aligned pointers (the host checks).
 __global__ void __launch_bounds__(kThreads)
-    transpose_bytes_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out,
-                           int64_t rows, int64_t cols) {
+    transpose_bytes_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t rows,
+                           int64_t cols) {
   // +16 bytes per row: threads that read one column of the tile hit different banks.
   __shared__ __align__(16) uint8_t tile[kTile][kTile + 16];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
