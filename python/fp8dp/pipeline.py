@@ -164,6 +164,23 @@ def check_layout(
             )
 
 
+def check_backend(schedule: str, backend: str, torch_version: str = torch.__version__) -> None:
+    """ValueError for a schedule this torch cannot run on the pipeline group's backend.
+
+    "zbv" on gloo needs torch >= 2.13. Before it, the schedule's start-up exchange sends a tensor
+    from each stage to its neighbours' ranks, and the V's turn puts two neighbouring stages on one
+    rank, which then sends to itself; gloo refuses that and every rank fails with "Connection
+    reset by peer" (seen with torch 2.11 on the GPU machine, while 2.13 passes the same tests).
+    NCCL sends to itself, and the other schedules have no neighbouring stages on one rank."""
+    major, minor = (int(v) for v in torch_version.split("+")[0].split(".")[:2])
+    if schedule == "zbv" and backend == "gloo" and (major, minor) < (2, 13):
+        raise ValueError(
+            f"schedule: 'zbv' on gloo needs torch >= 2.13 (its start-up exchange makes the rank "
+            f"holding the V's turn send to itself, which gloo refuses), got torch {torch_version}; "
+            f"use 'zero_bubble' with virtual_stages=2, NCCL, or a newer torch"
+        )
+
+
 class _StageModule(torch.nn.Module):
     """Some blocks of the model, run in order; named by their index in the whole model."""
 
@@ -268,6 +285,7 @@ class Pipeline:
 
         blocks = list(blocks)
         check_layout(schedule, groups.pp_size, virtual_stages, len(blocks), n_microbatches)
+        check_backend(schedule, dist.get_backend(groups.pp_group))
         n_stages = groups.pp_size * virtual_stages
         ranges = split_blocks(len(blocks), n_stages)
         self.groups = groups

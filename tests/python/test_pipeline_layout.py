@@ -8,7 +8,7 @@ import tempfile
 import pytest
 import torch.distributed as dist
 
-from fp8dp.pipeline import check_layout, split_blocks, stage_ranks
+from fp8dp.pipeline import check_backend, check_layout, split_blocks, stage_ranks
 
 
 def test_split_blocks_is_contiguous_and_even():
@@ -79,3 +79,24 @@ def test_world_not_divisible():
                 make_groups(2)
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "schedule, backend, version, ok",
+    [
+        ("zbv", "gloo", "2.11.0+cu130", False),
+        ("zbv", "gloo", "2.12.1", False),
+        ("zbv", "gloo", "2.13.0", True),
+        ("zbv", "gloo", "2.14.1+cu130", True),
+        ("zbv", "nccl", "2.11.0+cu130", True),
+        ("zero_bubble", "gloo", "2.11.0", True),
+    ],
+)
+def test_zbv_on_gloo_needs_torch_2_13(schedule, backend, version, ok):
+    """Before torch 2.13 the V's turn sends to itself at start-up, which gloo refuses (every rank
+    then fails with "Connection reset by peer", seen with torch 2.11): refused up front instead."""
+    if ok:
+        check_backend(schedule, backend, version)
+    else:
+        with pytest.raises(ValueError, match=r"schedule: 'zbv' on gloo needs torch >= 2.13.*got"):
+            check_backend(schedule, backend, version)
