@@ -17,14 +17,13 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from machine import cpu_name
 from torch import nn
+from torchrun_launch import main_or_worker
 
 
 def parse():
@@ -117,20 +116,7 @@ def worker(args) -> None:
 
 def main() -> None:
     args = parse()
-    if "LOCAL_RANK" in os.environ:
-        worker(args)
-        return
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        os.path.abspath(__file__),
-    ] + sys.argv[1:]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(subprocess.call(cmd, env=env))
+    main_or_worker(__file__, args.nproc, worker, args)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from machine import cpu_name
+from torchrun_launch import main_or_worker
 
 # (schedule, stages per rank): the pairs to compare hold the same stages on the same ranks:
 # 1f1b and zero_bubble/1 (4 stages of 2 blocks), interleaved_1f1b/2 and zero_bubble/2 (8 stages
@@ -275,20 +275,7 @@ def report(args, per_rank, ws) -> None:
 
 def main() -> None:
     args = parse()
-    if "LOCAL_RANK" in os.environ:
-        worker(args)
-        return
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        os.path.abspath(__file__),
-    ] + sys.argv[1:]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(subprocess.call(cmd, env=env))
+    main_or_worker(__file__, args.nproc, worker, args)
 
 
 if __name__ == "__main__":

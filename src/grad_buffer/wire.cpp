@@ -95,20 +95,24 @@ void encode_chunks(const at::Tensor& src, Wire w, const at::Tensor& data,
   }
   const Format f = format_of(w);
   auto f32 = src.options().dtype(at::kFloat);
+  // Chunk k's cast: its valid elements as one row (0 columns past the end of src).
+  auto chunk = [&](int64_t k) {
+    QuantizeParams p;
+    p.cols = valid(n, m, k);
+    p.input = p.cols > 0 ? src.const_data_ptr<float>() + k * m : nullptr;
+    p.input_dtype = DType::kFloat32;
+    p.rows = 1;
+    p.format = f;
+    return p;
+  };
   // Pass 1: each chunk's amax (the cast kernel without output bytes; NaN if any NaN, Inf if any
   // Inf, 0 when empty).
   at::Tensor amax = at::zeros({chunks}, f32);
   const at::Tensor one = at::ones({1}, f32);
   for (int64_t k = 0; k < chunks; ++k) {
-    const int64_t len = valid(n, m, k);
-    if (len == 0) continue;
-    QuantizeParams p;
-    p.input = src.const_data_ptr<float>() + k * m;
-    p.input_dtype = DType::kFloat32;
-    p.rows = 1;
-    p.cols = len;
+    QuantizeParams p = chunk(k);
+    if (p.cols == 0) continue;
     p.scale = one.const_data_ptr<float>();
-    p.format = f;
     p.amax = amax.data_ptr<float>() + k;
     dispatch_kernel(src.device(), quantize_cpu, FP8DP_CUDA_KERNEL(quantize_cuda), p);
   }
@@ -128,15 +132,9 @@ void encode_chunks(const at::Tensor& src, Wire w, const at::Tensor& data,
   scale_inv.copy_(inv);
   // Pass 2: the bytes, each chunk with its own scale.
   for (int64_t k = 0; k < chunks; ++k) {
-    const int64_t len = valid(n, m, k);
-    if (len == 0) continue;
-    QuantizeParams p;
-    p.input = src.const_data_ptr<float>() + k * m;
-    p.input_dtype = DType::kFloat32;
-    p.rows = 1;
-    p.cols = len;
+    QuantizeParams p = chunk(k);
+    if (p.cols == 0) continue;
     p.scale = scale.const_data_ptr<float>() + k;
-    p.format = f;
     p.out = data.data_ptr<uint8_t>() + k * m;
     dispatch_kernel(src.device(), quantize_cpu, FP8DP_CUDA_KERNEL(quantize_cuda), p);
   }

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import torchrun as launch
+from state_compare import assert_identical
 
 REPO = Path(__file__).resolve().parents[2]
 # A small model that still learns: 2 layers x 32, sequences of 32 bytes, 2 ranks x 2 micro-batches.
@@ -83,8 +84,8 @@ def test_resume_is_bit_exact(tmp_path):
     for rank in (0, 1):
         sa = torch.load(full / "ckpt" / f"rank{rank:03d}.pt", weights_only=False)
         sb = torch.load(resumed / "ckpt" / f"rank{rank:03d}.pt", weights_only=False)
-        _assert_identical(sa["model"], sb["model"], "model")
-        _assert_identical(sa["optimizer"], sb["optimizer"], "optimizer")
+        assert_identical(sa["model"], sb["model"], "model")
+        assert_identical(sa["optimizer"], sb["optimizer"], "optimizer")
     # The same checkpoint in a job of another world size is refused, naming the reason.
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     cmd = [
@@ -105,18 +106,3 @@ def test_resume_is_bit_exact(tmp_path):
         "--resume: the checkpoint was written by 2 ranks and resumes exactly only at the same "
         "world size, got 1" in p.stderr
     )
-
-
-def _assert_identical(a, b, where):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_identical(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where

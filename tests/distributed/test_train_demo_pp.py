@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import torchrun as launch
+from state_compare import assert_identical
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -145,20 +146,5 @@ def test_pp_resume_is_bit_exact(tmp_path):
         stages = ["stage0", "stage3"] if rank < 2 else ["stage1", "stage2"]
         assert sorted({k.split(".")[0] for k in sa["model"]}) == stages, sorted(sa["model"])
         assert any(k.endswith("_extra_state") for k in sa["model"]), "no FP8 state saved"
-        _assert_identical(sa["model"], sb["model"], "model")
-        _assert_identical(sa["optimizer"], sb["optimizer"], "optimizer")
-
-
-def _assert_identical(a, b, where):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_identical(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
+        assert_identical(sa["model"], sb["model"], "model")
+        assert_identical(sa["optimizer"], sb["optimizer"], "optimizer")
