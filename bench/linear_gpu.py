@@ -4,9 +4,11 @@ the peak memory of one step against the BF16 layer.
 
     python3 bench/linear_gpu.py [--json out.json]
 
-Shapes (tokens, in, out): 8192x8192x8192, 4096x4096x14336, 16384x4096x4096. One step = forward,
-backward with a fixed grad_output, and (FP8) update_fp8_scales(), as in training. Targets (issue 5):
->= 1.5x BF16 at 8192^3, >= 1.3x at 4096x4096x14336.
+Shapes (tokens, in, out): Linear 8192x8192x8192, 4096x4096x14336, 16384x4096x4096, 4096x4096x4096
+(host-bound: every FP8 layer's fixed costs show there), and LayerNormLinear 8192x4096->14336 against
+torch's nn.LayerNorm + nn.Linear. One step = forward, backward with a fixed grad_output, and (FP8)
+update_fp8_scales(), as in training. Targets (issues 5 and 14): >= 1.85x BF16 at 8192^3, >= 1.3x at
+4096x4096x14336, >= 1.0x at 4096^3, >= 1.68x for the LayerNormLinear.
 """
 
 import argparse
@@ -28,8 +30,20 @@ from linear_step import make_step  # noqa: E402
 import fp8dp  # noqa: E402
 
 _C = fp8dp._C
-SHAPES = [(8192, 8192, 8192), (4096, 4096, 14336), (16384, 4096, 4096)]  # tokens, in, out
-TARGETS = {(8192, 8192, 8192): 1.5, (4096, 4096, 14336): 1.3}
+# (tokens, in, out, LayerNormLinear?)
+SHAPES = [
+    (8192, 8192, 8192, False),
+    (4096, 4096, 14336, False),
+    (16384, 4096, 4096, False),
+    (4096, 4096, 4096, False),
+    (8192, 4096, 14336, True),
+]
+TARGETS = {
+    (8192, 8192, 8192, False): 1.85,
+    (4096, 4096, 14336, False): 1.3,
+    (4096, 4096, 4096, False): 1.0,
+    (8192, 4096, 14336, True): 1.68,
+}
 
 
 def gemms_alone(t, k, n):
@@ -57,13 +71,24 @@ def gemms_alone(t, k, n):
     return run
 
 
-def bench_shape(t, k, n, rounds):
+def bench_shape(t, k, n, ln, rounds):
     torch.manual_seed(0)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    ref = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-    ours = fp8dp.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
-    ours.load_state_dict(ref.state_dict())
+    lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    if ln:
+        norm = torch.nn.LayerNorm(k, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.Sequential(norm, lin)
+        ours = fp8dp.LayerNormLinear(k, n, params_dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            ours.layer_norm_weight.copy_(norm.weight)
+            ours.layer_norm_bias.copy_(norm.bias)
+            ours.weight.copy_(lin.weight)
+            ours.bias.copy_(lin.bias)
+    else:
+        ref = lin
+        ours = fp8dp.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
+        ours.load_state_dict(ref.state_dict())
     bf16 = make_step(ref, x, dy, None)
     fp8 = make_step(ours, x, dy, fp8dp.DelayedScaling(), update_scales=True)
     gemm = gemms_alone(t, k, n)
@@ -71,6 +96,7 @@ def bench_shape(t, k, n, rounds):
     mem_bf16, mem_fp8 = peak_step_mib(bf16), peak_step_mib(fp8)
     flop = 3 * 2.0 * t * k * n
     return {
+        "layer": "LayerNormLinear" if ln else "Linear",
         "tokens": t,
         "in": k,
         "out": n,
@@ -78,7 +104,7 @@ def bench_shape(t, k, n, rounds):
         "fp8_ms": ms["fp8"],
         "fp8_gemms_ms": ms["gemm"],
         "speedup": ms["bf16"] / ms["fp8"],
-        "target": TARGETS.get((t, k, n)),
+        "target": TARGETS.get((t, k, n, ln)),
         "fp8_tflops": flop / ms["fp8"] / 1e9,
         "bf16_tflops": flop / ms["bf16"] / 1e9,
         "share_outside_gemms": 1.0 - ms["gemm"] / ms["fp8"],
@@ -93,15 +119,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     results = []
-    for t, k, n in SHAPES:
+    for t, k, n, ln in SHAPES:
+        print(f"[linear_gpu] {'LayerNormLinear' if ln else 'Linear'} {t}x{k}x{n} ...", flush=True)
         try:
-            results.append(bench_shape(t, k, n, args.rounds))
+            results.append(bench_shape(t, k, n, ln, args.rounds))
         except Exception as e:  # one shape failing must not hide the others
             print(f"{t}x{k}x{n}: FAILED {type(e).__name__}: {e}", flush=True)
             results.append({"tokens": t, "in": k, "out": n, "error": f"{type(e).__name__}: {e}"})
         torch.cuda.empty_cache()
     rows = [
         [
+            r["layer"],
             f"{r['tokens']}x{r['in']}x{r['out']}",
             f"{r['bf16_ms']:.3f}",
             f"{r['fp8_ms']:.3f}",
@@ -115,8 +143,9 @@ def main():
         if "error" not in r
     ]
     print_table(
-        "fp8dp.Linear FP8 (delayed) vs torch.nn.Linear BF16, forward+backward",
+        "fp8dp FP8 (delayed) vs torch BF16 (nn.Linear, nn.LayerNorm + nn.Linear), forward+backward",
         [
+            "layer",
             "tokens x in x out",
             "bf16 ms",
             "fp8 ms",

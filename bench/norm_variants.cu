@@ -1,10 +1,13 @@
 // Tuning benchmark of the LayerNorm / RMSNorm kernels (src/norm/cuda/norm_*.cu): times their
 // launch choices against each other and against a device-to-device copy of the input, interleaved
-// (A B C ... A B C ..., median of 20), on random bf16 16384 x 8192 (256 MiB) and 4096 x 8192.
-//   forward (LayerNorm, E4M3 output only): vectors of the row per thread (2, 4, 8: threads per row
-//     follow) x register budget for 1 or 2 resident 512-thread blocks per SM (the budget applies to
-//     the 4-vector kernel; the 8-vector one always has 128 registers);
-//   backward (LayerNorm, dx + dgamma + dbeta): register budget for 1 or 2 blocks.
+// (A B C ... A B C ..., median of 20), on random bf16 16384 x 8192 (256 MiB) and the GPT block
+// stack's 4096 x 2048 / 4096 / 8192.
+//   forward (LayerNorm, E4M3 output only): next-row prefetch on / off x vectors of the row per
+//     thread (2, 4, 8: threads per row follow) x register budget for 1 or 2 resident 512-thread
+//     blocks per SM (the budget applies to the 4-vector kernel; the 8-vector one always has 128
+//     registers);
+//   backward (LayerNorm, dx + dgamma + dbeta): next-row prefetch on / off x at least 512 or 256
+//     threads per block (rows per block follow) x register budget for 1 or 2 blocks.
 // Bandwidth counts the bytes each op must move (forward: x read, FP8 written; backward: dz and x
 // read, dx written). The library launches the first variant of each table; a faster one there is
 // the next change to make.
@@ -137,15 +140,26 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st) {
   const double bwd_bytes = 3.0 * n * 2;
   auto copy_op = [=] { CK(cudaMemcpyAsync(copy, x, n * 2, cudaMemcpyDeviceToDevice, st)); };
   std::vector<Variant> fwd = {{"copy", copy_bytes, copy_op}};
-  for (int target : {4, 8, 2}) {
-    fwd.push_back({std::to_string(target) + " vectors/thread, 2 blocks/SM budget", fwd_bytes,
-                   [=] { dispatch<T, 2>(f, st, target); }});
-    fwd.push_back({std::to_string(target) + " vectors/thread, 1 block/SM budget", fwd_bytes,
-                   [=] { dispatch<T, 1>(f, st, target); }});
+  for (bool pf : {true, false}) {
+    for (int target : {4, 8, 2}) {
+      const std::string name = std::to_string(target) + " vec/thread" + (pf ? ", prefetch" : "");
+      fwd.push_back({name + ", 2 blocks/SM budget", fwd_bytes,
+                     [=] { dispatch<T, 2>(f, st, FwdChoice{target, pf}); }});
+      fwd.push_back({name + ", 1 block/SM budget", fwd_bytes,
+                     [=] { dispatch<T, 1>(f, st, FwdChoice{target, pf}); }});
+    }
   }
-  std::vector<Variant> bwd = {{"copy", copy_bytes, copy_op},
-                              {"1 block/SM budget", bwd_bytes, [=] { dispatch<T, 1>(b, st); }},
-                              {"2 blocks/SM budget", bwd_bytes, [=] { dispatch<T, 2>(b, st); }}};
+  std::vector<Variant> bwd = {{"copy", copy_bytes, copy_op}};
+  for (bool pf : {true, false}) {
+    for (int min_block : {512, 256}) {
+      const std::string name =
+          std::to_string(min_block) + "+ threads/block" + (pf ? ", prefetch" : "");
+      bwd.push_back({name + ", 1 block/SM budget", bwd_bytes,
+                     [=] { dispatch<T, 1>(b, st, BwdChoice{min_block, pf}); }});
+      bwd.push_back({name + ", 2 blocks/SM budget", bwd_bytes,
+                     [=] { dispatch<T, 2>(b, st, BwdChoice{min_block, pf}); }});
+    }
+  }
   char title[128];
   std::snprintf(title, sizeof title, "LayerNorm + E4M3 cast forward, bf16 %ldx%ld", (long)rows,
                 (long)cols);
@@ -164,7 +178,11 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st) {
 int main() {
   cudaStream_t st;
   FP8DP_CHECK_CUDA(cudaStreamCreate(&st));
+  // The bandwidth target's shape (256 MiB), then the GPT block stack's (bench/gpt_block_gpu.py:
+  // 4096 tokens at hidden 2048, 4096, 8192).
   fp8dp::cuda::norm::run_shape(16384, 8192, st);
+  fp8dp::cuda::norm::run_shape(4096, 2048, st);
+  fp8dp::cuda::norm::run_shape(4096, 4096, st);
   fp8dp::cuda::norm::run_shape(4096, 8192, st);
   FP8DP_CHECK_CUDA(cudaStreamDestroy(st));
   return 0;

@@ -96,7 +96,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
         nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt,
                           core->scaling().amax_slot(Role::kInput, x2d.numel()));
         qin.data = nf.out_fp8;
-        qin.scale_inv = at::reciprocal(s);
+        qin.scale_inv = nf.scale_inv;
         if (need_wgrad) qin.data_t = transpose_fp8(nf.out_fp8);
       } else {
         // Current scaling needs the output's amax before the cast: norm, then one cast pass.

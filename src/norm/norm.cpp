@@ -40,6 +40,7 @@ NormForward norm_forward_aten(const at::Tensor& x, const at::Tensor& gamma, cons
   if (scale.defined()) {
     Quantized q = quantize(r.out, scale, format, QuantizeOptions{true, false, false});
     r.out_fp8 = q.data;
+    r.scale_inv = q.scale_inv;
     r.amax = q.amax;
   } else {
     r.amax = fp8dp::amax(r.out);
@@ -79,6 +80,7 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   at::Tensor sc;
   if (scale.defined()) {
     r.out_fp8 = at::empty({rows, cols}, x.options().dtype(fp8_dtype(format)));
+    r.scale_inv = at::empty({1}, f32);
     sc = scale.to(f32).contiguous();
   }
   NormFwdParams p;
@@ -94,6 +96,7 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   p.out = want_out ? r.out.data_ptr() : nullptr;
   p.out_fp8 = scale.defined() ? static_cast<uint8_t*>(r.out_fp8.data_ptr()) : nullptr;
   p.scale = scale.defined() ? sc.data_ptr<float>() : nullptr;
+  p.scale_inv = scale.defined() ? r.scale_inv.data_ptr<float>() : nullptr;
   p.format = format;
   p.amax = r.amax.data_ptr<float>();
   p.amax_accumulate = amax_into.defined();

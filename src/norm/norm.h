@@ -14,11 +14,12 @@ struct NormConfig {
 };
 
 struct NormForward {
-  at::Tensor out;      // [rows, cols] in x's dtype, when asked for
-  at::Tensor out_fp8;  // [rows, cols] FP8, when a scale was given
-  at::Tensor amax;     // float32 [1]: max |out|
-  at::Tensor mu;       // float32 [rows] (zeros for RMSNorm)
-  at::Tensor rsigma;   // float32 [rows]
+  at::Tensor out;        // [rows, cols] in x's dtype, when asked for
+  at::Tensor out_fp8;    // [rows, cols] FP8, when a scale was given
+  at::Tensor scale_inv;  // float32 [1]: 1 / scale, when a scale was given
+  at::Tensor amax;       // float32 [1]: max |out|
+  at::Tensor mu;         // float32 [rows] (zeros for RMSNorm)
+  at::Tensor rsigma;     // float32 [rows]
 };
 
 // x: [rows, cols]; gamma (and beta, undefined for RMSNorm) [cols], all of x's dtype and device.

@@ -29,6 +29,7 @@ struct NormFwdParams {
   void* out = nullptr;           // optional [rows, cols] in `dtype`
   uint8_t* out_fp8 = nullptr;    // optional [rows, cols] FP8 bytes: saturate(rne(z * scale))
   const float* scale = nullptr;  // needed with out_fp8 (host memory on the CPU, device on CUDA)
+  float* scale_inv = nullptr;    // optional [1]: 1 / scale (what the GEMM reads); needs scale
   Format format = Format::kE4M3;
   float* amax = nullptr;         // optional [1]: max |z| (NaN if any z is NaN), written, or with
   bool amax_accumulate = false;  // max-merged into the amax already there (quantize.h)

@@ -25,6 +25,7 @@ void bind_norm(py::module_& m) {
   py::class_<NormForward>(m, "NormForward")
       .def_readonly("out", &NormForward::out)
       .def_readonly("out_fp8", &NormForward::out_fp8)
+      .def_readonly("scale_inv", &NormForward::scale_inv)
       .def_readonly("amax", &NormForward::amax)
       .def_readonly("mu", &NormForward::mu)
       .def_readonly("rsigma", &NormForward::rsigma);

@@ -148,6 +148,10 @@ def test_forward_matches_cpu_kernel(norm, dtype, zcg, shape, fmt):
     if fmt is not None:
         f = FORMATS[fmt]
         fp8_g = as_bytes(gpu.out_fp8)
+        # The scale_inv the GEMM reads, written by the same launch: 1 / scale, as quantize's.
+        assert torch.equal(gpu.scale_inv.cpu(), 1.0 / scale) and torch.equal(
+            cpu.scale_inv, 1.0 / scale
+        )
         # The fused cast is quantize() of the kernel's own rounded output ...
         assert torch.equal(fp8_g, as_bytes(_C.quantize(out_g, scale, f).data))
         # ... and the CPU kernel's bytes wherever the two rounded outputs are the same.
@@ -234,10 +238,11 @@ def test_forward_no_rows(device):
     r = _C.norm_forward(
         torch.empty(0, 64, device=device),
         torch.ones(64, device=device),
-        scale=torch.ones(1, device=device),
+        scale=torch.full((1,), 4.0, device=device),
     )
     assert r.out.shape == (0, 64) and r.mu.shape == (0,) and r.out_fp8.shape == (0, 64)
     assert r.amax.item() == 0.0
+    assert r.scale_inv.item() == 0.25  # written with no rows too: the GEMM still reads it
 
 
 def bwd_reference(dz, x, mu, rs, gamma, rms, zcg):

@@ -354,7 +354,7 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
     // dbias[c] = sum over strips, in strip order. 64-thread blocks: enough of them to spread a few
     // thousand columns over every SM.
     const ColumnSums<float> sums{{a.dbias_partial, nullptr}, {p.dbias, nullptr}, strips, p.cols};
-    launch_column_sums(sums, 1, 64, st);
+    launch_column_sums(sums, 1, st);
     FP8DP_CHECK_CUDA(cudaFreeAsync(a.dbias_partial, st));
   }
 }

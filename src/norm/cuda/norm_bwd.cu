@@ -53,61 +53,82 @@ __device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv, const
   }
 }
 
+// One row's dz and x as this thread's vectors (kN of them, zeros past the row and for a row past
+// the end; zero bits are 0.0 in every dtype).
+template <typename T, bool kVec, int kN>
+__device__ __forceinline__ void load_row(Vec<T> (&dzb)[kN], Vec<T> (&xb)[kN], const BwdArgs& a,
+                                         int64_t row, int t, int64_t nvec) {
+  const bool live = row < a.rows;
+  const T* dzr = static_cast<const T*>(a.dz) + (live ? row : 0) * a.cols;
+  const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
+    if (live && vi < nvec) {
+      load_vec<T, kVec, true>(dzb[i], dzr, vi, a.cols);
+      load_vec<T, kVec, true>(xb[i], xr, vi, a.cols);
+    } else {
+      dzb[i].u = xb[i].u = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // kNV > 0: dz and x are held in registers, at most kNV vectors per thread; 0: re-read from memory.
-// kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
-// timed by bench/norm_variants.cu).
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+// kMinBlocks: resident 512-thread blocks per SM the register budget must allow. kPrefetch (register
+// path): the next row's dz and x are loaded before this row's sums, so each thread keeps a row's
+// loads in flight while it works on the previous one instead of waiting for them after every row
+// (the kernel was bound by that wait, not by memory). Tuning choices, timed by
+// bench/norm_variants.cu.
+// Every block writes one partial row of dgamma / dbeta (its groups are added first, in group
+// order, through shared memory), so the second kernel adds `blocks` rows, not `groups`.
+template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
 __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const BwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kN = kInRegs ? kNV : 1;
-  __shared__ float red[2][2][32];  // group_sum buffers, used alternately
+  constexpr int kP = kInRegs && kPrefetch ? kNV : 1;
+  __shared__ float red[2][2][32];     // group_sum buffers, used alternately
+  extern __shared__ float col_sum[];  // [cols]: the block's groups added in order (rpb > 1)
   int phase = 0;
   const int tpr = a.tpr;
   const int rpb = blockDim.x / tpr;
   const int t = threadIdx.x % tpr;
-  const int64_t group = static_cast<int64_t>(blockIdx.x) * rpb + threadIdx.x / tpr;
+  const int g = threadIdx.x / tpr;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   const int64_t nvec = ceil_div(a.cols, kV);
   const float n = static_cast<float>(a.cols);
   const T* gamma = static_cast<const T*>(a.gamma);
-  float* dg_part = a.dgamma_part + group * a.cols;
-  float* db_part = a.dbeta_part != nullptr ? a.dbeta_part + group * a.cols : nullptr;
+  float* dg_part = a.dgamma_part + static_cast<int64_t>(blockIdx.x) * a.cols;
+  float* db_part =
+      a.dbeta_part != nullptr ? a.dbeta_part + static_cast<int64_t>(blockIdx.x) * a.cols : nullptr;
   float dg[kN][kV], db[kN][kV];
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
 #pragma unroll
     for (int j = 0; j < kV; ++j) dg[i][j] = db[i][j] = 0.0f;
   }
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rpb; r0 < a.rows;
-       r0 += static_cast<int64_t>(gridDim.x) * rpb) {
-    const int64_t row = r0 + threadIdx.x / tpr;
+  Vec<T> dzb[kN], xb[kN];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rpb + g;
+  if constexpr (kInRegs) load_row<T, kVec, kN>(dzb, xb, a, first, t, nvec);
+  for (int64_t row = first; row - g < a.rows; row += stride) {
     const bool live = row < a.rows;
     const int64_t off = (live ? row : 0) * a.cols;
     const T* dzr = static_cast<const T*>(a.dz) + off;
     const T* xr = static_cast<const T*>(a.x) + off;
     const float mu = live && !a.rms ? a.mu[row] : 0.0f;
     const float rs = live ? a.rsigma[row] : 0.0f;
-    Vec<T> dzb[kN], xb[kN];
+    Vec<T> dzn[kP], xn[kP];
+    if constexpr (kInRegs && kPrefetch) load_row<T, kVec, kP>(dzn, xn, a, row + stride, t, nvec);
     float s[2] = {0.0f, 0.0f};  // sum of dxhat, sum of dxhat * xhat
     if constexpr (kInRegs) {
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
         const int64_t vi = t + static_cast<int64_t>(i) * tpr;
-        if (live && vi < nvec) {
-          load_vec<T, kVec, true>(dzb[i], dzr, vi, a.cols);
-          load_vec<T, kVec, true>(xb[i], xr, vi, a.cols);
-        } else {
-          dzb[i].u = xb[i].u = make_uint4(0, 0, 0, 0);  // zero bits are 0.0 in every dtype
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
         if (vi < nvec) {
-          Vec<T> g;
-          load_vec<T, kVec, false>(g, gamma, vi, a.cols);
+          Vec<T> gv;
+          load_vec<T, kVec, false>(gv, gamma, vi, a.cols);
           float xhat[kV], dxhat[kV];
-          terms(dzb[i], xb[i], g, mu, rs, a.gshift, xhat, dxhat);
+          terms(dzb[i], xb[i], gv, mu, rs, a.gshift, xhat, dxhat);
 #pragma unroll
           for (int j = 0; j < kV; ++j) {
             s[0] += dxhat[j];
@@ -117,12 +138,12 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
       }
     } else {
       for (int64_t vi = t; live && vi < nvec; vi += tpr) {
-        Vec<T> g;
+        Vec<T> gv;
         load_vec<T, kVec, false>(dzb[0], dzr, vi, a.cols);
         load_vec<T, kVec, false>(xb[0], xr, vi, a.cols);
-        load_vec<T, kVec, false>(g, gamma, vi, a.cols);
+        load_vec<T, kVec, false>(gv, gamma, vi, a.cols);
         float xhat[kV], dxhat[kV];
-        terms(dzb[0], xb[0], g, mu, rs, a.gshift, xhat, dxhat);
+        terms(dzb[0], xb[0], gv, mu, rs, a.gshift, xhat, dxhat);
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
           s[0] += dxhat[j];
@@ -134,14 +155,13 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     phase ^= 1;
     const float m1 = a.rms ? 0.0f : s[0] / n;
     const float m2 = s[1] / n;
-    if (!live) continue;  // uniform per group; no barrier follows in this iteration
     // dx of one vector and its contribution to the column sums.
     auto finish = [&](const Vec<T>& dzv, const Vec<T>& xv, int64_t vi, float (&dgv)[kV],
                       float (&dbv)[kV]) {
-      Vec<T> g, o;
-      load_vec<T, kVec, false>(g, gamma, vi, a.cols);
+      Vec<T> gv, o;
+      load_vec<T, kVec, false>(gv, gamma, vi, a.cols);
       float xhat[kV], dxhat[kV];
-      terms(dzv, xv, g, mu, rs, a.gshift, xhat, dxhat);
+      terms(dzv, xv, gv, mu, rs, a.gshift, xhat, dxhat);
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
         o.t[j] = from_float<T>(rs * (dxhat[j] - m1 - xhat[j] * m2));
@@ -152,12 +172,20 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
       store_vec<T, kVec>(o, static_cast<T*>(a.dx) + row * a.cols, vi, a.cols);
     };
     if constexpr (kInRegs) {
+      if (live) {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
-        if (vi < nvec) finish(dzb[i], xb[i], vi, dg[i], db[i]);
+        for (int i = 0; i < kN; ++i) {
+          const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+          if (vi < nvec) finish(dzb[i], xb[i], vi, dg[i], db[i]);
+        }
       }
-    } else {
+      if constexpr (kPrefetch) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) dzb[i] = dzn[i], xb[i] = xn[i];
+      } else {
+        load_row<T, kVec, kN>(dzb, xb, a, row + stride, t, nvec);
+      }
+    } else if (live) {
       // One group per block here (rpb == 1), so each column of the partial row has one owner.
       for (int64_t vi = t; vi < nvec; vi += tpr) {
         load_vec<T, kVec, false>(dzb[0], dzr, vi, a.cols);
@@ -178,57 +206,106 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     }
   }
   if constexpr (kInRegs) {
+    // The block's partial row: group 0's sums, then group 1's added, ... (fixed order).
+    auto write_part = [&](const float (&v)[kN][kV], float* out) {
+      if (rpb == 1) {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+        for (int i = 0; i < kN; ++i) {
+          const int64_t vi = t + static_cast<int64_t>(i) * tpr;
 #pragma unroll
-      for (int j = 0; j < kV; ++j) {
-        const int64_t c = vi * kV + j;
-        if (vi < nvec && c < a.cols) {
-          dg_part[c] = dg[i][j];
-          if (db_part != nullptr) db_part[c] = db[i][j];
+          for (int j = 0; j < kV; ++j) {
+            const int64_t c = vi * kV + j;
+            if (vi < nvec && c < a.cols) out[c] = v[i][j];
+          }
         }
+        return;
       }
-    }
+      for (int k = 0; k < rpb; ++k) {
+        if (g == k) {
+#pragma unroll
+          for (int i = 0; i < kN; ++i) {
+            const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+#pragma unroll
+            for (int j = 0; j < kV; ++j) {
+              const int64_t c = vi * kV + j;
+              if (vi < nvec && c < a.cols) col_sum[c] = k == 0 ? v[i][j] : col_sum[c] + v[i][j];
+            }
+          }
+        }
+        __syncthreads();
+      }
+      for (int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) out[c] = col_sum[c];
+      __syncthreads();  // col_sum is reused for dbeta
+    };
+    write_part(dg, dg_part);
+    if (db_part != nullptr) write_part(db, db_part);
   }
 }
 
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+// Launch choices: kNV vectors per thread kept in registers (or 0: the memory path), kMinBlocks,
+// kPrefetch (norm_bwd_kernel) and the block size (rows per block = block / tpr).
+template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
 void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
-  auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks>;
-  // As many resident blocks as fit, and no more: the grid-stride loop covers the other rows, and
-  // every group costs a partial row of dgamma / dbeta to write and add up.
-  static OccupancyCache cache;  // static storage: zero-initialised
-  const int per_sm = resident_blocks(kernel, block, cache);
+  auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks, kPrefetch>;
   const int64_t rpb = block / a.tpr;
+  const size_t smem = kNV > 0 && rpb > 1 ? static_cast<size_t>(p.cols) * sizeof(float) : 0;
+  // As many resident blocks as fit, and no more: the grid-stride loop covers the other rows, and
+  // every block costs a partial row of dgamma / dbeta to write and add up. The occupancy is asked
+  // for the most shared memory a block of several rows can take (kNV x 256 threads x kV columns),
+  // so that one cached answer holds for every row length.
+  static OccupancyCache cache;  // static storage: zero-initialised
+  const size_t smem_max = kNV > 0 ? size_t{kNV} * 256 * Vec<T>::kV * sizeof(float) : 0;
+  const int per_sm = resident_blocks(kernel, block, cache, smem_max);
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(ceil_div(p.rows, rpb), int64_t{sm_count()} * std::max(per_sm, 1)));
-  const int64_t groups = blocks * rpb;
   const int64_t nparts = p.dbeta != nullptr ? 2 : 1;
-  const size_t part_bytes = static_cast<size_t>(groups * p.cols) * sizeof(float);
+  const size_t part_bytes = static_cast<size_t>(blocks * p.cols) * sizeof(float);
   float* part = nullptr;
   // Stream-ordered scratch, as the cast kernels' dbias partial sums.
   FP8DP_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&part), nparts * part_bytes, st));
   a.dgamma_part = part;
-  a.dbeta_part = p.dbeta != nullptr ? part + groups * p.cols : nullptr;
+  a.dbeta_part = p.dbeta != nullptr ? part + blocks * p.cols : nullptr;
   // The memory path adds into its partial rows; the register path writes them whole.
   if (kNV == 0) FP8DP_CHECK_CUDA(cudaMemsetAsync(part, 0, nparts * part_bytes, st));
-  kernel<<<static_cast<unsigned>(blocks), block, 0, st>>>(a);
+  kernel<<<static_cast<unsigned>(blocks), block, smem, st>>>(a);
   FP8DP_CHECK_CUDA(cudaGetLastError());
-  // dgamma / dbeta[c] = sum over groups of the partial rows, in group order, rounded once to T.
+  // dgamma / dbeta[c] = sum over blocks of the partial rows, in a fixed order, rounded once to T.
   launch_column_sums(ColumnSums<T>{{a.dgamma_part, a.dbeta_part},
                                    {static_cast<T*>(p.dgamma), static_cast<T*>(p.dbeta)},
-                                   groups,
+                                   blocks,
                                    p.cols},
-                     static_cast<int>(nparts), 128, st);
+                     static_cast<int>(nparts), st);
   FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
 }
 
-// kMinBlocks exists for the tuning benchmark; the library launches 1.
-template <typename T, int kMinBlocks = 1>
-void dispatch(const NormBwdParams& p, cudaStream_t st) {
+// The library's launch: kNV = 2 or 3 vectors (whichever the row needs) with the next row
+// prefetched, 512-thread blocks, 1 block's register budget. The other choices exist for the tuning
+// benchmark.
+struct BwdChoice {
+  int min_block = kMaxBlock;  // threads per block at least (several rows per block below it)
+  bool prefetch = true;
+};
+
+template <typename T, bool kVec, int kMinBlocks>
+void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block,
+               bool prefetch, cudaStream_t st) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;  // 3 vectors of bf16 / fp16, 6 of fp32
+  if (per_thread <= 2 && kNV > 2) {
+    return prefetch ? launch<T, kVec, 2, kMinBlocks, true>(p, a, block, st)
+                    : launch<T, kVec, 2, kMinBlocks, false>(p, a, block, st);
+  }
+  if (per_thread <= kNV) {
+    return prefetch ? launch<T, kVec, kNV, kMinBlocks, true>(p, a, block, st)
+                    : launch<T, kVec, kNV, kMinBlocks, false>(p, a, block, st);
+  }
+  launch<T, kVec, 0, kMinBlocks, false>(p, a, block, st);
+}
+
+template <typename T, int kMinBlocks = 1>
+void dispatch(const NormBwdParams& p, cudaStream_t st, BwdChoice choice = {}) {
+  constexpr int kV = Vec<T>::kV;
+  constexpr int kNV = kMaxElems / kV;
   BwdArgs a{p.dz,
             p.x,
             p.mu,
@@ -244,16 +321,15 @@ void dispatch(const NormBwdParams& p, cudaStream_t st) {
             1};
   const int64_t nvec = ceil_div(p.cols, kV);
   a.tpr = pick_tpr(nvec, kNV);
-  const bool in_regs = ceil_div(nvec, a.tpr) <= kNV;
-  const int block = block_for(a.tpr);
+  const int64_t per_thread = ceil_div(nvec, a.tpr);
+  // The memory path keeps one row per block (its partial row has one owner per column).
+  const int block = per_thread <= kNV ? std::max(a.tpr, choice.min_block) : block_for(a.tpr);
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
                    aligned(p.gamma, 16) && aligned(p.dx, 16);
   if (vec) {
-    in_regs ? launch<T, true, kNV, kMinBlocks>(p, a, block, st)
-            : launch<T, true, 0, kMinBlocks>(p, a, block, st);
+    launch_nv<T, true, kMinBlocks>(p, a, per_thread, block, choice.prefetch, st);
   } else {
-    in_regs ? launch<T, false, kNV, kMinBlocks>(p, a, block, st)
-            : launch<T, false, 0, kMinBlocks>(p, a, block, st);
+    launch_nv<T, false, kMinBlocks>(p, a, per_thread, block, choice.prefetch, st);
   }
 }
 

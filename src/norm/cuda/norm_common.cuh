@@ -132,13 +132,14 @@ using OccupancyCache = std::atomic<int>[kMaxBlock / kWarp + 1];
 
 // Resident blocks per SM of `kernel` at `block` threads, asked once per kernel and block size
 // (`cache` belongs to this kernel): it depends only on the kernel's resources and the
-// architecture (one per process).
+// architecture (one per process), and `smem` (dynamic shared memory per block), which the caller
+// keeps fixed per kernel.
 template <typename Kernel>
-int resident_blocks(Kernel kernel, int block, OccupancyCache& cache) {
+int resident_blocks(Kernel kernel, int block, OccupancyCache& cache, size_t smem = 0) {
   std::atomic<int>& c = cache[block / kWarp];
   int n = c.load(std::memory_order_relaxed);
   if (n == 0) {
-    FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, 0));
+    FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, smem));
     c.store(n, std::memory_order_relaxed);
   }
   return n;

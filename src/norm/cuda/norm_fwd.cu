@@ -34,6 +34,7 @@ namespace {
 // Not yet measured; bench/norm_variants.cu times both choices (and 2 vectors per thread).
 constexpr int kTargetVec = 4;
 constexpr int kMinBlocks4 = 2;
+constexpr bool kPrefetchRows = true;
 
 struct FwdArgs {
   const void* x;
@@ -42,6 +43,7 @@ struct FwdArgs {
   void* out;         // or null
   uint8_t* out_fp8;  // or null
   const float* scale;
+  float* scale_inv;         // or null: 1 / scale, written by one thread
   unsigned int* amax_bits;  // or null; zeroed before the launch
   float* mu;                // or null
   float* rsigma;            // or null
@@ -98,44 +100,59 @@ __device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, int64_t
   }
 }
 
+// This thread's vectors of one row (zeros past the row and for a row past the end: zero bits are
+// 0.0 in all three dtypes).
+template <typename T, bool kVec, int kN>
+__device__ __forceinline__ void load_row(Vec<T> (&buf)[kN], const FwdArgs& a, int64_t row, int t,
+                                         int64_t nvec) {
+  const bool live = row < a.rows;
+  const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
+    if (live && vi < nvec) {
+      load_vec<T, kVec, true>(buf[i], xr, vi, a.cols);
+    } else {
+      buf[i].u = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // kVec: every row pointer is 16-byte aligned and cols a multiple of the vector width.
 // kNV > 0: the row is held in registers, at most kNV vectors per thread; 0: re-read from memory.
-// kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
-// timed by bench/norm_variants.cu).
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+// kMinBlocks: resident 512-thread blocks per SM the register budget must allow. kPrefetch (register
+// path): the group's next row is loaded before this row's reductions and writes, so its loads are
+// in flight while this row's chain runs (without it each row waits for its loads first: the
+// latency bound described above). Tuning choices, timed by bench/norm_variants.cu.
+template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
 __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const FwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kMaxVec = kInRegs ? kNV : 1;
+  constexpr int kP = kInRegs && kPrefetch ? kNV : 1;
   __shared__ float red[2][1][32];  // group_sum buffers, used alternately
   int phase = 0;
   const int tpr = a.tpr;
   const int rpb = blockDim.x / tpr;
   const int t = threadIdx.x % tpr;
+  const int g = threadIdx.x / tpr;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   const int64_t nvec = ceil_div(a.cols, kV);
   const float scale = a.out_fp8 != nullptr ? *a.scale : 1.0f;
+  if (a.scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = 1.0f / *a.scale;
   const float n = static_cast<float>(a.cols);
   uint32_t am = 0;
+  Vec<T> buf[kMaxVec];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rpb + g;
+  if constexpr (kInRegs) load_row<T, kVec, kMaxVec>(buf, a, first, t, nvec);
   // Grid-stride over groups of rpb rows; the trip count is uniform across the block, which the
   // __syncthreads inside group_sum needs.
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rpb; r0 < a.rows;
-       r0 += static_cast<int64_t>(gridDim.x) * rpb) {
-    const int64_t row = r0 + threadIdx.x / tpr;
+  for (int64_t row = first; row - g < a.rows; row += stride) {
     const bool live = row < a.rows;
     const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
-    Vec<T> buf[kMaxVec];
+    Vec<T> nbuf[kP];
+    if constexpr (kInRegs && kPrefetch) load_row<T, kVec, kP>(nbuf, a, row + stride, t, nvec);
     float s[1] = {0.0f};
-    if constexpr (kInRegs) {
-#pragma unroll
-      for (int i = 0; i < kMaxVec; ++i) {
-        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
-        if (live && vi < nvec) {
-          load_vec<T, kVec, true>(buf[i], xr, vi, a.cols);
-        } else {
-          buf[i].u = make_uint4(0, 0, 0, 0);  // zero bits are 0.0 in all three dtypes
-        }
-      }
-    }
     float mu = 0.0f;
     if (!a.rms) {
       if constexpr (kInRegs) {
@@ -195,13 +212,19 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
         }
       }
     }
+    if constexpr (kInRegs && kPrefetch) {
+#pragma unroll
+      for (int i = 0; i < kMaxVec; ++i) buf[i] = nbuf[i];
+    } else if constexpr (kInRegs) {
+      load_row<T, kVec, kMaxVec>(buf, a, row + stride, t, nvec);
+    }
   }
   block_amax_commit_any(am, a.amax_bits);
 }
 
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
 void launch(const FwdArgs& a, int block, cudaStream_t st) {
-  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks>;
+  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks, kPrefetch>;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
   // and fewer blocks mean fewer amax atomics. The occupancy answer is cached per block size (it
   // depends on the kernel's registers and the architecture only; one architecture per process).
@@ -214,18 +237,30 @@ void launch(const FwdArgs& a, int block, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-// kMinBlocks is the 4-vector kernel's budget; the 8-vector kernel keeps 128 registers (it would
-// spill hundreds of bytes at 64), the memory path 1 block.
+// Launch choices: vectors per thread the row is split for (threads per row follow), the 4-vector
+// kernel's register budget (kMinBlocks; the 8-vector kernel keeps 128 registers, it would spill
+// hundreds of bytes at 64, and the memory path 1 block) and the next-row prefetch.
+struct FwdChoice {
+  int target = kTargetVec;
+  bool prefetch = kPrefetchRows;
+};
+
 template <typename T, bool kVec, int kMinBlocks>
-void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st) {
-  if (per_thread <= 4) return launch<T, kVec, 4, kMinBlocks>(a, block, st);
-  if (per_thread <= 8) return launch<T, kVec, 8, 1>(a, block, st);
-  launch<T, kVec, 0, 1>(a, block, st);
+void launch_nv(const FwdArgs& a, int64_t per_thread, int block, bool prefetch, cudaStream_t st) {
+  if (per_thread <= 4) {
+    return prefetch ? launch<T, kVec, 4, kMinBlocks, true>(a, block, st)
+                    : launch<T, kVec, 4, kMinBlocks, false>(a, block, st);
+  }
+  if (per_thread <= 8) {
+    return prefetch ? launch<T, kVec, 8, 1, true>(a, block, st)
+                    : launch<T, kVec, 8, 1, false>(a, block, st);
+  }
+  launch<T, kVec, 0, 1, false>(a, block, st);
 }
 
-// The library launches the defaults; `target` and kMinBlocks exist for the tuning benchmark.
+// The library launches the defaults; `choice` and kMinBlocks exist for the tuning benchmark.
 template <typename T, int kMinBlocks = kMinBlocks4>
-void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) {
+void dispatch(const NormFwdParams& p, cudaStream_t st, FwdChoice choice = {}) {
   constexpr int kV = Vec<T>::kV;
   FwdArgs a{p.input,
             p.gamma,
@@ -233,6 +268,7 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) 
             p.out,
             p.out_fp8,
             p.scale,
+            p.scale_inv,
             reinterpret_cast<unsigned int*>(p.amax),
             p.mu,
             p.rsigma,
@@ -244,7 +280,7 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) 
             p.format,
             1};
   const int64_t nvec = ceil_div(p.cols, kV);
-  a.tpr = pick_tpr(nvec, target);
+  a.tpr = pick_tpr(nvec, choice.target);
   const int block = block_for(a.tpr);
   // 16-byte vectors need every row to start on a 16-byte boundary (cols % kV == 0 and aligned base
   // pointers); the FP8 row then starts on a kV-byte boundary, the width of its stores.
@@ -252,9 +288,9 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) 
                    aligned(p.beta, 16) && aligned(p.out, 16) && aligned(p.out_fp8, kV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
   if (vec) {
-    launch_nv<T, true, kMinBlocks>(a, per_thread, block, st);
+    launch_nv<T, true, kMinBlocks>(a, per_thread, block, choice.prefetch, st);
   } else {
-    launch_nv<T, false, kMinBlocks>(a, per_thread, block, st);
+    launch_nv<T, false, kMinBlocks>(a, per_thread, block, choice.prefetch, st);
   }
 }
 
@@ -280,11 +316,14 @@ void norm_fwd_cuda(const NormFwdParams& p, void* stream) {
   FP8DP_CHECK(p.rows == 0 || (p.input != nullptr && p.gamma != nullptr),
               "norm_fwd_cuda: input or gamma is null");
   FP8DP_CHECK(p.out_fp8 == nullptr || p.scale != nullptr, "norm_fwd_cuda: out_fp8 needs a scale");
+  FP8DP_CHECK(p.scale_inv == nullptr || p.scale != nullptr,
+              "norm_fwd_cuda: scale_inv needs a scale");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   // Blocks merge their amax with atomicMax on the bits, so it starts at 0 (the amax of no rows).
   if (p.amax != nullptr && !p.amax_accumulate)
     FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
-  if (p.rows == 0) return;
+  // No rows: the kernel still writes scale_inv (one block, no row).
+  if (p.rows == 0 && p.scale_inv == nullptr) return;
   cuda::norm::dispatch_dtype(p, st);
 }
 
