@@ -65,7 +65,9 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
   q.scale_inv = at::empty({1}, f32);
   if (opts.data) q.data = at::empty(x.sizes(), f8);
   if (opts.transpose) q.data_t = at::empty({cols, rows}, f8);
-  if (opts.dbias) q.dbias = at::empty({cols}, f32);
+  const DType dbias_dt =
+      opts.dbias ? to_high_precision_dtype(opts.dbias_dtype, fn, "dbias_dtype") : DType::kFloat32;
+  if (opts.dbias) q.dbias = at::empty({cols}, x.options().dtype(opts.dbias_dtype));
 
   QuantizeParams p;
   p.input = x.data_ptr();
@@ -79,7 +81,8 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
   p.amax = q.amax.data_ptr<float>();
   p.amax_accumulate = amax_into.defined();
   p.scale_inv = q.scale_inv.data_ptr<float>();
-  p.dbias = opts.dbias ? q.dbias.data_ptr<float>() : nullptr;
+  p.dbias = opts.dbias ? q.dbias.data_ptr() : nullptr;
+  p.dbias_dtype = dbias_dt;
   dispatch_kernel(x.device(), quantize_cpu, FP8DP_CUDA_KERNEL(quantize_cuda), p);
   return q;
 }

@@ -16,13 +16,16 @@ struct Quantized {
   at::Tensor data_t;     // [last_dim, numel / last_dim]: the transposed 2-D view of x, quantized
   at::Tensor scale_inv;  // float32 [1]
   at::Tensor amax;       // float32 [1]: max |x| (NaN if x holds NaN)
-  at::Tensor dbias;      // float32 [last_dim]: column sums of x viewed as 2-D
+  at::Tensor dbias;      // [last_dim] of opts.dbias_dtype: column sums of x viewed as 2-D
 };
 
 struct QuantizeOptions {
   bool data = true;
   bool transpose = false;
   bool dbias = false;
+  // float32, bfloat16 or float16: the FP32 column sums rounded once (a bias's own dtype, so its
+  // gradient needs no conversion of its own).
+  at::ScalarType dbias_dtype = at::kFloat;
 };
 
 // x: float32 / bfloat16 / float16 of any shape (viewed as [numel / last_dim, last_dim]; a

@@ -19,7 +19,9 @@ namespace fp8dp {
 //   scale_inv [1]           1 / scale
 //   dbias     [cols]        column sums of x in FP32 (the bias gradient of a grad_output), summed
 //                           in a fixed order (within each 64-row chunk in row order, then the
-//                           chunks in order), so the result does not depend on the thread count
+//                           chunks in order), so the result does not depend on the thread count;
+//                           stored as dbias_dtype (rounded once, to nearest even: a bf16 bias's
+//                           gradient needs no conversion launch of its own)
 // scale points to one float (host memory for the CPU version, device memory for CUDA).
 struct QuantizeParams {
   const void* input = nullptr;
@@ -33,7 +35,8 @@ struct QuantizeParams {
   float* amax = nullptr;
   bool amax_accumulate = false;  // *amax holds an amax (>= 0, or NaN): merge with max
   float* scale_inv = nullptr;
-  float* dbias = nullptr;
+  void* dbias = nullptr;
+  DType dbias_dtype = DType::kFloat32;  // float32, bfloat16 or float16
 };
 
 void quantize_cpu(const QuantizeParams& p);

@@ -120,6 +120,25 @@ inline void widen(const T* __restrict in, float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
 }
 
+// n floats stored as `dtype`, each rounded once to nearest even (c10's conversions, as the CUDA
+// kernels' from_float).
+void store_floats(const float* in, int64_t n, void* out, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      std::copy_n(in, n, static_cast<float*>(out));
+      return;
+    case DType::kBFloat16:
+      std::copy_n(in, n, static_cast<c10::BFloat16*>(out));
+      return;
+    case DType::kFloat16:
+      std::copy_n(in, n, static_cast<c10::Half*>(out));
+      return;
+    default:
+      break;
+  }
+  FP8DP_CHECK(false, "quantize_cpu: no dbias output of dtype ", dtype_name(dtype));
+}
+
 // Any input dtype: floats are used in place, narrower types widened block by block.
 template <Format F, bool kWrite, typename T>
 uint32_t quantize_span(const T* in, uint8_t* out, float scale, int64_t n) {
@@ -251,11 +270,12 @@ uint32_t quantize_tiled(const QuantizeParams& p, float scale) {
     }
   });
   if (p.dbias) {
-    std::fill_n(p.dbias, cols, 0.0f);
+    std::vector<float> dbias(static_cast<size_t>(cols), 0.0f);
     for (int64_t rc = 0; rc < nrc; ++rc) {
       const float* s = partial.data() + rc * cols;
-      for (int64_t c = 0; c < cols; ++c) p.dbias[c] += s[c];
+      for (int64_t c = 0; c < cols; ++c) dbias[c] += s[c];
     }
+    store_floats(dbias.data(), cols, p.dbias, p.dbias_dtype);
   }
   uint32_t amax = 0;
   for (uint32_t a : block_amax) amax = amax_bits_of(amax, a);

@@ -196,7 +196,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       // One pass over grad_output: E5M2 bytes, their transpose for wgrad, and the bias gradient
       // from the unquantized values (C4: eager, returned to autograd below).
       const Quantized q =
-          core.cast(dy, Role::kGradOutput, c->ac, QuantizeOptions{need_dgrad, need_w, need_b});
+          core.cast(dy, Role::kGradOutput, c->ac,
+                    QuantizeOptions{need_dgrad, need_w, need_b,
+                                    need_b ? c->bias.scalar_type() : at::ScalarType::Float});
       if (need_dgrad) {
         g.a = q.data;
         g.a_scale_inv = q.scale_inv;
@@ -204,7 +206,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
         g.b_scale_inv = c->w_scale_inv;
         dgrad = gemm(g);
       }
-      if (need_b) dbias = q.dbias.to(c->bias.scalar_type());
+      if (need_b) dbias = q.dbias;
       task.a = q.data_t;
       task.a_scale_inv = q.scale_inv;
       task.b = c->in_t;

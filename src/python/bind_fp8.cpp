@@ -44,12 +44,13 @@ void bind_fp8(py::module_& m) {
   m.def(
       "quantize",
       [](const at::Tensor& x, const at::Tensor& scale, Format format, bool data, bool transpose,
-         bool dbias, const std::optional<at::Tensor>& amax_into) {
-        return quantize(x, scale, format, QuantizeOptions{data, transpose, dbias},
+         bool dbias, const std::optional<at::Tensor>& amax_into, at::ScalarType dbias_dtype) {
+        return quantize(x, scale, format, QuantizeOptions{data, transpose, dbias, dbias_dtype},
                         amax_into.value_or(at::Tensor()));
       },
       py::arg("x"), py::arg("scale"), py::arg("format"), py::arg("data") = true,
-      py::arg("transpose") = false, py::arg("dbias") = false, py::arg("amax_into") = py::none());
+      py::arg("transpose") = false, py::arg("dbias") = false, py::arg("amax_into") = py::none(),
+      py::arg("dbias_dtype") = at::kFloat);
   m.def("amax", &amax, py::arg("x"));
   m.def("transpose_fp8", &transpose_fp8, py::arg("data"));
   m.def("dequantize", &dequantize, py::arg("data"), py::arg("scale_inv"), py::arg("dtype"));

@@ -94,6 +94,31 @@ def test_cast_transpose_and_dbias():
     assert torch.equal(q.dbias, x.sum(0))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dbias_in_the_bias_dtype_is_the_fp32_sum_rounded_once(dtype):
+    """dbias_dtype stores the same FP32 column sums, rounded once to nearest even: bit for bit
+    what a separate .to(dtype) of the FP32 result gives (the launch it saves)."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(300, 77, generator=g) * 3).to(torch.bfloat16)
+    s = torch.tensor([2.0])
+    f32 = _C.quantize(x, s, _C.Format.E5M2, transpose=True, dbias=True)
+    low = _C.quantize(x, s, _C.Format.E5M2, transpose=True, dbias=True, dbias_dtype=dtype)
+    assert low.dbias.dtype == dtype
+    assert torch.equal(low.dbias, f32.dbias.to(dtype))
+    assert torch.equal(_bytes(low.data_t), _bytes(f32.data_t))
+
+
+def test_dbias_dtype_must_be_a_float_dtype():
+    with pytest.raises(ValueError, match="dbias_dtype"):
+        _C.quantize(
+            torch.ones(4, 4),
+            torch.tensor([1.0]),
+            _C.Format.E4M3,
+            dbias=True,
+            dbias_dtype=torch.int32,
+        )
+
+
 def test_non_contiguous_input():
     torch.manual_seed(2)
     base = torch.randn(40, 50)

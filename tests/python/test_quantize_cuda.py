@@ -51,6 +51,9 @@ def test_quantize_cuda_matches_cpu(fmt, dtype, shape, special):
     finite = torch.isfinite(d_cpu)
     assert torch.equal(torch.isnan(d_gpu), torch.isnan(d_cpu))
     assert ((d_gpu - d_cpu).abs()[finite] <= bound[finite]).all()
+    # In the bias's dtype: the same FP32 sums, rounded once in the same launch.
+    low = _C.quantize(x.cuda(), scale.cuda(), f, True, True, True, dbias_dtype=torch.bfloat16)
+    assert torch.equal(low.dbias.cpu(), d_gpu.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -303,6 +303,31 @@ void launch_flat(const QuantizeParams& p, cudaStream_t st) {
 constexpr int kCtMinBlocks = 5;
 constexpr bool kCtPrefetch = false;
 
+// dbias[c] = the sum over strips of the partial rows, in strip order, stored as dbias_dtype.
+void launch_dbias_sums(const float* partial, int64_t strips, const QuantizeParams& p,
+                       cudaStream_t st) {
+  switch (p.dbias_dtype) {
+    case DType::kFloat32:
+      return launch_column_sums(
+          ColumnSums<float>{
+              {partial, nullptr}, {static_cast<float*>(p.dbias), nullptr}, strips, p.cols},
+          1, st);
+    case DType::kBFloat16:
+      return launch_column_sums(
+          ColumnSums<__nv_bfloat16>{
+              {partial, nullptr}, {static_cast<__nv_bfloat16*>(p.dbias), nullptr}, strips, p.cols},
+          1, st);
+    case DType::kFloat16:
+      return launch_column_sums(
+          ColumnSums<__half>{
+              {partial, nullptr}, {static_cast<__half*>(p.dbias), nullptr}, strips, p.cols},
+          1, st);
+    default:
+      break;
+  }
+  FP8DP_CHECK(false, "quantize_cuda: no dbias output of dtype ", dtype_name(p.dbias_dtype));
+}
+
 // Tiles per block: kStripTiles, or fewer when the grid would have under ~32 blocks per SM, so that
 // mid-size tensors still spread over enough waves (a 64 MiB tensor is only ~1.5 waves otherwise).
 int auto_strip_tiles(int64_t rows, int64_t cols, int rows_per_tile) {
@@ -353,8 +378,7 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
   if (p.dbias != nullptr) {
     // dbias[c] = sum over strips, in strip order. 64-thread blocks: enough of them to spread a few
     // thousand columns over every SM.
-    const ColumnSums<float> sums{{a.dbias_partial, nullptr}, {p.dbias, nullptr}, strips, p.cols};
-    launch_column_sums(sums, 1, st);
+    launch_dbias_sums(a.dbias_partial, strips, p, st);
     FP8DP_CHECK_CUDA(cudaFreeAsync(a.dbias_partial, st));
   }
 }
@@ -388,6 +412,9 @@ void dispatch_dtype(const QuantizeParams& p, cudaStream_t st) {
 
 void quantize_cuda(const QuantizeParams& p, void* stream) {
   FP8DP_CHECK(p.rows >= 0 && p.cols >= 0, "quantize_cuda: bad shape [", p.rows, ", ", p.cols, "]");
+  FP8DP_CHECK(p.dbias == nullptr || p.dbias_dtype == DType::kFloat32 ||
+                  p.dbias_dtype == DType::kBFloat16 || p.dbias_dtype == DType::kFloat16,
+              "quantize_cuda: no dbias output of dtype ", dtype_name(p.dbias_dtype));
   FP8DP_CHECK(p.scale != nullptr, "quantize_cuda: scale pointer is null");
   FP8DP_CHECK(p.rows * p.cols == 0 || p.input != nullptr, "quantize_cuda: input pointer is null");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -401,8 +428,9 @@ void quantize_cuda(const QuantizeParams& p, void* stream) {
       cuda::write_scale_inv_kernel<<<1, 1, 0, st>>>(p.scale, p.scale_inv);
       FP8DP_CHECK_CUDA(cudaGetLastError());
     }
-    if (p.dbias != nullptr && p.cols > 0) {
-      FP8DP_CHECK_CUDA(cudaMemsetAsync(p.dbias, 0, static_cast<size_t>(p.cols) * 4, st));
+    if (p.dbias != nullptr && p.cols > 0) {  // zero bits are 0.0 in every dtype
+      FP8DP_CHECK_CUDA(
+          cudaMemsetAsync(p.dbias, 0, static_cast<size_t>(p.cols) * dtype_size(p.dbias_dtype), st));
     }
     return;
   }
