@@ -53,7 +53,9 @@ def test_quantize_cuda_matches_cpu(fmt, dtype, shape, special):
     assert ((d_gpu - d_cpu).abs()[finite] <= bound[finite]).all()
     # In the bias's dtype: the same FP32 sums, rounded once in the same launch.
     low = _C.quantize(x.cuda(), scale.cuda(), f, True, True, True, dbias_dtype=torch.bfloat16)
-    assert torch.equal(low.dbias.cpu(), d_gpu.to(torch.bfloat16))
+    torch.testing.assert_close(
+        low.dbias.cpu(), d_gpu.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True
+    )
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

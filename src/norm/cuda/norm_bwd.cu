@@ -74,19 +74,15 @@ __device__ __forceinline__ void load_row(Vec<T> (&dzb)[kN], Vec<T> (&xb)[kN], co
 }
 
 // kNV > 0: dz and x are held in registers, at most kNV vectors per thread; 0: re-read from memory.
-// kMinBlocks: resident 512-thread blocks per SM the register budget must allow. kPrefetch (register
-// path): the next row's dz and x are loaded before this row's sums, so each thread keeps a row's
-// loads in flight while it works on the previous one instead of waiting for them after every row
-// (the kernel was bound by that wait, not by memory). Tuning choices, timed by
-// bench/norm_variants.cu.
+// kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
+// timed by bench/norm_variants.cu).
 // Every block writes one partial row of dgamma / dbeta (its groups are added first, in group
 // order, through shared memory), so the second kernel adds `blocks` rows, not `groups`.
-template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
+template <typename T, bool kVec, int kNV, int kMinBlocks>
 __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const BwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kN = kInRegs ? kNV : 1;
-  constexpr int kP = kInRegs && kPrefetch ? kNV : 1;
   __shared__ float red[2][2][32];     // group_sum buffers, used alternately
   extern __shared__ float col_sum[];  // [cols]: the block's groups added in order (rpb > 1)
   int phase = 0;
@@ -117,8 +113,6 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     const T* xr = static_cast<const T*>(a.x) + off;
     const float mu = live && !a.rms ? a.mu[row] : 0.0f;
     const float rs = live ? a.rsigma[row] : 0.0f;
-    Vec<T> dzn[kP], xn[kP];
-    if constexpr (kInRegs && kPrefetch) load_row<T, kVec, kP>(dzn, xn, a, row + stride, t, nvec);
     float s[2] = {0.0f, 0.0f};  // sum of dxhat, sum of dxhat * xhat
     if constexpr (kInRegs) {
 #pragma unroll
@@ -179,12 +173,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
           if (vi < nvec) finish(dzb[i], xb[i], vi, dg[i], db[i]);
         }
       }
-      if constexpr (kPrefetch) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) dzb[i] = dzn[i], xb[i] = xn[i];
-      } else {
-        load_row<T, kVec, kN>(dzb, xb, a, row + stride, t, nvec);
-      }
+      load_row<T, kVec, kN>(dzb, xb, a, row + stride, t, nvec);
     } else if (live) {
       // One group per block here (rpb == 1), so each column of the partial row has one owner.
       for (int64_t vi = t; vi < nvec; vi += tpr) {
@@ -242,11 +231,11 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
   }
 }
 
-// Launch choices: kNV vectors per thread kept in registers (or 0: the memory path), kMinBlocks,
-// kPrefetch (norm_bwd_kernel) and the block size (rows per block = block / tpr).
-template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
+// Launch choices: kNV vectors per thread kept in registers (or 0: the memory path), kMinBlocks
+// (norm_bwd_kernel) and the block size (rows per block = block / tpr).
+template <typename T, bool kVec, int kNV, int kMinBlocks>
 void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
-  auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks, kPrefetch>;
+  auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks>;
   const int64_t rpb = block / a.tpr;
   const size_t smem = kNV > 0 && rpb > 1 ? static_cast<size_t>(p.cols) * sizeof(float) : 0;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the other rows, and
@@ -278,32 +267,36 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
 }
 
-// The library's launch: kNV = 2 or 3 vectors (whichever the row needs) with the next row
-// prefetched, 512-thread blocks, 1 block's register budget. The other choices exist for the tuning
-// benchmark.
-struct BwdChoice {
-  int min_block = kMaxBlock;  // threads per block at least (several rows per block below it)
-  bool prefetch = true;
-};
-
+// The library's launch: kNV = 2 or 3 vectors (whichever the row needs), blocks of at least 512
+// threads (fewer partial rows), and a register budget for 2 resident blocks from 512 vectors per
+// row up, 1 below. bench/norm_variants.cu on the H200 (2026-12-02), LayerNorm backward of bf16:
+// 16384 x 8192 in 399 us with 2 blocks' budget against 477 us with 1; 4096 x 8192 169 against
+// 179 us; 4096 x 4096 a tie (121 us); 4096 x 2048 86 against 90 us the other way. 256-thread
+// blocks were within 3% of 512 everywhere, and prefetching the next row's dz and x into registers
+// lost 5-25% everywhere (it costs the registers that occupancy needs).
 template <typename T, bool kVec, int kMinBlocks>
 void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block,
-               bool prefetch, cudaStream_t st) {
+               cudaStream_t st) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;  // 3 vectors of bf16 / fp16, 6 of fp32
-  if (per_thread <= 2 && kNV > 2) {
-    return prefetch ? launch<T, kVec, 2, kMinBlocks, true>(p, a, block, st)
-                    : launch<T, kVec, 2, kMinBlocks, false>(p, a, block, st);
-  }
-  if (per_thread <= kNV) {
-    return prefetch ? launch<T, kVec, kNV, kMinBlocks, true>(p, a, block, st)
-                    : launch<T, kVec, kNV, kMinBlocks, false>(p, a, block, st);
-  }
-  launch<T, kVec, 0, kMinBlocks, false>(p, a, block, st);
+  if (per_thread <= 2 && kNV > 2) return launch<T, kVec, 2, kMinBlocks>(p, a, block, st);
+  if (per_thread <= kNV) return launch<T, kVec, kNV, kMinBlocks>(p, a, block, st);
+  launch<T, kVec, 0, kMinBlocks>(p, a, block, st);
 }
 
-template <typename T, int kMinBlocks = 1>
-void dispatch(const NormBwdParams& p, cudaStream_t st, BwdChoice choice = {}) {
+template <typename T, bool kVec>
+void launch_budget(const NormBwdParams& p, const BwdArgs& a, int64_t nvec, int64_t per_thread,
+                   int block, int min_blocks, cudaStream_t st) {
+  if (min_blocks == 0) min_blocks = nvec >= 512 ? 2 : 1;
+  min_blocks == 2 ? launch_nv<T, kVec, 2>(p, a, per_thread, block, st)
+                  : launch_nv<T, kVec, 1>(p, a, per_thread, block, st);
+}
+
+// min_block (threads per block at least) and min_blocks (the register budget; 0: the rule above)
+// exist for the tuning benchmark.
+template <typename T>
+void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = kMaxBlock,
+              int min_blocks = 0) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;
   BwdArgs a{p.dz,
@@ -323,13 +316,13 @@ void dispatch(const NormBwdParams& p, cudaStream_t st, BwdChoice choice = {}) {
   a.tpr = pick_tpr(nvec, kNV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
   // The memory path keeps one row per block (its partial row has one owner per column).
-  const int block = per_thread <= kNV ? std::max(a.tpr, choice.min_block) : block_for(a.tpr);
+  const int block = per_thread <= kNV ? std::max(a.tpr, min_block) : block_for(a.tpr);
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
                    aligned(p.gamma, 16) && aligned(p.dx, 16);
   if (vec) {
-    launch_nv<T, true, kMinBlocks>(p, a, per_thread, block, choice.prefetch, st);
+    launch_budget<T, true>(p, a, nvec, per_thread, block, min_blocks, st);
   } else {
-    launch_nv<T, false, kMinBlocks>(p, a, per_thread, block, choice.prefetch, st);
+    launch_budget<T, false>(p, a, nvec, per_thread, block, min_blocks, st);
   }
 }
 

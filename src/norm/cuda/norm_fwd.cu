@@ -26,15 +26,18 @@ namespace {
 // Vectors of its row a thread holds in registers: kernels exist for up to 4 and up to 8; longer
 // rows are read from global memory three times (kNV = 0). The launch aims at 4 vectors per thread
 // and gives the 4-vector kernel a register budget for 2 resident 512-thread blocks per SM (64
-// registers; ptxas spills under 50 bytes for bf16 / fp32). Measured on the H200 at 08:48 with the
-// earlier choice, 8 vectors per thread at ~128 registers (two 256-thread blocks per SM): the LN
-// forward + FP8 cast of bf16 16384 x 8192 ran at 40% of the copy bandwidth, no faster than with a
-// bf16 output (more bytes), i.e. bound by the latency of each row's load -> reduce -> write chain
-// with only 16 warps per SM, not by memory. Twice the resident warps overlap more rows' chains.
-// Not yet measured; bench/norm_variants.cu times both choices (and 2 vectors per thread).
+// registers). The kernel is bound by the latency of each row's load -> reduce -> write chain, not
+// by memory: the LN forward + FP8 cast of bf16 16384 x 8192 runs at ~42% of the copy bandwidth.
+// bench/norm_variants.cu on the H200 (2026-12-02; a variant's neighbours in the timing order move
+// it by up to ~10%, so ties are ties): 4 vectors with 2 blocks' budget was fastest or tied from
+// 4096 columns up (67.2 us at 4096 x 8192, 235.5 us at 16384 x 8192); at 2048 columns 8 vectors
+// per thread (one warp per row: no block barrier in the row sums) took 21.9 us against 23.2 us.
+// Prefetching the next row into registers lost at every shape (17-30%): it costs the registers
+// that occupancy needs.
 constexpr int kTargetVec = 4;
 constexpr int kMinBlocks4 = 2;
-constexpr bool kPrefetchRows = true;
+
+inline int default_target(int64_t nvec) { return nvec <= 256 ? 8 : kTargetVec; }
 
 struct FwdArgs {
   const void* x;
@@ -120,16 +123,13 @@ __device__ __forceinline__ void load_row(Vec<T> (&buf)[kN], const FwdArgs& a, in
 
 // kVec: every row pointer is 16-byte aligned and cols a multiple of the vector width.
 // kNV > 0: the row is held in registers, at most kNV vectors per thread; 0: re-read from memory.
-// kMinBlocks: resident 512-thread blocks per SM the register budget must allow. kPrefetch (register
-// path): the group's next row is loaded before this row's reductions and writes, so its loads are
-// in flight while this row's chain runs (without it each row waits for its loads first: the
-// latency bound described above). Tuning choices, timed by bench/norm_variants.cu.
-template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
+// kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
+// timed by bench/norm_variants.cu).
+template <typename T, bool kVec, int kNV, int kMinBlocks>
 __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const FwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
   constexpr int kMaxVec = kInRegs ? kNV : 1;
-  constexpr int kP = kInRegs && kPrefetch ? kNV : 1;
   __shared__ float red[2][1][32];  // group_sum buffers, used alternately
   int phase = 0;
   const int tpr = a.tpr;
@@ -150,8 +150,6 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
   for (int64_t row = first; row - g < a.rows; row += stride) {
     const bool live = row < a.rows;
     const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
-    Vec<T> nbuf[kP];
-    if constexpr (kInRegs && kPrefetch) load_row<T, kVec, kP>(nbuf, a, row + stride, t, nvec);
     float s[1] = {0.0f};
     float mu = 0.0f;
     if (!a.rms) {
@@ -212,19 +210,14 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
         }
       }
     }
-    if constexpr (kInRegs && kPrefetch) {
-#pragma unroll
-      for (int i = 0; i < kMaxVec; ++i) buf[i] = nbuf[i];
-    } else if constexpr (kInRegs) {
-      load_row<T, kVec, kMaxVec>(buf, a, row + stride, t, nvec);
-    }
+    if constexpr (kInRegs) load_row<T, kVec, kMaxVec>(buf, a, row + stride, t, nvec);
   }
   block_amax_commit_any(am, a.amax_bits);
 }
 
-template <typename T, bool kVec, int kNV, int kMinBlocks, bool kPrefetch>
+template <typename T, bool kVec, int kNV, int kMinBlocks>
 void launch(const FwdArgs& a, int block, cudaStream_t st) {
-  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks, kPrefetch>;
+  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks>;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
   // and fewer blocks mean fewer amax atomics. The occupancy answer is cached per block size (it
   // depends on the kernel's registers and the architecture only; one architecture per process).
@@ -237,30 +230,18 @@ void launch(const FwdArgs& a, int block, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-// Launch choices: vectors per thread the row is split for (threads per row follow), the 4-vector
-// kernel's register budget (kMinBlocks; the 8-vector kernel keeps 128 registers, it would spill
-// hundreds of bytes at 64, and the memory path 1 block) and the next-row prefetch.
-struct FwdChoice {
-  int target = kTargetVec;
-  bool prefetch = kPrefetchRows;
-};
-
+// kMinBlocks is the 4-vector kernel's budget; the 8-vector kernel keeps 128 registers (it would
+// spill hundreds of bytes at 64), the memory path 1 block.
 template <typename T, bool kVec, int kMinBlocks>
-void launch_nv(const FwdArgs& a, int64_t per_thread, int block, bool prefetch, cudaStream_t st) {
-  if (per_thread <= 4) {
-    return prefetch ? launch<T, kVec, 4, kMinBlocks, true>(a, block, st)
-                    : launch<T, kVec, 4, kMinBlocks, false>(a, block, st);
-  }
-  if (per_thread <= 8) {
-    return prefetch ? launch<T, kVec, 8, 1, true>(a, block, st)
-                    : launch<T, kVec, 8, 1, false>(a, block, st);
-  }
-  launch<T, kVec, 0, 1, false>(a, block, st);
+void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st) {
+  if (per_thread <= 4) return launch<T, kVec, 4, kMinBlocks>(a, block, st);
+  if (per_thread <= 8) return launch<T, kVec, 8, 1>(a, block, st);
+  launch<T, kVec, 0, 1>(a, block, st);
 }
 
-// The library launches the defaults; `choice` and kMinBlocks exist for the tuning benchmark.
+// The library launches the defaults; `target` and kMinBlocks exist for the tuning benchmark.
 template <typename T, int kMinBlocks = kMinBlocks4>
-void dispatch(const NormFwdParams& p, cudaStream_t st, FwdChoice choice = {}) {
+void dispatch(const NormFwdParams& p, cudaStream_t st, int target = 0) {
   constexpr int kV = Vec<T>::kV;
   FwdArgs a{p.input,
             p.gamma,
@@ -280,7 +261,7 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, FwdChoice choice = {}) {
             p.format,
             1};
   const int64_t nvec = ceil_div(p.cols, kV);
-  a.tpr = pick_tpr(nvec, choice.target);
+  a.tpr = pick_tpr(nvec, target > 0 ? target : default_target(nvec));
   const int block = block_for(a.tpr);
   // 16-byte vectors need every row to start on a 16-byte boundary (cols % kV == 0 and aligned base
   // pointers); the FP8 row then starts on a kV-byte boundary, the width of its stores.
@@ -288,9 +269,9 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, FwdChoice choice = {}) {
                    aligned(p.beta, 16) && aligned(p.out, 16) && aligned(p.out_fp8, kV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
   if (vec) {
-    launch_nv<T, true, kMinBlocks>(a, per_thread, block, choice.prefetch, st);
+    launch_nv<T, true, kMinBlocks>(a, per_thread, block, st);
   } else {
-    launch_nv<T, false, kMinBlocks>(a, per_thread, block, choice.prefetch, st);
+    launch_nv<T, false, kMinBlocks>(a, per_thread, block, st);
   }
 }
 
