@@ -28,16 +28,14 @@ namespace {
 // and gives the 4-vector kernel a register budget for 2 resident 512-thread blocks per SM (64
 // registers). The kernel is bound by the latency of each row's load -> reduce -> write chain, not
 // by memory: the LN forward + FP8 cast of bf16 16384 x 8192 runs at ~42% of the copy bandwidth.
-// bench/norm_variants.cu on the H200 (2026-12-02; a variant's neighbours in the timing order move
-// it by up to ~10%, so ties are ties): 4 vectors with 2 blocks' budget was fastest or tied from
-// 4096 columns up (67.2 us at 4096 x 8192, 235.5 us at 16384 x 8192); at 2048 columns 8 vectors
-// per thread (one warp per row: no block barrier in the row sums) took 21.9 us against 23.2 us.
-// Prefetching the next row into registers lost at every shape (17-30%): it costs the registers
-// that occupancy needs.
+// bench/norm_variants.cu on the H200 (2026-12-02): 4 vectors with 2 blocks' budget was fastest or
+// tied from 4096 columns up (67.2 us at 4096 x 8192, 235.5 us at 16384 x 8192). At 2048 columns
+// the standalone timing favoured 8 vectors per thread (one warp per row), but inside the GPT block
+// stack (bench/profile_gpt_block.py) that kernel took 22.7 us per call against 16.4 us for this
+// one, so the default stays. Prefetching the next row into registers lost at every shape (17-30%):
+// it costs the registers that occupancy needs.
 constexpr int kTargetVec = 4;
 constexpr int kMinBlocks4 = 2;
-
-inline int default_target(int64_t nvec) { return nvec <= 256 ? 8 : kTargetVec; }
 
 struct FwdArgs {
   const void* x;
@@ -241,7 +239,7 @@ void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st)
 
 // The library launches the defaults; `target` and kMinBlocks exist for the tuning benchmark.
 template <typename T, int kMinBlocks = kMinBlocks4>
-void dispatch(const NormFwdParams& p, cudaStream_t st, int target = 0) {
+void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) {
   constexpr int kV = Vec<T>::kV;
   FwdArgs a{p.input,
             p.gamma,
@@ -261,7 +259,7 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, int target = 0) {
             p.format,
             1};
   const int64_t nvec = ceil_div(p.cols, kV);
-  a.tpr = pick_tpr(nvec, target > 0 ? target : default_target(nvec));
+  a.tpr = pick_tpr(nvec, target);
   const int block = block_for(a.tpr);
   // 16-byte vectors need every row to start on a 16-byte boundary (cols % kV == 0 and aligned base
   // pointers); the FP8 row then starts on a kV-byte boundary, the width of its stores.
