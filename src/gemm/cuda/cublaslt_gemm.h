@@ -33,7 +33,7 @@ struct LtGemmParams {
 
 // Runs the GEMM on `stream` (a cudaStream_t) on the current device. The first call for a shape
 // (dims, strides, dtypes, epilogue, pointer alignment) builds and caches the cuBLASLt descriptors,
-// asks the heuristic for up to 32 algorithms and, unless autotuning is off or the stream is being
+// asks the heuristic for up to 8 algorithms and, unless autotuning is off or the stream is being
 // captured into a graph, times each once on the call's operands and keeps the fastest. Every
 // cuBLASLt failure throws fp8dp::Error naming the status and the shape.
 void gemm_lt(const LtGemmParams& p, void* stream);
