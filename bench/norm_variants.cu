@@ -1,7 +1,7 @@
 // Tuning benchmark of the LayerNorm / RMSNorm kernels (src/norm/cuda/norm_*.cu): times their
 // launch choices against each other and against a device-to-device copy of the input, interleaved
-// (A B C ... A B C ..., median of 20 samples of 10 back-to-back calls), on random bf16 16384 x 8192 (256 MiB) and the GPT block
-// stack's 4096 x 2048 / 4096 / 8192.
+// (A B C ... A B C ..., median of 20 samples of 10 back-to-back calls), on random bf16
+// 16384 x 8192 (256 MiB) and the GPT block stack's 4096 x 2048 / 4096 / 8192.
 //   forward (LayerNorm, E4M3 output only): vectors of the row per thread (2, 4, 8: threads per
 //     row follow) x register budget for 1 or 2 resident 512-thread blocks per SM (the budget
 //     applies to the 4-vector kernel; the 8-vector one always has 128 registers);
