@@ -18,6 +18,7 @@ OUT=${OUT:-build/gpu/out}
 mkdir -p "$OUT"
 PY=${PY:-$(command -v python3)}
 BUILD=build/gpu
+mkdir -p "$BUILD"  # the standalone benchmarks (nvcc) write there even without the build step
 JOBS=${JOBS:-$(nproc)}
 STEPS=${STEPS:-build ctest pytest distributed bench sanitizer}  # also: matrix demo
 
