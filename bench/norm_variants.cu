@@ -2,11 +2,11 @@
 // launch choices against each other and against a device-to-device copy of the input, interleaved
 // (A B C ... A B C ..., median of 20 samples of 10 back-to-back calls), on random bf16
 // 16384 x 8192 (256 MiB) and the GPT block stack's 4096 x 2048 / 4096 / 8192.
-//   forward (LayerNorm, E4M3 output only): vectors of the row per thread (2, 4, 8: threads per
-//     row follow) x register budget for 1 or 2 resident 512-thread blocks per SM (the budget
-//     applies to the 4-vector kernel; the 8-vector one always has 128 registers);
-//   backward (LayerNorm, dx + dgamma + dbeta): at least 512 or 256 threads per block (rows per
-//     block follow) x register budget for 1 or 2 blocks.
+//   forward (LayerNorm, E4M3 output only): copy-engine stages (0 = none, 2, 3), vectors of the
+//     row per thread (2, 4, 8: threads per row follow) and the register budget for 1 or 2
+//     resident 512-thread blocks per SM (the 8-vector kernel always has 128 registers);
+//   backward (LayerNorm, dx + dgamma + dbeta): copy-engine stages, at least 512 or 256 threads
+//     per block (rows per block follow) and the register budget for 1 or 2 blocks.
 // The library's own choice is timed first after the copy ("library default").
 // Bandwidth counts the bytes each op must move (forward: x read, FP8 written; backward: dz and x
 // read, dx written). A variant well ahead of the library's default is the next change to make; a
@@ -147,20 +147,21 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st) {
   auto copy_op = [=] { CK(cudaMemcpyAsync(copy, x, n * 2, cudaMemcpyDeviceToDevice, st)); };
   std::vector<Variant> fwd = {{"copy", copy_bytes, copy_op},
                               {"library default", fwd_bytes, [=] { dispatch<T>(f, st); }}};
-  for (int target : {4, 8, 2}) {
-    const std::string name = std::to_string(target) + " vec/thread";
-    fwd.push_back({name + ", 2 blocks/SM budget", fwd_bytes, [=] { dispatch<T, 2>(f, st, target); }});
-    fwd.push_back({name + ", 1 block/SM budget", fwd_bytes, [=] { dispatch<T, 1>(f, st, target); }});
-  }
+  // Copy-engine stages (0: each thread loads its row itself) x vectors per thread x budget.
+  fwd.push_back({"4 vec, no stages, 2 blocks", fwd_bytes, [=] { dispatch<T, 2, 0>(f, st, 4); }});
+  fwd.push_back({"4 vec, 2 stages, 2 blocks", fwd_bytes, [=] { dispatch<T, 2, 2>(f, st, 4); }});
+  fwd.push_back({"4 vec, 3 stages, 2 blocks", fwd_bytes, [=] { dispatch<T, 2, 3>(f, st, 4); }});
+  fwd.push_back({"4 vec, 2 stages, 1 block", fwd_bytes, [=] { dispatch<T, 1, 2>(f, st, 4); }});
+  fwd.push_back({"2 vec, 2 stages, 2 blocks", fwd_bytes, [=] { dispatch<T, 2, 2>(f, st, 2); }});
+  fwd.push_back({"8 vec, no stages", fwd_bytes, [=] { dispatch<T, 2, 0>(f, st, 8); }});
   std::vector<Variant> bwd = {{"copy", copy_bytes, copy_op},
                               {"library default", bwd_bytes, [=] { dispatch<T>(b, st); }}};
-  for (int min_block : {512, 256}) {
-    const std::string name = std::to_string(min_block) + "+ threads/block";
-    for (int budget : {1, 2}) {
-      bwd.push_back({name + ", " + std::to_string(budget) + " block(s)/SM budget", bwd_bytes,
-                     [=] { dispatch<T>(b, st, min_block, budget); }});
-    }
-  }
+  bwd.push_back({"no stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 0>(b, st); }});
+  bwd.push_back({"2 stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 2>(b, st); }});
+  bwd.push_back({"3 stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 3>(b, st); }});
+  bwd.push_back({"2 stages, 256+ threads", bwd_bytes, [=] { dispatch<T, 2>(b, st, 256); }});
+  bwd.push_back({"2 stages, 1 block budget", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512, 1); }});
+  bwd.push_back({"2 stages, 2 blocks budget", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512, 2); }});
   char title[128];
   std::snprintf(title, sizeof title, "LayerNorm + E4M3 cast forward, bf16 %ldx%ld", (long)rows,
                 (long)cols);

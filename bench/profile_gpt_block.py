@@ -4,7 +4,10 @@ torch.profiler. The tool behind issue 14's kernel and host work: it says which k
 runs that the torch BF16 baseline does not, and how many launches each layer costs.
 
     python3 bench/profile_gpt_block.py [--shape 8192x2] [--variants bf16,fp8dp_off,fp8dp_delayed]
-                                       [--steps 3] [--top 25] [--json out.json]
+                                       [--steps 3] [--top 25] [--host] [--json out.json]
+
+--host adds the host side: CPU time per step by operator (self time: the operator's own work,
+not its children's), to say where a variant's enqueue time goes.
 """
 
 import argparse
@@ -20,22 +23,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpt_block_gpu import BATCH, SEQ, make_model, make_step  # noqa: E402
 
 
-def kernel_table(step, steps):
-    """{kernel name: [ms per step, launches per step]} over `steps` profiled steps."""
+def kernel_table(step, steps, host=False):
+    """({kernel name: [ms per step, launches per step]}, {CPU operator: [self ms per step, calls
+    per step]} or None) over `steps` profiled steps."""
     for _ in range(3):  # warm-up: autotuning, allocator, first casts
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=acts) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     agg = collections.defaultdict(lambda: [0.0, 0])
+    cpu = collections.defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        agg[ev.name][0] += ev.device_time / 1e3 / steps
-        agg[ev.name][1] += 1
-    return {k: [v[0], v[1] / steps] for k, v in agg.items()}
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            agg[ev.name][0] += ev.device_time / 1e3 / steps
+            agg[ev.name][1] += 1
+        elif host:
+            cpu[ev.name][0] += ev.self_cpu_time_total / 1e3 / steps
+            cpu[ev.name][1] += 1
+    per_step = lambda d: {k: [v[0], v[1] / steps] for k, v in d.items()}  # noqa: E731
+    return per_step(agg), (per_step(cpu) if host else None)
 
 
 def main():
@@ -44,6 +53,7 @@ def main():
     ap.add_argument("--variants", default="bf16,fp8dp_off,fp8dp_delayed")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--host", action="store_true", help="also CPU time per operator")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     hidden, layers = (int(v) for v in args.shape.split("x"))
@@ -55,7 +65,7 @@ def main():
     for v in args.variants.split(","):
         model = ref if v == "bf16" else make_model(hidden, layers, v.split("_")[0], ref)
         step, _ = make_step(model, x, dy, v)
-        table = kernel_table(step, args.steps)
+        table, cpu = kernel_table(step, args.steps, args.host)
         total = sum(ms for ms, _ in table.values())
         launches = sum(n for _, n in table.values())
         out["variants"][v] = {"kernel_ms": total, "launches": launches, "kernels": table}
@@ -65,6 +75,12 @@ def main():
         )
         for name, (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[: args.top]:
             print(f"  {ms:8.3f} ms  {n:5.0f}x  {name[:150]}")
+        if cpu is not None:
+            out["variants"][v]["host_ops"] = cpu
+            host_total = sum(ms for ms, _ in cpu.values())
+            print(f"  -- host: {host_total:.2f} ms of CPU (self) time per step under the profiler")
+            for name, (ms, n) in sorted(cpu.items(), key=lambda kv: -kv[1][0])[: args.top]:
+                print(f"  {ms:8.3f} ms  {n:5.0f}x  {name[:150]}")
         if model is not ref:
             del model
         torch.cuda.empty_cache()

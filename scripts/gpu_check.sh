@@ -95,9 +95,10 @@ wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cu
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 300 "$PY" bench/gpt_block_gpu.py --json "$OUT/bench_gpt.json"
 if wantb profile_gpt; then
-  # Kernel time and launches per step of the GPT block stack, per variant (PROFILE_SHAPES).
+  # Kernel time and launches per step of the GPT block stack, per variant (PROFILE_SHAPES;
+  # PROFILE_ARGS adds arguments, e.g. --host for the CPU time per operator).
   for s in ${PROFILE_SHAPES:-8192x2 2048x8}; do
-    run_step profile_gpt "$OUT/profile.log" 200 "$PY" bench/profile_gpt_block.py --shape "$s" \
+    run_step profile_gpt "$OUT/profile.log" 200 "$PY" bench/profile_gpt_block.py --shape "$s" ${PROFILE_ARGS:-} \
       --json "$OUT/profile_gpt_$s.json"
   done
 fi

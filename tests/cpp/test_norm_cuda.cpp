@@ -118,6 +118,22 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values<int64_t>(33, 1024, 1027, 8192, 12288, 20000, 40000)),
     case_name);
 
+// Enough rows that every block of the persistent grid takes several row groups in turn, so the
+// copy-engine stages of the sm_90 kernels are refilled and their barriers change phase (at 3 or
+// 130 rows each block sees one group at most): about 5-11 groups per block on an H200.
+INSTANTIATE_TEST_SUITE_P(Stages, NormCuda,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Values<int64_t>(20011),
+                                            ::testing::Values<int64_t>(1024)),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(StagesWide, NormCuda,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Values<int64_t>(3001),
+                                            ::testing::Values<int64_t>(8192)),
+                         case_name);
+
 }  // namespace
 }  // namespace fp8dp
 

@@ -58,6 +58,73 @@ def test_quantize_cuda_matches_cpu(fmt, dtype, shape, special):
     )
 
 
+def _dbias_bound(x2, ref, dbias_dtype):
+    """Allowed |dbias - ref| per column, from the numerics: `rows` FP32 terms added in a fixed order
+    are within (rows - 1) * 2^-24 * sum|x| of the exact sum (the recursive-summation bound, 1.001 for
+    the second-order term); the one rounding to dbias_dtype adds half an ulp (2^-8 of the value in
+    bf16, 2^-11 in fp16, plus 2^-25 absolute in fp16's subnormal range)."""
+    rows = x2.shape[0]
+    sum_err = 1.001 * max(rows - 1, 1) * 2.0**-24 * x2.abs().sum(0)
+    u_out, sub = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 0.0)}.get(
+        dbias_dtype, (2.0**-11, 2.0**-25)
+    )
+    return sum_err + u_out * (ref.abs() + sum_err) + sub
+
+
+def _poisoned_dbias(x, fmt, dbias_dtype):
+    """One cast's dbias. A NaN tensor of dbias's size is freed just before the call, so that the
+    caching allocator likely hands its block to dbias: a column the kernel misses then shows as NaN
+    instead of whatever the block held (the C++ test poisons its outputs for certain)."""
+    poison = torch.full((x.shape[-1],), float("nan"), dtype=dbias_dtype, device=x.device)
+    del poison
+    scale = torch.ones(1, device=x.device)
+    return _C.quantize(x, scale, FORMATS[fmt][0], True, True, True, dbias_dtype=dbias_dtype).dbias
+
+
+@pytest.mark.parametrize("dbias_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(5767, 200), (1000, 97), (2, 300, 4099)], ids=str)
+def test_quantize_cuda_dbias_sum(shape, dtype, dbias_dtype):
+    """dbias from the cast's per-strip partial rows and their column sums: several strips of 64 /
+    128 rows and several column tiles, partial last tiles included. Within the numerics' bound of
+    a float64 reference, every column written, and bit for bit the same on every further call (the
+    order of the additions is fixed by the shape)."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(shape, generator=g) + torch.rand(shape[-1], generator=g) * 2 - 1).to(dtype)
+    x2 = x.double().reshape(-1, shape[-1])
+    ref = x2.sum(0)
+    xc = x.cuda()
+    runs = [_poisoned_dbias(xc, "E4M3", dbias_dtype) for _ in range(3)]
+    first = runs[0].cpu()
+    assert first.dtype == dbias_dtype and not torch.isnan(first).any()
+    assert ((first.double() - ref).abs() <= _dbias_bound(x2, ref, dbias_dtype)).all()
+    for d in runs[1:]:
+        assert torch.equal(d.cpu().view(torch.uint8), first.view(torch.uint8))
+
+
+def test_quantize_cuda_dbias_two_streams_at_once():
+    """Casts on two streams at the same time share no scratch: every dbias equals, bit for bit, the
+    one the same cast gives alone."""
+    g = torch.Generator().manual_seed(12)
+    xa = torch.randn(8192, 1000, generator=g).to(torch.bfloat16).cuda()
+    xb = torch.randn(4099, 1030, generator=g).cuda()
+    want_a = _poisoned_dbias(xa, "E4M3", torch.bfloat16).cpu()
+    want_b = _poisoned_dbias(xb, "E5M2", torch.float32).cpu()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    s1.wait_stream(torch.cuda.current_stream())
+    s2.wait_stream(torch.cuda.current_stream())
+    got_a, got_b = [], []
+    for _ in range(8):
+        with torch.cuda.stream(s1):
+            got_a.append(_poisoned_dbias(xa, "E4M3", torch.bfloat16))
+        with torch.cuda.stream(s2):
+            got_b.append(_poisoned_dbias(xb, "E5M2", torch.float32))
+    torch.cuda.synchronize()
+    for k, (a, b) in enumerate(zip(got_a, got_b)):
+        assert torch.equal(a.cpu().view(torch.int16), want_a.view(torch.int16)), f"stream 1, {k}"
+        assert torch.equal(b.cpu().view(torch.int32), want_b.view(torch.int32)), f"stream 2, {k}"
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dequantize_cuda_matches_cpu(fmt, dtype):

@@ -2,10 +2,14 @@
 // as in the forward: dz and x are read once into registers, the two row sums (of dxhat and of
 // dxhat * xhat) are reduced over the group, and dx is written from the registers. Each thread
 // always sees the same columns, so it keeps its share of dgamma / dbeta in registers across all
-// the rows of its group; at the end every group writes one partial row, and a second kernel adds
-// the partial rows per column in group order. No atomics: the result depends only on the shape and
-// the device's SM count (which fixes the grid), not on timing.
+// the rows of its group; at the end every block writes one partial row, and the partial rows are
+// added per column in a fixed order: by the same kernel after a grid-wide barrier (a cooperative
+// launch), or by a second kernel. No atomics: the result depends only on the shape and the
+// device's SM count (which fixes the grid), not on timing.
+// On sm_90 the register kernels get dz and x through shared-memory stages that the copy engine
+// fills ahead of the threads (norm_common.cuh).
 // Rows too long for the registers re-read dz and x and accumulate their partial row in memory.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,8 +36,10 @@ struct BwdArgs {
   const float* rsigma;
   const void* gamma;
   void* dx;
-  float* dgamma_part;  // [groups, cols]
-  float* dbeta_part;   // [groups, cols] or null
+  float* dgamma_part;  // [blocks, cols]
+  float* dbeta_part;   // [blocks, cols] or null
+  void* dgamma;        // dgamma / dbeta [cols] when the kernel adds the partial rows itself (a
+  void* dbeta;         // cooperative launch), else null
   int64_t rows, cols;
   float gshift;  // 1 with zero_centered_gamma, else 0
   bool rms;
@@ -73,18 +79,85 @@ __device__ __forceinline__ void load_row(Vec<T> (&dzb)[kN], Vec<T> (&xb)[kN], co
   }
 }
 
+// The same from the copy engine's stage (norm_common.cuh): the rpb rows of dz, then the rpb rows
+// of x, of one row group.
+template <typename T, int kN>
+__device__ __forceinline__ void read_stage(Vec<T> (&dzb)[kN], Vec<T> (&xb)[kN],
+                                           const uint8_t* stage, size_t half, const BwdArgs& a,
+                                           int64_t row, int g, int t, int64_t nvec) {
+  const bool live = row < a.rows;
+  const size_t off = g * a.cols * sizeof(T);
+  const uint4* dzs = reinterpret_cast<const uint4*>(stage + off);
+  const uint4* xs = reinterpret_cast<const uint4*>(stage + half + off);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
+    const bool in = live && vi < nvec;
+    dzb[i].u = in ? dzs[vi] : make_uint4(0, 0, 0, 0);
+    xb[i].u = in ? xs[vi] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Thread 0: fetch row group `grp`'s dz and x into `stage` (each half `half` bytes) when it exists.
+template <typename T>
+__device__ __forceinline__ void fetch_group(const BwdArgs& a, int64_t grp, int rpb, uint8_t* stage,
+                                            size_t half, uint64_t* bar) {
+  const int64_t r0 = grp * rpb;
+  if (r0 >= a.rows) return;
+  const int64_t n = a.rows - r0 < rpb ? a.rows - r0 : rpb;
+  const size_t off = static_cast<size_t>(r0 * a.cols);
+  stage_fetch2(bar, stage, static_cast<const T*>(a.dz) + off, stage + half,
+               static_cast<const T*>(a.x) + off, static_cast<uint32_t>(n * a.cols * sizeof(T)));
+}
+
+// After every block has written its partial rows (a grid-wide barrier: the launch is cooperative,
+// and the grid is never larger than what is resident at once), the same blocks add them per
+// column: tiles of 32 columns of dgamma, then of dbeta, spread over the grid's groups of
+// kSumThreads threads. The same order of additions as column_sum_kernel, which this saves a launch
+// of (the GPT block stack ran 16 of them per step). blockDim.x is a multiple of kSumThreads.
+template <typename T>
+__device__ __forceinline__ void add_parts(const BwdArgs& a) {
+  cooperative_groups::this_grid().sync();
+  __shared__ ColumnSumSlices slices[kMaxBlock / kSumThreads];
+  const int groups = blockDim.x / kSumThreads;
+  const int gi = threadIdx.x / kSumThreads, t = threadIdx.x % kSumThreads;
+  const int64_t ctiles = ceil_div(a.cols, kSumCols);
+  const int64_t tiles = (a.dbeta != nullptr ? 2 : 1) * ctiles;
+  // The trip count is the same for every thread of the block (column_tile_sum's barrier).
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups; base < tiles;
+       base += static_cast<int64_t>(gridDim.x) * groups) {
+    const int64_t tile = base + gi;
+    const bool beta = tile >= ctiles;
+    // A group without a tile sums no columns (c0 = cols) but keeps the barrier count.
+    const int64_t c0 = tile < tiles ? (tile % ctiles) * kSumCols : a.cols;
+    const float s =
+        column_tile_sum(beta ? a.dbeta_part : a.dgamma_part, gridDim.x, a.cols, c0, t, slices[gi]);
+    if (t < kSumCols && c0 + t < a.cols) {
+      static_cast<T*>(beta ? a.dbeta : a.dgamma)[c0 + t] = from_float<T>(s);
+    }
+    __syncthreads();  // slices[gi] is written again by the next tile
+  }
+}
+
 // kNV > 0: dz and x are held in registers, at most kNV vectors per thread; 0: re-read from memory.
 // kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
 // timed by bench/norm_variants.cu).
+// kStages > 0 (sm_90, kVec and kNV > 0 only): dz and x arrive through kStages shared-memory
+// stages filled by the copy engine.
 // Every block writes one partial row of dgamma / dbeta (its groups are added first, in group
 // order, through shared memory), so the second kernel adds `blocks` rows, not `groups`.
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+// Dynamic shared memory: [cols] floats for that (rpb > 1), then kStages stages of 2 * rpb rows.
+template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages>
 __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const BwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
+  constexpr bool kStaged = kStages > 0;
+  static_assert(!kStaged || (kVec && kInRegs), "staging needs whole vectors held in registers");
   constexpr int kN = kInRegs ? kNV : 1;
-  __shared__ float red[2][2][32];     // group_sum buffers, used alternately
-  extern __shared__ float col_sum[];  // [cols]: the block's groups added in order (rpb > 1)
+  __shared__ float red[2][2][32];  // group_sum buffers, used alternately
+  __shared__ uint64_t bars[kStaged ? kStages : 1];
+  extern __shared__ __align__(128) uint8_t dyn[];
+  float* col_sum = reinterpret_cast<float*>(dyn);  // the block's groups added in order
   int phase = 0;
   const int tpr = a.tpr;
   const int rpb = blockDim.x / tpr;
@@ -104,15 +177,39 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     for (int j = 0; j < kV; ++j) dg[i][j] = db[i][j] = 0.0f;
   }
   Vec<T> dzb[kN], xb[kN];
+  // Stages start after col_sum, 128-byte aligned.
+  const size_t half = static_cast<size_t>(rpb) * a.cols * sizeof(T);
+  uint8_t* stages = dyn + (rpb > 1 ? (a.cols * sizeof(float) + 127) / 128 * 128 : 0);
+  if constexpr (kStaged) {
+    stage_init(bars, kStages);
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < kStages; ++st) {
+        fetch_group<T>(a, blockIdx.x + static_cast<int64_t>(st) * gridDim.x, rpb,
+                       stages + st * 2 * half, half, &bars[st]);
+      }
+    }
+  }
   const int64_t first = static_cast<int64_t>(blockIdx.x) * rpb + g;
-  if constexpr (kInRegs) load_row<T, kVec, kN>(dzb, xb, a, first, t, nvec);
-  for (int64_t row = first; row - g < a.rows; row += stride) {
+  int64_t k = 0;  // this block's row groups done
+  for (int64_t row = first; row - g < a.rows; row += stride, ++k) {
     const bool live = row < a.rows;
     const int64_t off = (live ? row : 0) * a.cols;
     const T* dzr = static_cast<const T*>(a.dz) + off;
     const T* xr = static_cast<const T*>(a.x) + off;
     const float mu = live && !a.rms ? a.mu[row] : 0.0f;
     const float rs = live ? a.rsigma[row] : 0.0f;
+    if constexpr (kStaged) {
+      const int st = static_cast<int>(k % kStages);
+      stage_wait(&bars[st], static_cast<uint32_t>((k / kStages) & 1));
+      read_stage<T, kN>(dzb, xb, stages + st * 2 * half, half, a, row, g, t, nvec);
+      __syncthreads();  // every thread has its copy: the stage may be refilled
+      if (threadIdx.x == 0) {
+        fetch_group<T>(a, blockIdx.x + (k + kStages) * gridDim.x, rpb, stages + st * 2 * half, half,
+                       &bars[st]);
+      }
+    } else if constexpr (kInRegs) {
+      load_row<T, kVec, kN>(dzb, xb, a, row, t, nvec);
+    }
     float s[2] = {0.0f, 0.0f};  // sum of dxhat, sum of dxhat * xhat
     if constexpr (kInRegs) {
 #pragma unroll
@@ -173,7 +270,6 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
           if (vi < nvec) finish(dzb[i], xb[i], vi, dg[i], db[i]);
         }
       }
-      load_row<T, kVec, kN>(dzb, xb, a, row + stride, t, nvec);
     } else if (live) {
       // One group per block here (rpb == 1), so each column of the partial row has one owner.
       for (int64_t vi = t; vi < nvec; vi += tpr) {
@@ -228,22 +324,31 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     };
     write_part(dg, dg_part);
     if (db_part != nullptr) write_part(db, db_part);
+    if (a.dgamma != nullptr) add_parts<T>(a);
   }
 }
 
 // Launch choices: kNV vectors per thread kept in registers (or 0: the memory path), kMinBlocks
 // (norm_bwd_kernel) and the block size (rows per block = block / tpr).
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
 void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
-  auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks>;
+  auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks, kStages>;
   const int64_t rpb = block / a.tpr;
-  const size_t smem = kNV > 0 && rpb > 1 ? static_cast<size_t>(p.cols) * sizeof(float) : 0;
+  const auto align128 = [](size_t b) { return (b + 127) / 128 * 128; };
+  const size_t col_bytes =
+      kNV > 0 && rpb > 1 ? align128(static_cast<size_t>(p.cols) * sizeof(float)) : 0;
+  // A stage: dz and x of rpb rows, at most kNV vectors of 16 bytes per thread each.
+  const size_t stage_max = size_t{kStages} * 2 * block * kNV * 16;
+  const size_t smem = col_bytes + stage_max;
   // As many resident blocks as fit, and no more: the grid-stride loop covers the other rows, and
   // every block costs a partial row of dgamma / dbeta to write and add up. The occupancy is asked
-  // for the most shared memory a block of several rows can take (kNV x 256 threads x kV columns),
-  // so that one cached answer holds for every row length.
+  // for the most shared memory a block of several rows can take (kNV x 256 threads x kV columns,
+  // plus the stages), so that one cached answer holds for every row length.
   static OccupancyCache cache;  // static storage: zero-initialised
-  const size_t smem_max = kNV > 0 ? size_t{kNV} * 256 * Vec<T>::kV * sizeof(float) : 0;
+  const size_t smem_max =
+      (kNV > 0 ? align128(size_t{kNV} * 256 * Vec<T>::kV * sizeof(float)) : 0) + stage_max;
+  static std::atomic<size_t> smem_allowed{0};
+  allow_smem(kernel, smem_max, smem_allowed);
   const int per_sm = resident_blocks(kernel, block, cache, smem_max);
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(ceil_div(p.rows, rpb), int64_t{sm_count()} * std::max(per_sm, 1)));
@@ -256,6 +361,18 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   a.dbeta_part = p.dbeta != nullptr ? part + blocks * p.cols : nullptr;
   // The memory path adds into its partial rows; the register path writes them whole.
   if (kNV == 0) FP8DP_CHECK_CUDA(cudaMemsetAsync(part, 0, nparts * part_bytes, st));
+  // The register path adds the partial rows itself (add_parts) when the device can launch all its
+  // blocks as one cooperative grid: `blocks` never exceeds what is resident at once.
+  if (kNV > 0 && block % kSumThreads == 0 && has_cooperative_launch()) {
+    a.dgamma = p.dgamma;
+    a.dbeta = p.dbeta;
+    void* args[] = {&a};
+    FP8DP_CHECK_CUDA(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
+                                                 dim3(static_cast<unsigned>(blocks)), dim3(block),
+                                                 args, smem, st));
+    FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
+    return;
+  }
   kernel<<<static_cast<unsigned>(blocks), block, smem, st>>>(a);
   FP8DP_CHECK_CUDA(cudaGetLastError());
   // dgamma / dbeta[c] = sum over blocks of the partial rows, in a fixed order, rounded once to T.
@@ -268,33 +385,50 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
 }
 
 // The library's launch: kNV = 2 or 3 vectors (whichever the row needs), blocks of at least 512
-// threads (fewer partial rows), and a register budget for 2 resident blocks from 512 vectors per
-// row up, 1 below. bench/norm_variants.cu on the H200 (2026-12-02), LayerNorm backward of bf16:
-// 16384 x 8192 in 399 us with 2 blocks' budget against 477 us with 1; 4096 x 8192 169 against
-// 179 us; 4096 x 4096 a tie (121 us); 4096 x 2048 86 against 90 us the other way. 256-thread
-// blocks were within 3% of 512 everywhere, and prefetching the next row's dz and x into registers
-// lost 5-25% everywhere (it costs the registers that occupancy needs).
-template <typename T, bool kVec, int kMinBlocks>
+// threads (fewer partial rows). On sm_90, dz and x come through 2 copy-engine stages with a
+// register budget for 1 resident block (128 registers, no spills); elsewhere the budget allows 2
+// blocks from 512 vectors per row up, 1 below. bench/norm_variants.cu on the H200 (2026-12-02),
+// LayerNorm backward of bf16, staged with 1 block's budget against the unstaged rule: 16384 x 8192
+// 315 against 350 us (62% against 56% of copy), 4096 x 8192 105 against 124 us, 4096 x 4096 56
+// against 62 us, 4096 x 2048 41 against 43 us; 3 stages and the 2-block budget were slower with
+// staging. (The 2-block budget spills; its staged variant was also the one that showed the missing
+// proxy fence, see stage_announce.) Prefetching the next row into registers lost 5-25%.
+// kStages: the copy-engine stages of the register kernels on an sm_90+ device with whole vectors.
+template <typename T, bool kVec, int kMinBlocks, int kStages>
 void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block,
                cudaStream_t st) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;  // 3 vectors of bf16 / fp16, 6 of fp32
-  if (per_thread <= 2 && kNV > 2) return launch<T, kVec, 2, kMinBlocks>(p, a, block, st);
-  if (per_thread <= kNV) return launch<T, kVec, kNV, kMinBlocks>(p, a, block, st);
+  constexpr bool kCanStage = kVec && kStages > 0;
+  const bool staged = kCanStage && has_bulk_copy();
+  if (per_thread <= 2 && kNV > 2) {
+    if (staged) return launch<T, kVec, 2, kMinBlocks, kCanStage ? kStages : 0>(p, a, block, st);
+    return launch<T, kVec, 2, kMinBlocks>(p, a, block, st);
+  }
+  if (per_thread <= kNV) {
+    if (staged) return launch<T, kVec, kNV, kMinBlocks, kCanStage ? kStages : 0>(p, a, block, st);
+    return launch<T, kVec, kNV, kMinBlocks>(p, a, block, st);
+  }
   launch<T, kVec, 0, kMinBlocks>(p, a, block, st);
 }
 
-template <typename T, bool kVec>
+template <typename T, bool kVec, int kStages>
 void launch_budget(const NormBwdParams& p, const BwdArgs& a, int64_t nvec, int64_t per_thread,
                    int block, int min_blocks, cudaStream_t st) {
-  if (min_blocks == 0) min_blocks = nvec >= 512 ? 2 : 1;
-  min_blocks == 2 ? launch_nv<T, kVec, 2>(p, a, per_thread, block, st)
-                  : launch_nv<T, kVec, 1>(p, a, per_thread, block, st);
+  if (min_blocks == 0) {
+    const bool staged = kVec && kStages > 0 && has_bulk_copy();
+    min_blocks = !staged && nvec >= 512 ? 2 : 1;
+  }
+  min_blocks == 2 ? launch_nv<T, kVec, 2, kStages>(p, a, per_thread, block, st)
+                  : launch_nv<T, kVec, 1, kStages>(p, a, per_thread, block, st);
 }
 
-// min_block (threads per block at least) and min_blocks (the register budget; 0: the rule above)
-// exist for the tuning benchmark.
-template <typename T>
+// Shared-memory stages of the copy-engine path (sm_90; 0 turns it off).
+constexpr int kBwdStages = 2;
+
+// min_block (threads per block at least), min_blocks (the register budget; 0: the rule above) and
+// kStages exist for the tuning benchmark.
+template <typename T, int kStages = kBwdStages>
 void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = kMaxBlock,
               int min_blocks = 0) {
   constexpr int kV = Vec<T>::kV;
@@ -305,6 +439,8 @@ void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = kMaxBlock
             p.rsigma,
             p.gamma,
             p.dx,
+            nullptr,
+            nullptr,
             nullptr,
             nullptr,
             p.rows,
@@ -320,9 +456,9 @@ void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = kMaxBlock
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
                    aligned(p.gamma, 16) && aligned(p.dx, 16);
   if (vec) {
-    launch_budget<T, true>(p, a, nvec, per_thread, block, min_blocks, st);
+    launch_budget<T, true, kStages>(p, a, nvec, per_thread, block, min_blocks, st);
   } else {
-    launch_budget<T, false>(p, a, nvec, per_thread, block, min_blocks, st);
+    launch_budget<T, false, kStages>(p, a, nvec, per_thread, block, min_blocks, st);
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cuda/ptx>
 
 #include "common/cuda_check.h"
 #include "fp8/cuda/cast_common.cuh"
@@ -146,5 +147,112 @@ int resident_blocks(Kernel kernel, int block, OccupancyCache& cache, size_t smem
 }
 
 inline int block_for(int tpr) { return tpr > kMinBlock ? tpr : kMinBlock; }
+
+// ---------------------------------------------------------------- rows staged by the copy engine
+// A row-wise kernel that loads its row, reduces it and only then loads the next one keeps the
+// memory busy for a fraction of each row's time (the norm kernels ran at ~42% of copy bandwidth).
+// On sm_90 the bulk-copy engine (cp.async.bulk, completion counted on an mbarrier) fetches the
+// next row groups into shared memory while the threads reduce the current one, without holding
+// registers for them (a register prefetch cost the occupancy it needed and lost 5-30%).
+// Protocol: thread 0 initialises the barriers (stage_init, then a block barrier) and issues every
+// fetch; every thread waits for a stage with the parity of its use count (use k of stage s waits
+// for parity (k / stages) & 1), copies its part into registers, and the block passes a
+// __syncthreads before thread 0 refills that stage.
+
+// Whether the current device has the bulk-copy engine (sm_90+), asked once per device.
+inline bool has_bulk_copy() {
+  static std::atomic<int> cached[64];  // 0 unknown, 1 no, 2 yes
+  int dev = 0;
+  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
+  if (dev < 64 && cached[dev].load(std::memory_order_relaxed) != 0) return cached[dev] == 2;
+  int major = 0;
+  FP8DP_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (dev < 64) cached[dev].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
+  return major >= 9;
+}
+
+// Whether the current device can launch cooperative grids (grid-wide barriers), once per device.
+inline bool has_cooperative_launch() {
+  static std::atomic<int> cached[64];  // 0 unknown, 1 no, 2 yes
+  int dev = 0;
+  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
+  if (dev < 64 && cached[dev].load(std::memory_order_relaxed) != 0) return cached[dev] == 2;
+  int coop = 0;
+  FP8DP_CHECK_CUDA(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+  if (dev < 64) cached[dev].store(coop != 0 ? 2 : 1, std::memory_order_relaxed);
+  return coop != 0;
+}
+
+// Thread 0 initialises `n` barriers (one arrival each: the fetch's arrive.expect_tx); every
+// thread must call it before the first fetch or wait.
+__device__ __forceinline__ void stage_init(uint64_t* bars, int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < n; ++i) ::cuda::ptx::mbarrier_init(&bars[i], 1);
+    // Make the initialised barriers visible to the copy engine (the async proxy).
+    ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+#else
+  __trap();  // launched only where has_bulk_copy()
+#endif
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Thread 0, before refilling a stage: the threads' reads of it (generic proxy, ordered before this
+// by the block barrier) must be ordered before the copy engine's writes (async proxy) too; without
+// this fence the H200 intermittently handed some rows stale bytes (LayerNorm backward, 1 run in 6).
+// Then the arrival that announces `bytes` more to come on the barrier (asm volatile with the sink
+// operand: the library's form returns a state, and an unused non-volatile result may be moved).
+__device__ __forceinline__ void stage_announce(uint64_t* bar, uint32_t bytes) {
+  ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
+               :
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes)
+               : "memory");
+}
+#endif
+
+// Thread 0: copy `bytes` (a multiple of 16; src and dst 16-byte aligned) into shared memory; the
+// barrier's current phase completes when they have arrived.
+__device__ __forceinline__ void stage_fetch(uint64_t* bar, void* dst, const void* src,
+                                            uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  stage_announce(bar, bytes);
+  ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, dst, src, bytes,
+                             bar);
+#endif
+}
+
+// Thread 0: two copies of `bytes` each that complete one barrier phase together (the backward's
+// dz and x).
+__device__ __forceinline__ void stage_fetch2(uint64_t* bar, void* dst0, const void* src0,
+                                             void* dst1, const void* src1, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  stage_announce(bar, 2 * bytes);
+  ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, dst0, src0,
+                             bytes, bar);
+  ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, dst1, src1,
+                             bytes, bar);
+#endif
+}
+
+__device__ __forceinline__ void stage_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  while (!::cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+#endif
+}
+
+// Shared memory above the default 48 KiB per block must be allowed per kernel, once: `bytes` of
+// dynamic memory are asked for whenever there are any, because the kernel's static shared memory
+// counts towards the same 48 KiB.
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes, std::atomic<size_t>& allowed) {
+  if (bytes == 0 || allowed.load(std::memory_order_relaxed) >= bytes) return;
+  FP8DP_CHECK_CUDA(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  allowed.store(bytes, std::memory_order_relaxed);
+}
 
 }  // namespace fp8dp::cuda::norm

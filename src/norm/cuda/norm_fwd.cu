@@ -4,6 +4,9 @@
 // (two passes over the registers: no cancellation of E[x^2] - E[x]^2, exact enough for any offset);
 // the output pass writes z in the activation dtype and / or its FP8 bytes. Rows too long for the
 // registers (more than 512 x 8 vectors) take the same three passes from global memory instead.
+// On sm_90 the 4-vector kernel gets its rows through shared-memory stages that the copy engine
+// fills ahead of the threads (norm_common.cuh), so the next rows are in flight during a row's
+// reductions; the arithmetic is the same.
 //
 // Same FP8 bytes as norm_fwd_cpu for the same z: z is rounded to the activation dtype first (RNE,
 // as c10's conversions), the scale is applied with an unfused multiply and the conversion is the
@@ -26,16 +29,22 @@ namespace {
 // Vectors of its row a thread holds in registers: kernels exist for up to 4 and up to 8; longer
 // rows are read from global memory three times (kNV = 0). The launch aims at 4 vectors per thread
 // and gives the 4-vector kernel a register budget for 2 resident 512-thread blocks per SM (64
-// registers). The kernel is bound by the latency of each row's load -> reduce -> write chain, not
-// by memory: the LN forward + FP8 cast of bf16 16384 x 8192 runs at ~42% of the copy bandwidth.
+// registers). The kernel is not bound by memory: the LN forward + FP8 cast of bf16 16384 x 8192
+// runs at ~44% of the copy bandwidth.
 // bench/norm_variants.cu on the H200 (2026-12-02): 4 vectors with 2 blocks' budget was fastest or
 // tied from 4096 columns up (67.2 us at 4096 x 8192, 235.5 us at 16384 x 8192). At 2048 columns
 // the standalone timing favoured 8 vectors per thread (one warp per row), but inside the GPT block
 // stack (bench/profile_gpt_block.py) that kernel took 22.7 us per call against 16.4 us for this
 // one, so the default stays. Prefetching the next row into registers lost at every shape (17-30%):
-// it costs the registers that occupancy needs.
+// it costs the registers that occupancy needs. Bringing the rows in through 2 copy-engine stages
+// (norm_common.cuh) left the forward where it was (within 1-3% either way: 224 against 230 us at
+// 16384 x 8192, 17.2 against 17.7 us at 4096 x 2048, 34.6 against 33.5 us at 4096 x 4096; 3
+// stages were slower): the forward is not waiting on its loads but on its own instruction stream
+// (~27 instructions per element over the three passes) and the two block-wide sums per row.
 constexpr int kTargetVec = 4;
 constexpr int kMinBlocks4 = 2;
+// Shared-memory stages of the copy-engine path (sm_90; 0 turns it off).
+constexpr int kFwdStages = 2;
 
 struct FwdArgs {
   const void* x;
@@ -119,16 +128,50 @@ __device__ __forceinline__ void load_row(Vec<T> (&buf)[kN], const FwdArgs& a, in
   }
 }
 
+// Rows staged by the copy engine (norm_common.cuh): stage s of this block holds the rpb
+// consecutive rows of one row group (one contiguous bulk copy); thread g * tpr + t reads its
+// vectors of row g. Rows past the end read as zeros.
+template <typename T, int kN>
+__device__ __forceinline__ void read_stage(Vec<T> (&buf)[kN], const uint8_t* stage,
+                                           const FwdArgs& a, int64_t row, int g, int t,
+                                           int64_t nvec) {
+  const bool live = row < a.rows;
+  const uint4* src = reinterpret_cast<const uint4*>(stage + g * a.cols * sizeof(T));
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
+    buf[i].u = live && vi < nvec ? src[vi] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Thread 0: fetch row group `grp` (rows grp * rpb ...) into `stage` when it exists.
+template <typename T>
+__device__ __forceinline__ void fetch_group(const FwdArgs& a, int64_t grp, int rpb, uint8_t* stage,
+                                            uint64_t* bar) {
+  const int64_t r0 = grp * rpb;
+  if (r0 >= a.rows) return;
+  const int64_t n = a.rows - r0 < rpb ? a.rows - r0 : rpb;
+  const size_t row_bytes = static_cast<size_t>(a.cols) * sizeof(T);
+  stage_fetch(bar, stage, static_cast<const T*>(a.x) + r0 * a.cols,
+              static_cast<uint32_t>(n * row_bytes));
+}
+
 // kVec: every row pointer is 16-byte aligned and cols a multiple of the vector width.
 // kNV > 0: the row is held in registers, at most kNV vectors per thread; 0: re-read from memory.
 // kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
 // timed by bench/norm_variants.cu).
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+// kStages > 0 (sm_90, kVec and kNV > 0 only): the row groups arrive through kStages shared-memory
+// stages filled by the copy engine (dynamic shared memory: kStages * rpb * cols * sizeof(T)).
+template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages>
 __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const FwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
+  constexpr bool kStaged = kStages > 0;
+  static_assert(!kStaged || (kVec && kInRegs), "staging needs whole vectors held in registers");
   constexpr int kMaxVec = kInRegs ? kNV : 1;
   __shared__ float red[2][1][32];  // group_sum buffers, used alternately
+  __shared__ uint64_t bars[kStaged ? kStages : 1];
+  extern __shared__ __align__(128) uint8_t stages[];
   int phase = 0;
   const int tpr = a.tpr;
   const int rpb = blockDim.x / tpr;
@@ -136,18 +179,40 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
   const int g = threadIdx.x / tpr;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   const int64_t nvec = ceil_div(a.cols, kV);
+  const size_t stage_bytes = static_cast<size_t>(rpb) * a.cols * sizeof(T);
   const float scale = a.out_fp8 != nullptr ? *a.scale : 1.0f;
   if (a.scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = 1.0f / *a.scale;
   const float n = static_cast<float>(a.cols);
   uint32_t am = 0;
   Vec<T> buf[kMaxVec];
+  if constexpr (kStaged) {
+    stage_init(bars, kStages);
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        fetch_group<T>(a, blockIdx.x + static_cast<int64_t>(s) * gridDim.x, rpb,
+                       stages + s * stage_bytes, &bars[s]);
+      }
+    }
+  }
   const int64_t first = static_cast<int64_t>(blockIdx.x) * rpb + g;
-  if constexpr (kInRegs) load_row<T, kVec, kMaxVec>(buf, a, first, t, nvec);
   // Grid-stride over groups of rpb rows; the trip count is uniform across the block, which the
   // __syncthreads inside group_sum needs.
-  for (int64_t row = first; row - g < a.rows; row += stride) {
+  int64_t k = 0;  // this block's row groups done
+  for (int64_t row = first; row - g < a.rows; row += stride, ++k) {
     const bool live = row < a.rows;
     const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
+    if constexpr (kStaged) {
+      const int s = static_cast<int>(k % kStages);
+      stage_wait(&bars[s], static_cast<uint32_t>((k / kStages) & 1));
+      read_stage<T, kMaxVec>(buf, stages + s * stage_bytes, a, row, g, t, nvec);
+      __syncthreads();  // every thread has its copy: the stage may be refilled
+      if (threadIdx.x == 0) {
+        fetch_group<T>(a, blockIdx.x + (k + kStages) * gridDim.x, rpb, stages + s * stage_bytes,
+                       &bars[s]);
+      }
+    } else if constexpr (kInRegs) {
+      load_row<T, kVec, kMaxVec>(buf, a, row, t, nvec);
+    }
     float s[1] = {0.0f};
     float mu = 0.0f;
     if (!a.rms) {
@@ -208,37 +273,49 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
         }
       }
     }
-    if constexpr (kInRegs) load_row<T, kVec, kMaxVec>(buf, a, row + stride, t, nvec);
   }
   block_amax_commit_any(am, a.amax_bits);
 }
 
-template <typename T, bool kVec, int kNV, int kMinBlocks>
+template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
 void launch(const FwdArgs& a, int block, cudaStream_t st) {
-  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks>;
+  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks, kStages>;
+  // Staged: kStages stages of the largest row group a 4-vector launch of this block size can have
+  // (block * 4 vectors of 16 bytes), so that the shared memory, and with it the occupancy answer,
+  // depends on the block size only.
+  const size_t smem = kStages > 0 ? size_t{kStages} * block * 4 * 16 : 0;
+  static std::atomic<size_t> smem_allowed{0};
+  allow_smem(kernel, smem, smem_allowed);
   // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
   // and fewer blocks mean fewer amax atomics. The occupancy answer is cached per block size (it
   // depends on the kernel's registers and the architecture only; one architecture per process).
   static OccupancyCache cache;  // static storage: zero-initialised
-  const int per_sm = resident_blocks(kernel, block, cache);
+  const int per_sm = resident_blocks(kernel, block, cache, smem);
   const int64_t rpb = block / a.tpr;
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(ceil_div(a.rows, rpb), int64_t{sm_count()} * std::max(per_sm, 1)));
-  kernel<<<static_cast<unsigned>(blocks), block, 0, st>>>(a);
+  kernel<<<static_cast<unsigned>(blocks), block, smem, st>>>(a);
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
 // kMinBlocks is the 4-vector kernel's budget; the 8-vector kernel keeps 128 registers (it would
 // spill hundreds of bytes at 64), the memory path 1 block.
-template <typename T, bool kVec, int kMinBlocks>
+// kStages applies to the 4-vector kernel with whole vectors on an sm_90+ device.
+template <typename T, bool kVec, int kMinBlocks, int kStages>
 void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st) {
-  if (per_thread <= 4) return launch<T, kVec, 4, kMinBlocks>(a, block, st);
+  if (per_thread <= 4) {
+    if constexpr (kVec && kStages > 0) {
+      if (has_bulk_copy()) return launch<T, kVec, 4, kMinBlocks, kStages>(a, block, st);
+    }
+    return launch<T, kVec, 4, kMinBlocks>(a, block, st);
+  }
   if (per_thread <= 8) return launch<T, kVec, 8, 1>(a, block, st);
   launch<T, kVec, 0, 1>(a, block, st);
 }
 
-// The library launches the defaults; `target` and kMinBlocks exist for the tuning benchmark.
-template <typename T, int kMinBlocks = kMinBlocks4>
+// The library launches the defaults; `target`, kMinBlocks and kStages exist for the tuning
+// benchmark.
+template <typename T, int kMinBlocks = kMinBlocks4, int kStages = kFwdStages>
 void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) {
   constexpr int kV = Vec<T>::kV;
   FwdArgs a{p.input,
@@ -267,9 +344,9 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) 
                    aligned(p.beta, 16) && aligned(p.out, 16) && aligned(p.out_fp8, kV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
   if (vec) {
-    launch_nv<T, true, kMinBlocks>(a, per_thread, block, st);
+    launch_nv<T, true, kMinBlocks, kStages>(a, per_thread, block, st);
   } else {
-    launch_nv<T, false, kMinBlocks>(a, per_thread, block, st);
+    launch_nv<T, false, kMinBlocks, kStages>(a, per_thread, block, st);
   }
 }
 
