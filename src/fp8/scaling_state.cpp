@@ -227,7 +227,20 @@ at::Tensor ScalingState::prepare_scale(Role role, const Recipe& recipe,
     scale_inv_[r].fill_(1.0f / s);
     initialized_[r] = true;
   }
-  return scale_.narrow(0, r, 1);
+  return role_views().scale_r[r];
+}
+
+const ScalingState::RoleViews& ScalingState::role_views() {
+  if (!views_.hist.is_same(amax_history_) || !views_.scale.is_same(scale_)) {
+    views_.hist = amax_history_;
+    views_.scale = scale_;
+    const at::Tensor row0 = amax_history_.select(0, 0);
+    for (int r = 0; r < kNumRoles; ++r) {
+      views_.scale_r[r] = scale_.narrow(0, r, 1);
+      views_.amax_r[r] = row0.narrow(0, r, 1);
+    }
+  }
+  return views_;
 }
 
 at::Tensor ScalingState::amax_slot(Role role, int64_t numel) {
@@ -236,7 +249,7 @@ at::Tensor ScalingState::amax_slot(Role role, int64_t numel) {
   registry().observed.store(true);
   // Row 0 is the max over every cast of this role in the step (NaN propagates, and keeps the
   // previous scale at the update, C7). Row-major [L, roles]: the slot is one contiguous float.
-  return amax_history_.select(0, 0).narrow(0, static_cast<int>(role), 1);
+  return role_views().amax_r[static_cast<int>(role)];
 }
 
 Quantized ScalingState::cast(const at::Tensor& x, Role role, const Recipe& recipe,
@@ -378,6 +391,7 @@ void ScalingState::reset() {
   unplaced_ = false;
   amax_history_ = at::Tensor();
   scale_ = scale_inv_ = fp8_max_ = seen_ = at::Tensor();
+  views_ = RoleViews{};
   initialized_.fill(false);
 }
 

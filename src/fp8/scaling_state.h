@@ -98,6 +98,17 @@ class ScalingState {
   // True when role r has a scale (initialised by a cast, restored, or set by an update from an
   // amax another rank observed); may read the device (only while the role has no scale yet).
   bool has_scale(int r);
+  // The [1] views scale_[r] and amax_history_[0][r], made once per pair of tensors (rebuilt when
+  // either was replaced: allocation, a new history length, place(), restore()). Each narrow /
+  // select is several dispatcher calls on the host, and every cast asked for two: ~700 per step of
+  // a GPT block stack. The cache holds the tensors it was made from, so is_same cannot be fooled
+  // by a freed tensor's address coming back.
+  struct RoleViews {
+    at::Tensor hist, scale;
+    std::array<at::Tensor, kNumRoles> scale_r, amax_r;
+  };
+  const RoleViews& role_views();
+  RoleViews views_;
 
   int64_t id_;
   std::string identity_;
