@@ -15,7 +15,9 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -DFP8DP_WITH_CUDA=1 -I src -o build/norm_variants bench/norm_variants.cu \
 //        src/fp8/cuda/quantize.cu
-// Run: build/norm_variants
+// Run: build/norm_variants [--once | --dump FILE] (--once: each op's default twice per shape and
+// no tables, for ncu; --dump: every output of the defaults appended to FILE, to compare two builds
+// of the kernels bit for bit)
 #include "norm/cuda/norm_bwd.cu"
 #include "norm/cuda/norm_fwd.cu"
 
@@ -90,7 +92,50 @@ void fill_random_bf16(__nv_bfloat16* dev, size_t n, float mean, float stddev, un
   CK(cudaMemcpy(dev, h.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
 }
 
-void run_shape(int64_t rows, int64_t cols, cudaStream_t st) {
+// Every output of the library's default LayerNorm and RMSNorm, forward (bf16 and E4M3 out, amax,
+// mu, rsigma) and backward (dx, dgamma, dbeta), appended to `path`: two builds of the kernels
+// compare bit for bit with cmp.
+void dump_outputs(int64_t rows, int64_t cols, NormFwdParams f, NormBwdParams b, cudaStream_t st,
+                  const char* path) {
+  const size_t n = static_cast<size_t>(rows * cols);
+  std::vector<uint8_t> host;
+  auto save = [&](const void* dev, size_t bytes) {
+    const size_t at = host.size();
+    host.resize(at + bytes);
+    CK(cudaMemcpy(host.data() + at, dev, bytes, cudaMemcpyDeviceToHost));
+  };
+  void* out;
+  CK(cudaMalloc(&out, n * 2));
+  f.out = out;
+  for (const bool rms : {false, true}) {
+    f.rms = b.rms = rms;
+    f.beta = rms ? nullptr : f.beta;
+    b.dbeta = rms ? nullptr : b.dbeta;
+    b.mu = rms ? nullptr : b.mu;
+    CK(cudaMemsetAsync(f.amax, 0, 4, st));  // as norm_fwd_cuda does before its launch
+    dispatch<__nv_bfloat16>(f, st);
+    dispatch<__nv_bfloat16>(b, st);
+    CK(cudaStreamSynchronize(st));
+    save(f.out, n * 2);
+    save(f.out_fp8, n);
+    save(f.amax, 4);
+    if (!rms) save(f.mu, rows * 4);
+    save(f.rsigma, rows * 4);
+    save(b.dx, n * 2);
+    save(b.dgamma, cols * 2);
+    if (!rms) save(b.dbeta, cols * 2);
+  }
+  CK(cudaFree(out));
+  FILE* fp = std::fopen(path, "ab");
+  FP8DP_CHECK(fp != nullptr, "norm_variants: cannot open ", path);
+  std::fwrite(host.data(), 1, host.size(), fp);
+  std::fclose(fp);
+}
+
+// once: launch each op's library default twice (warm-up, then the one to profile) and no table, for
+// a profiler (`ncu -k regex:norm_ build/norm_variants --once`). dump: dump_outputs to that path
+// instead of the tables.
+void run_shape(int64_t rows, int64_t cols, cudaStream_t st, bool once, const char* dump) {
   using T = __nv_bfloat16;
   const size_t n = static_cast<size_t>(rows * cols);
   T *x, *dz, *dx, *gamma, *beta, *dgamma, *dbeta, *copy;
@@ -162,12 +207,25 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st) {
   bwd.push_back({"2 stages, 256+ threads", bwd_bytes, [=] { dispatch<T, 2>(b, st, 256); }});
   bwd.push_back({"2 stages, 1 block budget", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512, 1); }});
   bwd.push_back({"2 stages, 2 blocks budget", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512, 2); }});
+  if (dump != nullptr) {
+    dump_outputs(rows, cols, f, b, st, dump);
+    fwd.clear();
+    bwd.clear();
+  } else if (once) {
+    for (int i = 0; i < 2; ++i) {
+      fwd[1].run();
+      bwd[1].run();
+    }
+    CK(cudaStreamSynchronize(st));
+    fwd.clear();
+    bwd.clear();
+  }
   char title[128];
   std::snprintf(title, sizeof title, "LayerNorm + E4M3 cast forward, bf16 %ldx%ld", (long)rows,
                 (long)cols);
-  time_table(title, fwd, st);
+  if (!fwd.empty()) time_table(title, fwd, st);
   std::snprintf(title, sizeof title, "LayerNorm backward, bf16 %ldx%ld", (long)rows, (long)cols);
-  time_table(title, bwd, st);
+  if (!bwd.empty()) time_table(title, bwd, st);
   for (void* p : std::initializer_list<void*>{x, dz, dx, copy, fp8, gamma, beta, dgamma, dbeta,
                                               scale, amax, mu, rsigma}) {
     CK(cudaFree(p));
@@ -177,15 +235,17 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st) {
 }  // namespace
 }  // namespace fp8dp::cuda::norm
 
-int main() {
+int main(int argc, char** argv) {
+  const bool once = argc > 1 && std::string(argv[1]) == "--once";
+  const char* dump = argc > 2 && std::string(argv[1]) == "--dump" ? argv[2] : nullptr;
   cudaStream_t st;
   FP8DP_CHECK_CUDA(cudaStreamCreate(&st));
   // The bandwidth target's shape (256 MiB), then the GPT block stack's (bench/gpt_block_gpu.py:
   // 4096 tokens at hidden 2048, 4096, 8192).
-  fp8dp::cuda::norm::run_shape(16384, 8192, st);
-  fp8dp::cuda::norm::run_shape(4096, 2048, st);
-  fp8dp::cuda::norm::run_shape(4096, 4096, st);
-  fp8dp::cuda::norm::run_shape(4096, 8192, st);
+  fp8dp::cuda::norm::run_shape(16384, 8192, st, once, dump);
+  fp8dp::cuda::norm::run_shape(4096, 2048, st, once, dump);
+  fp8dp::cuda::norm::run_shape(4096, 4096, st, once, dump);
+  fp8dp::cuda::norm::run_shape(4096, 8192, st, once, dump);
   FP8DP_CHECK_CUDA(cudaStreamDestroy(st));
   return 0;
 }

@@ -132,6 +132,43 @@ __device__ __forceinline__ void quantize_scaled(const float (&v)[K], float scale
   for (int j = 0; j < K; ++j) q[j] = quantize_like_cpu<F>(v[j], scale);
 }
 
+// quantize_scaled with the bytes packed four to a word (element 4k + i in byte i of word k, the
+// order they have in memory): the packing is one byte permute per pair of conversions instead of
+// the byte extractions and shifts of assembling the words from a byte array.
+template <Format F, int K>
+__device__ __forceinline__ void quantize_words(const float (&v)[K], float scale, bool exact,
+                                               uint32_t (&w)[K / 4]) {
+  static_assert(K % 4 == 0, "whole words");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (!exact) {
+#pragma unroll
+    for (int k = 0; k < K / 4; ++k) {
+      uint16_t r[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float lo = __fmul_rn(v[4 * k + 2 * h], scale);
+        const float hi = __fmul_rn(v[4 * k + 2 * h + 1], scale);
+        if constexpr (F == Format::kE4M3) {
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r[h]) : "f"(hi), "f"(lo));
+        } else {
+          asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r[h]) : "f"(hi), "f"(lo));
+        }
+      }
+      asm("mov.b32 %0, {%1, %2};" : "=r"(w[k]) : "h"(r[0]), "h"(r[1]));
+    }
+    return;
+  }
+#endif
+#pragma unroll
+  for (int k = 0; k < K / 4; ++k) {
+    w[k] = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[k] |= static_cast<uint32_t>(quantize_like_cpu<F>(v[4 * k + i], scale)) << (8 * i);
+    }
+  }
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Multiprocessors of the current device (for grid-stride grids).

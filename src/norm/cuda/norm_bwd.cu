@@ -46,16 +46,31 @@ struct BwdArgs {
   int tpr;  // threads per row
 };
 
-// The per-element terms of one vector: xhat, dxhat (out-of-row elements are zero in dz, so their
-// terms vanish from every sum).
+// gamma (+ 1 with zero_centered_gamma) of one vector as floats: the register kernels make them
+// once per thread, since a thread sees the same columns in every row.
+template <typename T, bool kVec>
+__device__ __forceinline__ void gamma_plus(const BwdArgs& a, int64_t vi, float (&gp)[Vec<T>::kV]) {
+  Vec<T> gv;
+  load_vec<T, kVec, false>(gv, static_cast<const T*>(a.gamma), vi, a.cols);
+  unpack(gv, gp);
+#pragma unroll
+  for (int j = 0; j < Vec<T>::kV; ++j) gp[j] += a.gshift;
+}
+
+// The per-element terms of one vector: xhat, dxhat and dz as floats (out-of-row elements are zero
+// in dz, so their terms vanish from every sum).
 template <typename T>
-__device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv, const Vec<T>& gv,
-                                      float mu, float rs, float gshift, float (&xhat)[Vec<T>::kV],
-                                      float (&dxhat)[Vec<T>::kV]) {
+__device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv,
+                                      const float (&gp)[Vec<T>::kV], float mu, float rs,
+                                      float (&xhat)[Vec<T>::kV], float (&dxhat)[Vec<T>::kV],
+                                      float (&dz)[Vec<T>::kV]) {
+  float x[Vec<T>::kV];
+  unpack(xv, x);
+  unpack(dzv, dz);
 #pragma unroll
   for (int j = 0; j < Vec<T>::kV; ++j) {
-    xhat[j] = (to_float(xv.t[j]) - mu) * rs;
-    dxhat[j] = to_float(dzv.t[j]) * (to_float(gv.t[j]) + gshift);
+    xhat[j] = (x[j] - mu) * rs;
+    dxhat[j] = dz[j] * gp[j];
   }
 }
 
@@ -166,7 +181,6 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   const int64_t nvec = ceil_div(a.cols, kV);
   const float n = static_cast<float>(a.cols);
-  const T* gamma = static_cast<const T*>(a.gamma);
   float* dg_part = a.dgamma_part + static_cast<int64_t>(blockIdx.x) * a.cols;
   float* db_part =
       a.dbeta_part != nullptr ? a.dbeta_part + static_cast<int64_t>(blockIdx.x) * a.cols : nullptr;
@@ -177,6 +191,17 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     for (int j = 0; j < kV; ++j) dg[i][j] = db[i][j] = 0.0f;
   }
   Vec<T> dzb[kN], xb[kN];
+  // gamma_plus of this thread's vectors, made once when they fit next to the rest (16 floats:
+  // the 24 of the 6-vector fp32 kernel spilled at 128 registers); else made per row.
+  constexpr bool kHoist = kInRegs && kN * kV <= 16;
+  float gp[kHoist ? kN : 1][kV];
+  if constexpr (kHoist) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+      if (vi < nvec) gamma_plus<T, kVec>(a, vi, gp[i]);
+    }
+  }
   // Stages start after col_sum, 128-byte aligned.
   const size_t half = static_cast<size_t>(rpb) * a.cols * sizeof(T);
   uint8_t* stages = dyn + (rpb > 1 ? (a.cols * sizeof(float) + 127) / 128 * 128 : 0);
@@ -216,10 +241,14 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
       for (int i = 0; i < kN; ++i) {
         const int64_t vi = t + static_cast<int64_t>(i) * tpr;
         if (vi < nvec) {
-          Vec<T> gv;
-          load_vec<T, kVec, false>(gv, gamma, vi, a.cols);
-          float xhat[kV], dxhat[kV];
-          terms(dzb[i], xb[i], gv, mu, rs, a.gshift, xhat, dxhat);
+          float g[kV], xhat[kV], dxhat[kV], dz[kV];
+          if constexpr (kHoist) {
+#pragma unroll
+            for (int j = 0; j < kV; ++j) g[j] = gp[i][j];
+          } else {
+            gamma_plus<T, kVec>(a, vi, g);
+          }
+          terms(dzb[i], xb[i], g, mu, rs, xhat, dxhat, dz);
 #pragma unroll
           for (int j = 0; j < kV; ++j) {
             s[0] += dxhat[j];
@@ -229,12 +258,11 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
       }
     } else {
       for (int64_t vi = t; live && vi < nvec; vi += tpr) {
-        Vec<T> gv;
         load_vec<T, kVec, false>(dzb[0], dzr, vi, a.cols);
         load_vec<T, kVec, false>(xb[0], xr, vi, a.cols);
-        load_vec<T, kVec, false>(gv, gamma, vi, a.cols);
-        float xhat[kV], dxhat[kV];
-        terms(dzb[0], xb[0], gv, mu, rs, a.gshift, xhat, dxhat);
+        float g[kV], xhat[kV], dxhat[kV], dz[kV];
+        gamma_plus<T, kVec>(a, vi, g);
+        terms(dzb[0], xb[0], g, mu, rs, xhat, dxhat, dz);
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
           s[0] += dxhat[j];
@@ -247,19 +275,18 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     const float m1 = a.rms ? 0.0f : s[0] / n;
     const float m2 = s[1] / n;
     // dx of one vector and its contribution to the column sums.
-    auto finish = [&](const Vec<T>& dzv, const Vec<T>& xv, int64_t vi, float (&dgv)[kV],
-                      float (&dbv)[kV]) {
-      Vec<T> gv, o;
-      load_vec<T, kVec, false>(gv, gamma, vi, a.cols);
-      float xhat[kV], dxhat[kV];
-      terms(dzv, xv, gv, mu, rs, a.gshift, xhat, dxhat);
+    auto finish = [&](const Vec<T>& dzv, const Vec<T>& xv, const float (&g)[kV], int64_t vi,
+                      float (&dgv)[kV], float (&dbv)[kV]) {
+      Vec<T> o;
+      float xhat[kV], dxhat[kV], dz[kV], d[kV], dr[kV];
+      terms(dzv, xv, g, mu, rs, xhat, dxhat, dz);
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
-        o.t[j] = from_float<T>(rs * (dxhat[j] - m1 - xhat[j] * m2));
-        const float dzf = to_float(dzv.t[j]);
-        dgv[j] += dzf * xhat[j];
-        dbv[j] += dzf;
+        d[j] = rs * (dxhat[j] - m1 - xhat[j] * m2);
+        dgv[j] += dz[j] * xhat[j];
+        dbv[j] += dz[j];
       }
+      round_pack<T>(d, o, dr);
       store_vec<T, kVec>(o, static_cast<T*>(a.dx) + row * a.cols, vi, a.cols);
     };
     if constexpr (kInRegs) {
@@ -267,7 +294,16 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
 #pragma unroll
         for (int i = 0; i < kN; ++i) {
           const int64_t vi = t + static_cast<int64_t>(i) * tpr;
-          if (vi < nvec) finish(dzb[i], xb[i], vi, dg[i], db[i]);
+          if (vi < nvec) {
+            float g[kV];
+            if constexpr (kHoist) {
+#pragma unroll
+              for (int j = 0; j < kV; ++j) g[j] = gp[i][j];
+            } else {
+              gamma_plus<T, kVec>(a, vi, g);
+            }
+            finish(dzb[i], xb[i], g, vi, dg[i], db[i]);
+          }
         }
       }
     } else if (live) {
@@ -275,10 +311,11 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
       for (int64_t vi = t; vi < nvec; vi += tpr) {
         load_vec<T, kVec, false>(dzb[0], dzr, vi, a.cols);
         load_vec<T, kVec, false>(xb[0], xr, vi, a.cols);
-        float dgv[kV], dbv[kV];
+        float g[kV], dgv[kV], dbv[kV];
 #pragma unroll
         for (int j = 0; j < kV; ++j) dgv[j] = dbv[j] = 0.0f;
-        finish(dzb[0], xb[0], vi, dgv, dbv);
+        gamma_plus<T, kVec>(a, vi, g);
+        finish(dzb[0], xb[0], g, vi, dgv, dbv);
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
           const int64_t c = vi * kV + j;

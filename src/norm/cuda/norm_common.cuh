@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cuda/ptx>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "fp8/cuda/cast_common.cuh"
@@ -32,6 +33,97 @@ union Vec {
   static constexpr int kV = 16 / sizeof(T);
   uint4 u;
   T t[kV];
+};
+
+// The kernels are bound by their instruction stream (ncu on the H200, 2026-12-02: the LayerNorm
+// forward issued 41 instructions per element, the backward 47), so the conversions between a
+// vector and its floats work on 32-bit words: a bf16 pair widens with one shift and one mask (a
+// 16-bit element access compiles to a byte permute and a multiply each) and rounds with one
+// paired conversion; a Vec rebuilt element by element also went through local memory.
+
+// The elements of `v` as floats, exactly (to_float's values, NaN signs included).
+template <typename T>
+__device__ __forceinline__ void unpack(const Vec<T>& v, float (&f)[Vec<T>::kV]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w[4] = {v.u.x, v.u.y, v.u.z, v.u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __uint_as_float(w[k] << 16);
+      f[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < Vec<T>::kV; ++j) f[j] = to_float(v.t[j]);
+  }
+}
+
+// `z` rounded to T (from_float's bits, pairs converted together), as the vector `o` and back as
+// floats in `zr`.
+template <typename T>
+__device__ __forceinline__ void round_pack(const float (&z)[Vec<T>::kV], Vec<T>& o,
+                                           float (&zr)[Vec<T>::kV]) {
+  constexpr int kV = Vec<T>::kV;
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int j = 0; j < kV; ++j) zr[j] = z[j];
+    o.u = make_uint4(__float_as_uint(z[0]), __float_as_uint(z[1]), __float_as_uint(z[2]),
+                     __float_as_uint(z[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const __nv_bfloat162 p = __floats2bfloat162_rn(z[2 * k], z[2 * k + 1]);
+        w[k] = *reinterpret_cast<const uint32_t*>(&p);
+        zr[2 * k] = __uint_as_float(w[k] << 16);
+        zr[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+      } else {
+        const __half2 p = __floats2half2_rn(z[2 * k], z[2 * k + 1]);
+        w[k] = *reinterpret_cast<const uint32_t*>(&p);
+        zr[2 * k] = to_float(__low2half(p));
+        zr[2 * k + 1] = to_float(__high2half(p));
+      }
+    }
+    o.u = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// A thread's amax of rounded outputs (the bits of |x|, cast_common's abs_bits order), NaNs
+// canonicalised once at the end instead of per element. bf16 keeps a pair of 16-bit maxima per
+// word (|x| of a bf16 is its bits without the sign, in the same order): one mask and one paired
+// max per two elements.
+template <typename T>
+struct VecAmax {
+  uint32_t m = 0;
+  // `in(j)`: whether element j lies in the row.
+  template <typename In>
+  __device__ __forceinline__ void fold(const Vec<T>& o, const float (&zr)[Vec<T>::kV], In in) {
+#pragma unroll
+    for (int j = 0; j < Vec<T>::kV; ++j) {
+      if (in(j)) m = max(m, __float_as_uint(zr[j]) & 0x7FFFFFFFu);
+    }
+  }
+  __device__ __forceinline__ bool nan() const { return m > 0x7F800000u; }
+  __device__ __forceinline__ uint32_t bits() const { return nan() ? kQuietNaNBits : m; }
+};
+
+template <>
+struct VecAmax<__nv_bfloat16> {
+  uint32_t m2 = 0;  // two 16-bit maxima
+  template <typename In>
+  __device__ __forceinline__ void fold(const Vec<__nv_bfloat16>& o, const float (&)[8], In in) {
+    const uint32_t w[4] = {o.u.x, o.u.y, o.u.z, o.u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t keep = (in(2 * k) ? 0x7FFFu : 0u) | (in(2 * k + 1) ? 0x7FFF0000u : 0u);
+      m2 = __vmaxu2(m2, w[k] & keep);
+    }
+  }
+  __device__ __forceinline__ bool nan() const { return __vcmpgtu2(m2, 0x7F807F80u) != 0; }
+  __device__ __forceinline__ uint32_t bits() const {
+    const uint32_t m = max(m2 & 0xFFFFu, m2 >> 16) << 16;
+    return m > 0x7F800000u ? kQuietNaNBits : m;
+  }
 };
 
 // Vector `vi` of a row: one 16-byte load when kVec (row start and cols aligned), else element-wise
