@@ -4,7 +4,8 @@
 // 16384 x 8192 (256 MiB) and the GPT block stack's 4096 x 2048 / 4096 / 8192.
 //   forward (LayerNorm, E4M3 output only): copy-engine stages (0 = none, 2, 3), vectors of the
 //     row per thread (2, 4, 8: threads per row follow) and the register budget for 1 or 2
-//     resident 512-thread blocks per SM (the 8-vector kernel always has 128 registers);
+//     resident 512-thread blocks per SM (the 8-vector kernel always has 128 registers, and is
+//     timed without and with 2 stages);
 //   backward (LayerNorm, dx + dgamma + dbeta): copy-engine stages, at least 512 or 256 threads
 //     per block (rows per block follow) and the register budget for 1 or 2 blocks.
 // The library's own choice is timed first after the copy ("library default").
@@ -199,6 +200,7 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st, bool once, const cha
   fwd.push_back({"4 vec, 2 stages, 1 block", fwd_bytes, [=] { dispatch<T, 1, 2>(f, st, 4); }});
   fwd.push_back({"2 vec, 2 stages, 2 blocks", fwd_bytes, [=] { dispatch<T, 2, 2>(f, st, 2); }});
   fwd.push_back({"8 vec, no stages", fwd_bytes, [=] { dispatch<T, 2, 0>(f, st, 8); }});
+  fwd.push_back({"8 vec, 2 stages", fwd_bytes, [=] { dispatch<T, 2, 2, 2>(f, st, 8); }});
   std::vector<Variant> bwd = {{"copy", copy_bytes, copy_op},
                               {"library default", bwd_bytes, [=] { dispatch<T>(b, st); }}};
   bwd.push_back({"no stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 0>(b, st); }});

@@ -176,12 +176,20 @@ __device__ __forceinline__ bool in_row(int64_t vi, int j, int64_t nvec, int64_t 
 // orders this call's reads before any new writes), which saves a barrier per call.
 template <int kN>
 __device__ __forceinline__ void group_sum(float (&v)[kN], int tpr, float (*smem)[32]) {
-  const int width = tpr < kWarp ? tpr : kWarp;
-  for (int o = 1; o < width; o *= 2) {
+  if (tpr < kWarp) {
+    for (int o = 1; o < tpr; o *= 2) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) v[k] += __shfl_xor_sync(0xFFFFFFFFu, v[k], o);
+    }
+    return;
+  }
+  // Whole warps: the same steps unrolled (a loop over a runtime width cost 3 instructions a step).
+#pragma unroll
+  for (int o = 1; o < kWarp; o *= 2) {
 #pragma unroll
     for (int k = 0; k < kN; ++k) v[k] += __shfl_xor_sync(0xFFFFFFFFu, v[k], o);
   }
-  if (tpr <= kWarp) return;
+  if (tpr == kWarp) return;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (lane == 0) {
 #pragma unroll

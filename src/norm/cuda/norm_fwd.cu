@@ -300,10 +300,10 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
 template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
 void launch(const FwdArgs& a, int block, cudaStream_t st) {
   auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks, kStages>;
-  // Staged: kStages stages of the largest row group a 4-vector launch of this block size can have
-  // (block * 4 vectors of 16 bytes), so that the shared memory, and with it the occupancy answer,
-  // depends on the block size only.
-  const size_t smem = kStages > 0 ? size_t{kStages} * block * 4 * 16 : 0;
+  // Staged: kStages stages of the largest row group a kNV-vector launch of this block size can
+  // have (block * kNV vectors of 16 bytes), so that the shared memory, and with it the occupancy
+  // answer, depends on the block size only.
+  const size_t smem = kStages > 0 ? size_t{kStages} * block * kNV * 16 : 0;
   static std::atomic<size_t> smem_allowed{0};
   allow_smem(kernel, smem, smem_allowed);
   // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
@@ -320,8 +320,9 @@ void launch(const FwdArgs& a, int block, cudaStream_t st) {
 
 // kMinBlocks is the 4-vector kernel's budget; the 8-vector kernel keeps 128 registers (it would
 // spill hundreds of bytes at 64), the memory path 1 block.
-// kStages applies to the 4-vector kernel with whole vectors on an sm_90+ device.
-template <typename T, bool kVec, int kMinBlocks, int kStages>
+// kStages applies to the 4-vector kernel, kStages8 to the 8-vector one, with whole vectors on an
+// sm_90+ device.
+template <typename T, bool kVec, int kMinBlocks, int kStages, int kStages8>
 void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st) {
   if (per_thread <= 4) {
     if constexpr (kVec && kStages > 0) {
@@ -329,13 +330,18 @@ void launch_nv(const FwdArgs& a, int64_t per_thread, int block, cudaStream_t st)
     }
     return launch<T, kVec, 4, kMinBlocks>(a, block, st);
   }
-  if (per_thread <= 8) return launch<T, kVec, 8, 1>(a, block, st);
+  if (per_thread <= 8) {
+    if constexpr (kVec && kStages8 > 0) {
+      if (has_bulk_copy()) return launch<T, kVec, 8, 1, kStages8>(a, block, st);
+    }
+    return launch<T, kVec, 8, 1>(a, block, st);
+  }
   launch<T, kVec, 0, 1>(a, block, st);
 }
 
-// The library launches the defaults; `target`, kMinBlocks and kStages exist for the tuning
-// benchmark.
-template <typename T, int kMinBlocks = kMinBlocks4, int kStages = kFwdStages>
+// The library launches the defaults; `target`, kMinBlocks, kStages and kStages8 exist for the
+// tuning benchmark.
+template <typename T, int kMinBlocks = kMinBlocks4, int kStages = kFwdStages, int kStages8 = 0>
 void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) {
   constexpr int kV = Vec<T>::kV;
   FwdArgs a{p.input,
@@ -364,9 +370,9 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) 
                    aligned(p.beta, 16) && aligned(p.out, 16) && aligned(p.out_fp8, kV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
   if (vec) {
-    launch_nv<T, true, kMinBlocks, kStages>(a, per_thread, block, st);
+    launch_nv<T, true, kMinBlocks, kStages, kStages8>(a, per_thread, block, st);
   } else {
-    launch_nv<T, false, kMinBlocks, kStages>(a, per_thread, block, st);
+    launch_nv<T, false, kMinBlocks, kStages, kStages8>(a, per_thread, block, st);
   }
 }
 
