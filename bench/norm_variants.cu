@@ -203,9 +203,9 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st, bool once, const cha
   fwd.push_back({"8 vec, 2 stages", fwd_bytes, [=] { dispatch<T, 2, 2, 2>(f, st, 8); }});
   std::vector<Variant> bwd = {{"copy", copy_bytes, copy_op},
                               {"library default", bwd_bytes, [=] { dispatch<T>(b, st); }}};
-  bwd.push_back({"no stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 0>(b, st); }});
-  bwd.push_back({"2 stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 2>(b, st); }});
-  bwd.push_back({"3 stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 3>(b, st); }});
+  bwd.push_back({"no stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 0>(b, st, 512); }});
+  bwd.push_back({"2 stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512); }});
+  bwd.push_back({"3 stages, 512+ threads", bwd_bytes, [=] { dispatch<T, 3>(b, st, 512); }});
   bwd.push_back({"2 stages, 256+ threads", bwd_bytes, [=] { dispatch<T, 2>(b, st, 256); }});
   bwd.push_back({"2 stages, 1 block budget", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512, 1); }});
   bwd.push_back({"2 stages, 2 blocks budget", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512, 2); }});

@@ -48,8 +48,8 @@ struct BwdArgs {
 
 // gamma (+ 1 with zero_centered_gamma) of one vector as floats: the register kernels make them
 // once per thread, since a thread sees the same columns in every row.
-template <typename T, bool kVec>
-__device__ __forceinline__ void gamma_plus(const BwdArgs& a, int64_t vi, float (&gp)[Vec<T>::kV]) {
+template <typename T, bool kVec, typename I>
+__device__ __forceinline__ void gamma_plus(const BwdArgs& a, I vi, float (&gp)[Vec<T>::kV]) {
   Vec<T> gv;
   load_vec<T, kVec, false>(gv, static_cast<const T*>(a.gamma), vi, a.cols);
   unpack(gv, gp);
@@ -74,6 +74,26 @@ __device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv,
   }
 }
 
+// dx of one vector into dx_row (this row of dx), and its terms added to the column sums dgv / dbv.
+template <typename T, bool kVec, typename I>
+__device__ __forceinline__ void finish_vec(const BwdArgs& a, const Vec<T>& dzv, const Vec<T>& xv,
+                                           const float (&g)[Vec<T>::kV], I vi, float mu, float rs,
+                                           float m1, float m2, T* dx_row, float (&dgv)[Vec<T>::kV],
+                                           float (&dbv)[Vec<T>::kV]) {
+  constexpr int kV = Vec<T>::kV;
+  Vec<T> o;
+  float xhat[kV], dxhat[kV], dz[kV], d[kV], dr[kV];
+  terms(dzv, xv, g, mu, rs, xhat, dxhat, dz);
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    d[j] = rs * (dxhat[j] - m1 - xhat[j] * m2);
+    dgv[j] += dz[j] * xhat[j];
+    dbv[j] += dz[j];
+  }
+  round_pack<T>(d, o, dr);
+  store_vec<T, kVec>(o, dx_row, vi, a.cols);
+}
+
 // One row's dz and x as this thread's vectors (kN of them, zeros past the row and for a row past
 // the end; zero bits are 0.0 in every dtype).
 template <typename T, bool kVec, int kN>
@@ -84,7 +104,7 @@ __device__ __forceinline__ void load_row(Vec<T> (&dzb)[kN], Vec<T> (&xb)[kN], co
   const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
+    const int vi = t + i * a.tpr;
     if (live && vi < nvec) {
       load_vec<T, kVec, true>(dzb[i], dzr, vi, a.cols);
       load_vec<T, kVec, true>(xb[i], xr, vi, a.cols);
@@ -106,7 +126,7 @@ __device__ __forceinline__ void read_stage(Vec<T> (&dzb)[kN], Vec<T> (&xb)[kN],
   const uint4* xs = reinterpret_cast<const uint4*>(stage + half + off);
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
+    const int vi = t + i * a.tpr;
     const bool in = live && vi < nvec;
     dzb[i].u = in ? dzs[vi] : make_uint4(0, 0, 0, 0);
     xb[i].u = in ? xs[vi] : make_uint4(0, 0, 0, 0);
@@ -198,7 +218,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
   if constexpr (kHoist) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
-      const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+      const int vi = t + i * tpr;
       if (vi < nvec) gamma_plus<T, kVec>(a, vi, gp[i]);
     }
   }
@@ -239,7 +259,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     if constexpr (kInRegs) {
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
-        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+        const int vi = t + i * tpr;
         if (vi < nvec) {
           float g[kV], xhat[kV], dxhat[kV], dz[kV];
           if constexpr (kHoist) {
@@ -274,26 +294,12 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
     phase ^= 1;
     const float m1 = a.rms ? 0.0f : s[0] / n;
     const float m2 = s[1] / n;
-    // dx of one vector and its contribution to the column sums.
-    auto finish = [&](const Vec<T>& dzv, const Vec<T>& xv, const float (&g)[kV], int64_t vi,
-                      float (&dgv)[kV], float (&dbv)[kV]) {
-      Vec<T> o;
-      float xhat[kV], dxhat[kV], dz[kV], d[kV], dr[kV];
-      terms(dzv, xv, g, mu, rs, xhat, dxhat, dz);
-#pragma unroll
-      for (int j = 0; j < kV; ++j) {
-        d[j] = rs * (dxhat[j] - m1 - xhat[j] * m2);
-        dgv[j] += dz[j] * xhat[j];
-        dbv[j] += dz[j];
-      }
-      round_pack<T>(d, o, dr);
-      store_vec<T, kVec>(o, static_cast<T*>(a.dx) + row * a.cols, vi, a.cols);
-    };
+    T* dx_row = static_cast<T*>(a.dx) + (live ? row : 0) * a.cols;
     if constexpr (kInRegs) {
       if (live) {
 #pragma unroll
         for (int i = 0; i < kN; ++i) {
-          const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+          const int vi = t + i * tpr;
           if (vi < nvec) {
             float g[kV];
             if constexpr (kHoist) {
@@ -302,7 +308,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
             } else {
               gamma_plus<T, kVec>(a, vi, g);
             }
-            finish(dzb[i], xb[i], g, vi, dg[i], db[i]);
+            finish_vec<T, kVec>(a, dzb[i], xb[i], g, vi, mu, rs, m1, m2, dx_row, dg[i], db[i]);
           }
         }
       }
@@ -315,7 +321,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
 #pragma unroll
         for (int j = 0; j < kV; ++j) dgv[j] = dbv[j] = 0.0f;
         gamma_plus<T, kVec>(a, vi, g);
-        finish(dzb[0], xb[0], g, vi, dgv, dbv);
+        finish_vec<T, kVec>(a, dzb[0], xb[0], g, vi, mu, rs, m1, m2, dx_row, dgv, dbv);
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
           const int64_t c = vi * kV + j;
@@ -333,7 +339,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
       if (rpb == 1) {
 #pragma unroll
         for (int i = 0; i < kN; ++i) {
-          const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+          const int vi = t + i * tpr;
 #pragma unroll
           for (int j = 0; j < kV; ++j) {
             const int64_t c = vi * kV + j;
@@ -346,7 +352,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
         if (g == k) {
 #pragma unroll
           for (int i = 0; i < kN; ++i) {
-            const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+            const int vi = t + i * tpr;
 #pragma unroll
             for (int j = 0; j < kV; ++j) {
               const int64_t c = vi * kV + j;
@@ -463,11 +469,17 @@ void launch_budget(const NormBwdParams& p, const BwdArgs& a, int64_t nvec, int64
 // Shared-memory stages of the copy-engine path (sm_90; 0 turns it off).
 constexpr int kBwdStages = 2;
 
-// min_block (threads per block at least), min_blocks (the register budget; 0: the rule above) and
-// kStages exist for the tuning benchmark.
+// Threads per block at least, for rows of `tpr` threads: 256 for rows of up to 128 threads (two
+// resident blocks per SM then share it, so one block's row sums and barriers overlap the other's
+// work), else 512. bench/norm_variants.cu on the H200 (2026-12-02, two runs), bf16 4096 x 2048:
+// 32.7 / 33.9 us against 36.1 / 37.3 us with 512; at 4096 columns (256 threads per row, one row per
+// block) 256 was slower (65 against 55 us), at 8192 a tie.
+inline int default_min_block(int tpr) { return tpr <= 128 ? kMinBlock : kMaxBlock; }
+
+// min_block (threads per block at least; 0: default_min_block), min_blocks (the register budget;
+// 0: the rule above) and kStages exist for the tuning benchmark.
 template <typename T, int kStages = kBwdStages>
-void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = kMaxBlock,
-              int min_blocks = 0) {
+void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = 0, int min_blocks = 0) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;
   BwdArgs a{p.dz,
@@ -489,6 +501,7 @@ void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = kMaxBlock
   a.tpr = pick_tpr(nvec, kNV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
   // The memory path keeps one row per block (its partial row has one owner per column).
+  if (min_block == 0) min_block = default_min_block(a.tpr);
   const int block = per_thread <= kNV ? std::max(a.tpr, min_block) : block_for(a.tpr);
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
                    aligned(p.gamma, 16) && aligned(p.dx, 16);

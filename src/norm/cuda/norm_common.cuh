@@ -128,8 +128,10 @@ struct VecAmax<__nv_bfloat16> {
 
 // Vector `vi` of a row: one 16-byte load when kVec (row start and cols aligned), else element-wise
 // with zeros past the row end. kStream: the data is read once, so keep it out of the caches' way.
-template <typename T, bool kVec, bool kStream>
-__device__ __forceinline__ void load_vec(Vec<T>& v, const T* row, int64_t vi, int64_t cols) {
+// The index type I is int where the vector lies in the registers' reach (the offset then costs one
+// 32-bit multiply-add instead of 64-bit arithmetic), else int64_t.
+template <typename T, bool kVec, bool kStream, typename I>
+__device__ __forceinline__ void load_vec(Vec<T>& v, const T* row, I vi, int64_t cols) {
   constexpr int kV = Vec<T>::kV;
   if constexpr (kVec) {
     const uint4* p = reinterpret_cast<const uint4*>(row + vi * kV);
@@ -137,32 +139,33 @@ __device__ __forceinline__ void load_vec(Vec<T>& v, const T* row, int64_t vi, in
   } else {
 #pragma unroll
     for (int j = 0; j < kV; ++j) {
-      const int64_t c = vi * kV + j;
+      const int64_t c = static_cast<int64_t>(vi) * kV + j;
       v.t[j] = c < cols ? row[c] : from_float<T>(0.0f);
     }
   }
 }
 
-template <typename T, bool kVec>
-__device__ __forceinline__ void store_vec(const Vec<T>& v, T* row, int64_t vi, int64_t cols) {
+template <typename T, bool kVec, typename I>
+__device__ __forceinline__ void store_vec(const Vec<T>& v, T* row, I vi, int64_t cols) {
   constexpr int kV = Vec<T>::kV;
   if constexpr (kVec) {
     *reinterpret_cast<uint4*>(row + vi * kV) = v.u;
   } else {
 #pragma unroll
     for (int j = 0; j < kV; ++j) {
-      if (vi * kV + j < cols) row[vi * kV + j] = v.t[j];
+      const int64_t c = static_cast<int64_t>(vi) * kV + j;
+      if (c < cols) row[c] = v.t[j];
     }
   }
 }
 
 // Whether element j of vector vi lies inside the row (always, for a vector that exists, when kVec).
-template <typename T, bool kVec>
-__device__ __forceinline__ bool in_row(int64_t vi, int j, int64_t nvec, int64_t cols) {
+template <typename T, bool kVec, typename I>
+__device__ __forceinline__ bool in_row(I vi, int j, int64_t nvec, int64_t cols) {
   if constexpr (kVec) {
     return vi < nvec;
   } else {
-    return vi * Vec<T>::kV + j < cols;
+    return static_cast<int64_t>(vi) * Vec<T>::kV + j < cols;
   }
 }
 
