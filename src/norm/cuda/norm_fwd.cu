@@ -66,11 +66,10 @@ struct FwdArgs {
 };
 
 // z of the elements of one vector, rounded to T; writes out / out_fp8 and folds |z| into amax.
-// out_row / fp8_row: this row of out / out_fp8 (null when not wanted).
-template <typename T, bool kVec, typename I>
-__device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, T* out_row,
-                                     uint8_t* fp8_row, I vi, int64_t nvec, float mu, float rs,
-                                     float scale, VecAmax<T>& am) {
+template <typename T, bool kVec>
+__device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, int64_t row, int64_t vi,
+                                     int64_t nvec, float mu, float rs, float scale,
+                                     VecAmax<T>& am) {
   constexpr int kV = Vec<T>::kV;
   Vec<T> gv, o;
   float x[kV], g[kV], z[kV], zr[kV];
@@ -99,15 +98,15 @@ __device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, T* out_
   }
   round_pack<T>(z, o, zr);
   am.fold(o, zr, [&](int j) { return in_row<T, kVec>(vi, j, nvec, a.cols); });
-  if (out_row != nullptr) store_vec<T, kVec>(o, out_row, vi, a.cols);
-  if (fp8_row != nullptr) {
+  if (a.out != nullptr) store_vec<T, kVec>(o, static_cast<T*>(a.out) + row * a.cols, vi, a.cols);
+  if (a.out_fp8 != nullptr) {
     uint32_t q[kV / 4];
     if (a.format == Format::kE4M3) {
       quantize_words<Format::kE4M3, kV>(zr, scale, am.nan(), q);
     } else {
       quantize_words<Format::kE5M2, kV>(zr, scale, am.nan(), q);
     }
-    uint8_t* dst = fp8_row + vi * kV;
+    uint8_t* dst = a.out_fp8 + row * a.cols + vi * kV;
     if constexpr (kVec) {
       if constexpr (kV == 4) {
         *reinterpret_cast<uint32_t*>(dst) = q[0];
@@ -117,9 +116,7 @@ __device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, T* out_
     } else {
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
-        if (static_cast<int64_t>(vi) * kV + j < a.cols) {
-          dst[j] = static_cast<uint8_t>(q[j / 4] >> (8 * (j % 4)));
-        }
+        if (vi * kV + j < a.cols) dst[j] = static_cast<uint8_t>(q[j / 4] >> (8 * (j % 4)));
       }
     }
   }
@@ -134,7 +131,7 @@ __device__ __forceinline__ void load_row(Vec<T> (&buf)[kN], const FwdArgs& a, in
   const T* xr = static_cast<const T*>(a.x) + (live ? row : 0) * a.cols;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int vi = t + i * a.tpr;
+    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
     if (live && vi < nvec) {
       load_vec<T, kVec, true>(buf[i], xr, vi, a.cols);
     } else {
@@ -154,7 +151,7 @@ __device__ __forceinline__ void read_stage(Vec<T> (&buf)[kN], const uint8_t* sta
   const uint4* src = reinterpret_cast<const uint4*>(stage + g * a.cols * sizeof(T));
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int vi = t + i * a.tpr;
+    const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
     buf[i].u = live && vi < nvec ? src[vi] : make_uint4(0, 0, 0, 0);
   }
 }
@@ -256,7 +253,7 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
     if constexpr (kInRegs) {
 #pragma unroll
       for (int i = 0; i < kMaxVec; ++i) {
-        const int vi = t + i * tpr;
+        const int64_t vi = t + static_cast<int64_t>(i) * tpr;
         float f[kV];
         unpack(buf[i], f);
 #pragma unroll
@@ -283,18 +280,16 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
     if (live) {
       if (t == 0 && a.mu != nullptr) a.mu[row] = mu;
       if (t == 0 && a.rsigma != nullptr) a.rsigma[row] = rs;
-      T* out_row = a.out != nullptr ? static_cast<T*>(a.out) + row * a.cols : nullptr;
-      uint8_t* fp8_row = a.out_fp8 != nullptr ? a.out_fp8 + row * a.cols : nullptr;
       if constexpr (kInRegs) {
 #pragma unroll
         for (int i = 0; i < kMaxVec; ++i) {
-          const int vi = t + i * tpr;
-          if (vi < nvec) emit<T, kVec>(a, buf[i], out_row, fp8_row, vi, nvec, mu, rs, scale, am);
+          const int64_t vi = t + static_cast<int64_t>(i) * tpr;
+          if (vi < nvec) emit<T, kVec>(a, buf[i], row, vi, nvec, mu, rs, scale, am);
         }
       } else {
         for (int64_t vi = t; vi < nvec; vi += tpr) {
           load_vec<T, kVec, false>(buf[0], xr, vi, a.cols);
-          emit<T, kVec>(a, buf[0], out_row, fp8_row, vi, nvec, mu, rs, scale, am);
+          emit<T, kVec>(a, buf[0], row, vi, nvec, mu, rs, scale, am);
         }
       }
     }
