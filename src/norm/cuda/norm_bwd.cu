@@ -428,15 +428,18 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
 }
 
 // The library's launch: kNV = 2 or 3 vectors (whichever the row needs), blocks of at least 512
-// threads (fewer partial rows). On sm_90, dz and x come through 2 copy-engine stages with a
-// register budget for 1 resident block (128 registers, no spills); elsewhere the budget allows 2
-// blocks from 512 vectors per row up, 1 below. bench/norm_variants.cu on the H200 (2026-12-02),
-// LayerNorm backward of bf16, staged with 1 block's budget against the unstaged rule: 16384 x 8192
-// 315 against 350 us (62% against 56% of copy), 4096 x 8192 105 against 124 us, 4096 x 4096 56
-// against 62 us, 4096 x 2048 41 against 43 us; 3 stages and the 2-block budget were slower with
-// staging. (The 2-block budget spills; its staged variant was also the one that showed the missing
-// proxy fence, see stage_announce.) Prefetching the next row into registers lost 5-25%.
-// kStages: the copy-engine stages of the register kernels on an sm_90+ device with whole vectors.
+// threads (fewer partial rows; 256 for short rows, see default_min_block). On sm_90, dz and x come
+// through 2 copy-engine stages with a register budget for 1 resident block (128 registers, no
+// spills); elsewhere the budget allows 2 blocks from 512 vectors per row up, 1 below.
+// bench/norm_variants.cu on the H200 (2026-12-02), LayerNorm backward of bf16, staged with 1
+// block's budget against the unstaged rule: 16384 x 8192 315 against 350 us (62% against 56% of
+// copy), 4096 x 8192 105 against 124 us, 4096 x 4096 56 against 62 us, 4096 x 2048 41 against 43
+// us; 3 stages and the 2-block budget were slower with staging. (The 2-block budget spills; its
+// staged variant was also the one that showed the missing proxy fence, see stage_announce.)
+// Prefetching the next row into registers lost 5-25%. With the word-wise conversions of
+// norm_common.cuh: 280 us at 16384 x 8192 (70% of copy), 38 issued instructions per element (ncu;
+// 47 before). kStages: the copy-engine stages of the register kernels on an sm_90+ device with
+// whole vectors.
 template <typename T, bool kVec, int kMinBlocks, int kStages>
 void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block,
                cudaStream_t st) {

@@ -29,8 +29,10 @@ namespace {
 // Vectors of its row a thread holds in registers: kernels exist for up to 4 and up to 8; longer
 // rows are read from global memory three times (kNV = 0). The launch aims at 4 vectors per thread
 // and gives the 4-vector kernel a register budget for 2 resident 512-thread blocks per SM (64
-// registers). The kernel is not bound by memory: the LN forward + FP8 cast of bf16 16384 x 8192
-// runs at ~44% of the copy bandwidth.
+// registers). The kernel is not bound by memory but by its instruction stream: the LN forward +
+// FP8 cast of bf16 16384 x 8192 runs at 59% of the copy bandwidth (166.8 us, H200, 2026-12-02),
+// issuing 31 instructions per element (ncu; 41 before the word-wise conversions of
+// norm_common.cuh), an instruction in 77% of the scheduler cycles.
 // bench/norm_variants.cu on the H200 (2026-12-02): 4 vectors with 2 blocks' budget was fastest or
 // tied from 4096 columns up (67.2 us at 4096 x 8192, 235.5 us at 16384 x 8192). At 2048 columns
 // the standalone timing favoured 8 vectors per thread (one warp per row), but inside the GPT block
@@ -40,7 +42,8 @@ namespace {
 // (norm_common.cuh) left the forward where it was (within 1-3% either way: 224 against 230 us at
 // 16384 x 8192, 17.2 against 17.7 us at 4096 x 2048, 34.6 against 33.5 us at 4096 x 4096; 3
 // stages were slower): the forward is not waiting on its loads but on its own instruction stream
-// (~27 instructions per element over the three passes) and the two block-wide sums per row.
+// and the two block-wide sums per row. The 8-vector kernel through the stages (kStages8) was not
+// faster either (171.2 against 166.8 us at 16384 x 8192).
 constexpr int kTargetVec = 4;
 constexpr int kMinBlocks4 = 2;
 // Shared-memory stages of the copy-engine path (sm_90; 0 turns it off).
