@@ -74,16 +74,17 @@ __device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv,
   }
 }
 
-// dx of one vector into dx_row (this row of dx), and its terms added to the column sums dgv / dbv.
+// dx of one vector from its terms into dx_row (this row of dx), and the terms added to the column
+// sums dgv / dbv.
 template <typename T, bool kVec, typename I>
-__device__ __forceinline__ void finish_vec(const BwdArgs& a, const Vec<T>& dzv, const Vec<T>& xv,
-                                           const float (&g)[Vec<T>::kV], I vi, float mu, float rs,
-                                           float m1, float m2, T* dx_row, float (&dgv)[Vec<T>::kV],
-                                           float (&dbv)[Vec<T>::kV]) {
+__device__ __forceinline__ void finish_terms(const BwdArgs& a, const float (&xhat)[Vec<T>::kV],
+                                             const float (&dxhat)[Vec<T>::kV],
+                                             const float (&dz)[Vec<T>::kV], I vi, float rs,
+                                             float m1, float m2, T* dx_row,
+                                             float (&dgv)[Vec<T>::kV], float (&dbv)[Vec<T>::kV]) {
   constexpr int kV = Vec<T>::kV;
   Vec<T> o;
-  float xhat[kV], dxhat[kV], dz[kV], d[kV], dr[kV];
-  terms(dzv, xv, g, mu, rs, xhat, dxhat, dz);
+  float d[kV], dr[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) {
     d[j] = rs * (dxhat[j] - m1 - xhat[j] * m2);
@@ -92,6 +93,18 @@ __device__ __forceinline__ void finish_vec(const BwdArgs& a, const Vec<T>& dzv, 
   }
   round_pack<T>(d, o, dr);
   store_vec<T, kVec>(o, dx_row, vi, a.cols);
+}
+
+// The same from the vector's dz and x (its terms made again).
+template <typename T, bool kVec, typename I>
+__device__ __forceinline__ void finish_vec(const BwdArgs& a, const Vec<T>& dzv, const Vec<T>& xv,
+                                           const float (&g)[Vec<T>::kV], I vi, float mu, float rs,
+                                           float m1, float m2, T* dx_row, float (&dgv)[Vec<T>::kV],
+                                           float (&dbv)[Vec<T>::kV]) {
+  constexpr int kV = Vec<T>::kV;
+  float xhat[kV], dxhat[kV], dz[kV];
+  terms(dzv, xv, g, mu, rs, xhat, dxhat, dz);
+  finish_terms<T, kVec>(a, xhat, dxhat, dz, vi, rs, m1, m2, dx_row, dgv, dbv);
 }
 
 // One row's dz and x as this thread's vectors (kN of them, zeros past the row and for a row past
@@ -124,6 +137,14 @@ __device__ __forceinline__ void read_stage(Vec<T> (&dzb)[kN], Vec<T> (&xb)[kN],
   const size_t off = g * a.cols * sizeof(T);
   const uint4* dzs = reinterpret_cast<const uint4*>(stage + off);
   const uint4* xs = reinterpret_cast<const uint4*>(stage + half + off);
+  if (live && nvec == static_cast<int64_t>(kN) * a.tpr) {  // no bounds checks (norm_fwd.cu)
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      dzb[i].u = dzs[t + i * a.tpr];
+      xb[i].u = xs[t + i * a.tpr];
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int vi = t + i * a.tpr;
@@ -215,6 +236,11 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
   // the 24 of the 6-vector fp32 kernel spilled at 128 registers); else made per row.
   constexpr bool kHoist = kInRegs && kN * kV <= 16;
   float gp[kHoist ? kN : 1][kV];
+  // The same bound: xhat and dxhat of the row stay in registers across its row sums, so the dx pass
+  // does not widen x and dz and make them again (5 of its ~12 instructions per element); x's
+  // vectors are then dead after the sums.
+  constexpr bool kKeep = kHoist;
+  float kxhat[kKeep ? kN : 1][kV], kdxhat[kKeep ? kN : 1][kV];
   if constexpr (kHoist) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
@@ -273,6 +299,10 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
           for (int j = 0; j < kV; ++j) {
             s[0] += dxhat[j];
             s[1] += dxhat[j] * xhat[j];
+            if constexpr (kKeep) {
+              kxhat[i][j] = xhat[j];
+              kdxhat[i][j] = dxhat[j];
+            }
           }
         }
       }
@@ -301,14 +331,16 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
         for (int i = 0; i < kN; ++i) {
           const int vi = t + i * tpr;
           if (vi < nvec) {
-            float g[kV];
-            if constexpr (kHoist) {
-#pragma unroll
-              for (int j = 0; j < kV; ++j) g[j] = gp[i][j];
+            if constexpr (kKeep) {
+              float dz[kV];
+              unpack(dzb[i], dz);
+              finish_terms<T, kVec>(a, kxhat[i], kdxhat[i], dz, vi, rs, m1, m2, dx_row, dg[i],
+                                    db[i]);
             } else {
+              float g[kV];
               gamma_plus<T, kVec>(a, vi, g);
+              finish_vec<T, kVec>(a, dzb[i], xb[i], g, vi, mu, rs, m1, m2, dx_row, dg[i], db[i]);
             }
-            finish_vec<T, kVec>(a, dzb[i], xb[i], g, vi, mu, rs, m1, m2, dx_row, dg[i], db[i]);
           }
         }
       }

@@ -62,14 +62,16 @@ struct FwdArgs {
   float* rsigma;            // or null
   int64_t rows, cols;
   float eps;
-  float gshift;  // 1 with zero_centered_gamma, else 0
+  bool zero_centered_gamma;  // gamma is stored minus 1 (the kernels' kShift)
   bool rms;
   Format format;
   int tpr;  // threads per row
 };
 
 // z of the elements of one vector, rounded to T; writes out / out_fp8 and folds |z| into amax.
-template <typename T, bool kVec>
+// kShift: zero-centred gamma (1 is added to it); a compile-time choice, because an add of a
+// runtime 0 cost one instruction per element of the output pass (8 of its ~115 per vector).
+template <typename T, bool kVec, bool kShift>
 __device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, int64_t row, int64_t vi,
                                      int64_t nvec, float mu, float rs, float scale,
                                      VecAmax<T>& am) {
@@ -82,7 +84,7 @@ __device__ __forceinline__ void emit(const FwdArgs& a, const Vec<T>& xv, int64_t
 #pragma unroll
   for (int j = 0; j < kV; ++j) {
     x[j] = (x[j] - mu) * rs;  // xhat
-    g[j] += a.gshift;
+    if constexpr (kShift) g[j] += 1.0f;
   }
   if (a.beta != nullptr) {
     Vec<T> bv;
@@ -152,6 +154,13 @@ __device__ __forceinline__ void read_stage(Vec<T> (&buf)[kN], const uint8_t* sta
                                            int64_t nvec) {
   const bool live = row < a.rows;
   const uint4* src = reinterpret_cast<const uint4*>(stage + g * a.cols * sizeof(T));
+  // The common case (every GPT width): the row is exactly kN vectors per thread, so no vector
+  // needs a bounds check or a zero fill (they cost ~30 of the ~80 instructions of a row's head).
+  if (live && nvec == static_cast<int64_t>(kN) * a.tpr) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) buf[i].u = src[t + i * a.tpr];
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int64_t vi = t + static_cast<int64_t>(i) * a.tpr;
@@ -177,7 +186,8 @@ __device__ __forceinline__ void fetch_group(const FwdArgs& a, int64_t grp, int r
 // timed by bench/norm_variants.cu).
 // kStages > 0 (sm_90, kVec and kNV > 0 only): the row groups arrive through kStages shared-memory
 // stages filled by the copy engine (dynamic shared memory: kStages * rpb * cols * sizeof(T)).
-template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages>
+// kShift: zero-centred gamma (emit).
+template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages, bool kShift>
 __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const FwdArgs a) {
   constexpr int kV = Vec<T>::kV;
   constexpr bool kInRegs = kNV > 0;
@@ -287,12 +297,12 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
 #pragma unroll
         for (int i = 0; i < kMaxVec; ++i) {
           const int64_t vi = t + static_cast<int64_t>(i) * tpr;
-          if (vi < nvec) emit<T, kVec>(a, buf[i], row, vi, nvec, mu, rs, scale, am);
+          if (vi < nvec) emit<T, kVec, kShift>(a, buf[i], row, vi, nvec, mu, rs, scale, am);
         }
       } else {
         for (int64_t vi = t; vi < nvec; vi += tpr) {
           load_vec<T, kVec, false>(buf[0], xr, vi, a.cols);
-          emit<T, kVec>(a, buf[0], row, vi, nvec, mu, rs, scale, am);
+          emit<T, kVec, kShift>(a, buf[0], row, vi, nvec, mu, rs, scale, am);
         }
       }
     }
@@ -300,9 +310,9 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
   block_amax_commit_any(am.bits(), a.amax_bits);
 }
 
-template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
-void launch(const FwdArgs& a, int block, cudaStream_t st) {
-  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks, kStages>;
+template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages, bool kShift>
+void launch_kernel(const FwdArgs& a, int block, cudaStream_t st) {
+  auto kernel = norm_fwd_kernel<T, kVec, kNV, kMinBlocks, kStages, kShift>;
   // Staged: kStages stages of the largest row group a kNV-vector launch of this block size can
   // have (block * kNV vectors of 16 bytes), so that the shared memory, and with it the occupancy
   // answer, depends on the block size only.
@@ -319,6 +329,13 @@ void launch(const FwdArgs& a, int block, cudaStream_t st) {
       1, std::min<int64_t>(ceil_div(a.rows, rpb), int64_t{sm_count()} * std::max(per_sm, 1)));
   kernel<<<static_cast<unsigned>(blocks), block, smem, st>>>(a);
   FP8DP_CHECK_CUDA(cudaGetLastError());
+}
+
+template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
+void launch(const FwdArgs& a, int block, cudaStream_t st) {
+  if (a.zero_centered_gamma)
+    return launch_kernel<T, kVec, kNV, kMinBlocks, kStages, true>(a, block, st);
+  launch_kernel<T, kVec, kNV, kMinBlocks, kStages, false>(a, block, st);
 }
 
 // kMinBlocks is the 4-vector kernel's budget; the 8-vector kernel keeps 128 registers (it would
@@ -360,7 +377,7 @@ void dispatch(const NormFwdParams& p, cudaStream_t st, int target = kTargetVec) 
             p.rows,
             p.cols,
             p.eps,
-            p.zero_centered_gamma ? 1.0f : 0.0f,
+            p.zero_centered_gamma,
             p.rms,
             p.format,
             1};
