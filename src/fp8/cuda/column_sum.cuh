@@ -54,8 +54,11 @@ __device__ __forceinline__ float column_tile_sum(const float* part, int64_t part
   const int64_t c = c0 + tx;
   float s = 0.0f;
   if (c < cols) {
-    // Four independent loads in flight per step; the adds stay in part order.
-    constexpr int kUnroll = 4;
+    // Eight independent loads in flight per step; the adds stay in part order (so the bits do not
+    // depend on kUnroll). The sum is a chain of L2 round trips: in the LayerNorm backward's
+    // cooperative tail (132-264 parts) it is a fixed cost of every call, which the GPT stack's
+    // shapes (4096 rows) do not amortise.
+    constexpr int kUnroll = 8;
     for (int64_t i0 = ty; i0 < parts; i0 += kSumSlices * kUnroll) {
       float v[kUnroll];
 #pragma unroll
