@@ -269,28 +269,29 @@ inline int block_for(int tpr) { return tpr > kMinBlock ? tpr : kMinBlock; }
 // for parity (k / stages) & 1), copies its part into registers, and the block passes a
 // __syncthreads before thread 0 refills that stage.
 
-// Whether the current device has the bulk-copy engine (sm_90+), asked once per device.
-inline bool has_bulk_copy() {
+// Whether `pred` holds for the value of attribute `Attr` of the current device, asked once per
+// device (the launch paths ask it on every call).
+template <cudaDeviceAttr Attr, typename Pred>
+bool device_has(Pred pred) {
   static std::atomic<int> cached[64];  // 0 unknown, 1 no, 2 yes
   int dev = 0;
   FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
   if (dev < 64 && cached[dev].load(std::memory_order_relaxed) != 0) return cached[dev] == 2;
-  int major = 0;
-  FP8DP_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (dev < 64) cached[dev].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  return major >= 9;
+  int value = 0;
+  FP8DP_CHECK_CUDA(cudaDeviceGetAttribute(&value, Attr, dev));
+  const bool yes = pred(value);
+  if (dev < 64) cached[dev].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
 }
 
-// Whether the current device can launch cooperative grids (grid-wide barriers), once per device.
+// Whether the current device has the bulk-copy engine (sm_90+).
+inline bool has_bulk_copy() {
+  return device_has<cudaDevAttrComputeCapabilityMajor>([](int major) { return major >= 9; });
+}
+
+// Whether the current device can launch cooperative grids (grid-wide barriers).
 inline bool has_cooperative_launch() {
-  static std::atomic<int> cached[64];  // 0 unknown, 1 no, 2 yes
-  int dev = 0;
-  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
-  if (dev < 64 && cached[dev].load(std::memory_order_relaxed) != 0) return cached[dev] == 2;
-  int coop = 0;
-  FP8DP_CHECK_CUDA(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
-  if (dev < 64) cached[dev].store(coop != 0 ? 2 : 1, std::memory_order_relaxed);
-  return coop != 0;
+  return device_has<cudaDevAttrCooperativeLaunch>([](int coop) { return coop != 0; });
 }
 
 // Thread 0 initialises `n` barriers (one arrival each: the fetch's arrive.expect_tx); every
