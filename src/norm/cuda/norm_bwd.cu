@@ -472,8 +472,11 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, bool cooperative, cuda
 // staged variant was also the one that showed the missing proxy fence, see stage_announce.)
 // Prefetching the next row into registers lost 5-25%. With the word-wise conversions of
 // norm_common.cuh: 280 us at 16384 x 8192 (70% of copy), 38 issued instructions per element (ncu;
-// 47 before). kStages: the copy-engine stages of the register kernels on an sm_90+ device with
-// whole vectors.
+// 47 before); with the cross-warp shuffle tree and the kept terms (kKeep): 257.9 us (76%), 29.5.
+// Adding the partial rows in a second kernel instead of the cooperative tail was slower at every
+// shape (259.4 / 93.7 / 51.2 / 38.5 against 257.9 / 91.8 / 48.4 / 35.0 us at 16384 x 8192,
+// 4096 x 8192 / 4096 / 2048). kStages: the copy-engine stages of the register kernels on an sm_90+
+// device with whole vectors.
 template <typename T, bool kVec, int kMinBlocks, int kStages>
 void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block, bool coop,
                cudaStream_t st) {

@@ -30,9 +30,9 @@ namespace {
 // rows are read from global memory three times (kNV = 0). The launch aims at 4 vectors per thread
 // and gives the 4-vector kernel a register budget for 2 resident 512-thread blocks per SM (64
 // registers). The kernel is not bound by memory but by its instruction stream: the LN forward +
-// FP8 cast of bf16 16384 x 8192 runs at 59% of the copy bandwidth (166.8 us, H200, 2026-12-02),
-// issuing 31 instructions per element (ncu; 41 before the word-wise conversions of
-// norm_common.cuh), an instruction in 77% of the scheduler cycles.
+// FP8 cast of bf16 16384 x 8192 runs at 65% of the copy bandwidth (151.7 us, H200, 2026-12-02),
+// issuing 26.6 instructions per element (ncu; 41 before the word-wise conversions of
+// norm_common.cuh, 31 before the cross-warp shuffle tree, kShift and the unchecked full rows).
 // bench/norm_variants.cu on the H200 (2026-12-02): 4 vectors with 2 blocks' budget was fastest or
 // tied from 4096 columns up (67.2 us at 4096 x 8192, 235.5 us at 16384 x 8192). At 2048 columns
 // the standalone timing favoured 8 vectors per thread (one warp per row), but inside the GPT block
