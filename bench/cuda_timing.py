@@ -5,7 +5,9 @@ run; each sample is one call between two CUDA events and the median is reported.
 """
 
 import json
+import os
 import statistics
+import subprocess
 import time
 
 import torch
@@ -27,6 +29,69 @@ def time_interleaved(variants, warmup=3, rounds=20):
             samples[name].append((start, end))
     torch.cuda.synchronize()
     return {n: statistics.median(s.elapsed_time(e) for s, e in ev) for n, ev in samples.items()}
+
+
+class GpuSampler:
+    """The SM clock (MHz) and board power (W) of the benchmark's GPU, sampled every `period_ms` by
+    `nvidia-smi -lms` while the `with` block runs. A step timed at lower clocks (power or thermal
+    limits under a long run) looks slower for a reason outside its kernels; the summary says
+    whether that happened. summary() is None where nvidia-smi is missing or printed nothing."""
+
+    def __init__(self, period_ms=100):
+        self.period_ms = period_ms
+        self.proc = None
+        self.samples = []
+
+    def __enter__(self):
+        # nvidia-smi counts every GPU of the host; CUDA_VISIBLE_DEVICES may renumber them for torch.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        index = visible if visible.isdigit() else "0"
+        cmd = [
+            "nvidia-smi",
+            "--query-gpu=clocks.sm,power.draw",
+            "--format=csv,noheader,nounits",
+            f"-lms={self.period_ms}",
+            f"--id={index}",
+        ]
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return False
+        self.proc.terminate()
+        try:
+            out = self.proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out = self.proc.communicate()[0]
+        for line in out.splitlines():
+            try:
+                clock, power = (float(v) for v in line.split(","))
+            except ValueError:  # "[N/A]" or a partial last line
+                continue
+            self.samples.append((clock, power))
+        return False
+
+    def summary(self):
+        if not self.samples:
+            return None
+        clocks = [c for c, _ in self.samples]
+        power = [w for _, w in self.samples]
+        return {
+            "samples": len(self.samples),
+            "sm_clock_mhz": {
+                "median": statistics.median(clocks),
+                "min": min(clocks),
+                "max": max(clocks),
+            },
+            "power_w": {"median": statistics.median(power), "max": max(power)},
+        }
 
 
 def peak_step_mib(step):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cuda_timing import (  # noqa: E402
+    GpuSampler,
     device_info,
     peak_step_mib,
     print_table,
@@ -182,7 +183,8 @@ def bench_shape(hidden, layers, rounds, skip_te):
     steps, losses = {}, {}
     for m in modes:
         steps[m], losses[m] = make_step(models[m], x, dy, m)
-    ms = time_interleaved(steps, warmup=5, rounds=rounds)
+    with GpuSampler() as gpu:
+        ms = time_interleaved(steps, warmup=5, rounds=rounds)
     tokens = SEQ * BATCH
     base = ms["bf16"]
     out = {"hidden": hidden, "layers": layers, "tokens": tokens, "variants": {}}
@@ -196,6 +198,7 @@ def bench_shape(hidden, layers, rounds, skip_te):
             "loss": losses[m](),
         }
     out["target"] = TARGETS.get((hidden, layers))
+    out["gpu_during_timing"] = gpu.summary()  # clocks and power of the interleaved timing
     return out
 
 
@@ -247,6 +250,15 @@ def main():
         ["width x layers", "variant", "ms", "tokens/s", "vs bf16", "host ms", "peak MiB", "loss"],
         rows,
     )
+    for r in results:
+        g = r.get("gpu_during_timing")
+        if g:
+            c, w = g["sm_clock_mhz"], g["power_w"]
+            print(
+                f"{r['hidden']}x{r['layers']}: SM clock {c['median']:.0f} MHz median "
+                f"({c['min']:.0f}-{c['max']:.0f}), power {w['median']:.0f} W median "
+                f"({w['max']:.0f} max) while timing, {g['samples']} samples"
+            )
     write_json(
         args.json,
         {

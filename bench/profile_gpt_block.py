@@ -20,17 +20,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
+from cuda_timing import GpuSampler  # noqa: E402
 from gpt_block_gpu import BATCH, SEQ, make_model, make_step  # noqa: E402
 
 
 def kernel_table(step, steps, host=False):
     """({kernel name: [ms per step, launches per step]}, {CPU operator: [self ms per step, calls
-    per step]} or None) over `steps` profiled steps."""
+    per step]} or None, the GPU's clocks and power meanwhile (cuda_timing.GpuSampler) or None)
+    over `steps` profiled steps."""
     for _ in range(3):  # warm-up: autotuning, allocator, first casts
         step()
     torch.cuda.synchronize()
     acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
-    with profile(activities=acts) as prof:
+    with GpuSampler(period_ms=20) as gpu, profile(activities=acts) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -44,7 +46,7 @@ def kernel_table(step, steps, host=False):
             cpu[ev.name][0] += ev.self_cpu_time_total / 1e3 / steps
             cpu[ev.name][1] += 1
     per_step = lambda d: {k: [v[0], v[1] / steps] for k, v in d.items()}  # noqa: E731
-    return per_step(agg), (per_step(cpu) if host else None)
+    return per_step(agg), (per_step(cpu) if host else None), gpu.summary()
 
 
 def main():
@@ -65,13 +67,19 @@ def main():
     for v in args.variants.split(","):
         model = ref if v == "bf16" else make_model(hidden, layers, v.split("_")[0], ref)
         step, _ = make_step(model, x, dy, v)
-        table, cpu = kernel_table(step, args.steps, args.host)
+        table, cpu, gpu = kernel_table(step, args.steps, args.host)
         total = sum(ms for ms, _ in table.values())
         launches = sum(n for _, n in table.values())
-        out["variants"][v] = {"kernel_ms": total, "launches": launches, "kernels": table}
+        out["variants"][v] = {
+            "kernel_ms": total,
+            "launches": launches,
+            "kernels": table,
+            "gpu_during_profile": gpu,
+        }
+        clock = f", SM clock {gpu['sm_clock_mhz']['median']:.0f} MHz median" if gpu else ""
         print(
             f"\n== {v} {args.shape}: {total:.2f} ms of kernels per step, "
-            f"{launches:.0f} launches per step ({launches / layers:.0f} per layer)"
+            f"{launches:.0f} launches per step ({launches / layers:.0f} per layer){clock}"
         )
         for name, (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[: args.top]:
             print(f"  {ms:8.3f} ms  {n:5.0f}x  {name[:150]}")
