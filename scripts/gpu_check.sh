@@ -92,6 +92,8 @@ if wantb bench_norm_variants; then
     -o $BUILD/norm_variants bench/norm_variants.cu src/fp8/cuda/quantize.cu && $BUILD/norm_variants"
 fi
 wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+wantb bench_gemm_accum && run_step bench_gemm_accum "$OUT/bench.log" 300 "$PY" bench/gemm_accum_choice.py \
+  --json "$OUT/bench_gemm_accum.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 300 "$PY" bench/gpt_block_gpu.py --json "$OUT/bench_gpt.json"
 if wantb profile_gpt; then
@@ -139,7 +141,7 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_norm_variants bench_gemm bench_linear bench_gpt profile_gpt \
+  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_norm_variants bench_gemm bench_gemm_accum bench_linear bench_gpt profile_gpt \
            bench_reduce_scatter bench_ddp bench_ddp_mb8 matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done

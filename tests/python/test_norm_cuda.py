@@ -188,6 +188,56 @@ def test_forward_nan_row(fmt, dtype, cols):
     assert torch.equal(as_bytes(gpu.out_fp8), as_bytes(q))
 
 
+def negative_nan(dtype):
+    """A quiet NaN with the sign bit set, built from its bits (negating a NaN need not set it)."""
+    bits = {
+        torch.float32: 0xFFC00000 - 2**32,
+        torch.bfloat16: 0xFFC0 - 2**16,
+        torch.float16: 0xFE00 - 2**16,
+    }
+    int_dtype = torch.int32 if dtype == torch.float32 else torch.int16
+    v = torch.tensor([bits[dtype]], dtype=int_dtype).view(dtype)
+    assert torch.isnan(v).all() and (v.view(int_dtype) < 0).all()
+    return v[0]
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("want_out", [True, False], ids=["with_out", "fp8_only"])
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_forward_nonfinite(norm, want_out, dtype, fmt):
+    """Negative NaNs and infinities in x, gamma and beta, and a row whose statistics overflow: the
+    fused cast still gives quantize() of the kernel's own rounded output (the CPU cast keeps a
+    NaN's sign, 0xFF for a negative one, where the hardware conversion writes 0x7F), and the
+    FP8-only launch the same bytes and amax."""
+    rms = norm == "RMSNorm"
+    cols = 1024
+    x, gamma, beta = make_inputs(6, cols, dtype, rms)
+    neg_nan = negative_nan(dtype)
+    big = torch.finfo(dtype).max
+    x[1, 5] = neg_nan
+    x[2, 7] = -float("inf")
+    x[3, :2] = big  # bf16 / fp32: the row's sums overflow
+    x[3, 2:4] = -big
+    gamma[11] = neg_nan
+    gamma[12] = float("inf")
+    if beta is not None:
+        beta[13] = neg_nan
+        beta[14] = -float("inf")
+    scale = torch.tensor([4.0])
+    both = run_fwd(x.cuda(), gamma, beta, rms, False, fmt, scale)
+    assert torch.isnan(both.out[1]).all() and torch.isnan(both.out[:, 11]).all()
+    q = _C.quantize(both.out.cpu(), scale, FORMATS[fmt]).data
+    assert torch.equal(as_bytes(both.out_fp8), as_bytes(q))
+    # A negative NaN on the CPU path stays negative: the bytes above are not trivially 0x7F.
+    assert (as_bytes(_C.quantize(neg_nan.view(1, 1), scale, FORMATS[fmt]).data) == 0xFF).all()
+    if not want_out:
+        only = run_fwd(x.cuda(), gamma, beta, rms, False, fmt, scale, want_out=False)
+        assert torch.equal(as_bytes(only.out_fp8), as_bytes(both.out_fp8))
+        assert torch.equal(only.amax.view(torch.int32), both.amax.view(torch.int32))
+
+
 def misaligned_copy(t):
     """t's values in memory that starts one element past a 16-byte boundary."""
     flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
