@@ -4,6 +4,7 @@ Variants are timed interleaved (A B A B ...) on identical inputs, because clocks
 run; each sample is one call between two CUDA events and the median is reported.
 """
 
+import ctypes
 import json
 import os
 import statistics
@@ -43,9 +44,7 @@ class GpuSampler:
         self.samples = []
 
     def __enter__(self):
-        # nvidia-smi counts every GPU of the host; CUDA_VISIBLE_DEVICES may renumber them for torch.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        index = visible if visible.isdigit() else "0"
+        index = str(visible_gpu_index())
         cmd = [
             "nvidia-smi",
             "--query-gpu=clocks.sm,power.draw",
@@ -92,6 +91,91 @@ class GpuSampler:
             },
             "power_w": {"median": statistics.median(power), "max": max(power)},
         }
+
+
+def visible_gpu_index():
+    """NVML / nvidia-smi index of torch's device 0 (CUDA_VISIBLE_DEVICES may renumber them)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return int(visible) if visible.isdigit() else 0
+
+
+class EnergyCounter:
+    """The GPU's cumulative energy counter (NVML's nvmlDeviceGetTotalEnergyConsumption, millijoules
+    since the driver loaded), read through ctypes so that no Python package is needed. joules() is
+    None where the NVML library or the counter is missing (then `why` says which)."""
+
+    def __init__(self):
+        self.handle, self.why = None, None
+        try:
+            self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if self.lib.nvmlInit_v2() != 0:
+                raise OSError("nvmlInit_v2 failed")
+            h = ctypes.c_void_p()
+            if self.lib.nvmlDeviceGetHandleByIndex_v2(visible_gpu_index(), ctypes.byref(h)) != 0:
+                raise OSError("nvmlDeviceGetHandleByIndex_v2 failed")
+            self.handle = h
+            if self.joules() is None:
+                raise OSError("nvmlDeviceGetTotalEnergyConsumption is not supported")
+        except (OSError, AttributeError) as e:
+            self.handle, self.why = None, str(e)
+
+    def joules(self):
+        if self.handle is None:
+            return None
+        mj = ctypes.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj)) != 0:
+            return None
+        return mj.value / 1e3
+
+
+def time_sustained(step, est_ms, energy, seconds=1.5, warm_s=0.5):
+    """`step` run back to back on its own: warm_s seconds to let the clock settle at this step's own
+    power, then about `seconds` measured. Returns ms per step (wall clock over the block, the GPU
+    kept busy because the host runs ahead), joules per step and mean watts from the energy counter
+    (None without one), and the SM clock / power samples of the measured block."""
+    for _ in range(max(1, int(warm_s * 1e3 / est_ms))):
+        step()
+    n = max(3, int(seconds * 1e3 / est_ms))
+    torch.cuda.synchronize()
+    with GpuSampler() as gpu:
+        e0, t0 = energy.joules(), time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        e1, t1 = energy.joules(), time.perf_counter()
+    out = {"steps": n, "ms": (t1 - t0) * 1e3 / n, "gpu": gpu.summary()}
+    if e0 is not None and e1 is not None:
+        out["joules_per_step"] = (e1 - e0) / n
+        out["watts"] = (e1 - e0) / (t1 - t0)
+    return out
+
+
+def alone_vs(alone, name, base):
+    """Fields of variant `name` from time_sustained results `alone` (name -> result) against the
+    baseline variant `base`: its result, its speed-up alone, and its energy ratio (the baseline's
+    joules per step over its own; absent without an energy counter)."""
+    a, b = alone[name], alone[base]
+    out = {"alone": a, "alone_speedup": b["ms"] / a["ms"]}
+    if "joules_per_step" in a and "joules_per_step" in b:
+        out["energy_ratio"] = b["joules_per_step"] / a["joules_per_step"]
+    return out
+
+
+def alone_cells(v):
+    """Table cells (ms, speed-up, J/step, W, energy ratio, SM MHz) of alone_vs's fields `v`."""
+    a = v["alone"]
+    g = a.get("gpu") or {}
+    return [
+        f"{a['ms']:.3f}",
+        f"{v['alone_speedup']:.2f}x",
+        f"{a['joules_per_step']:.2f}" if "joules_per_step" in a else "-",
+        f"{a['watts']:.0f}" if "watts" in a else "-",
+        f"{v['energy_ratio']:.2f}x" if "energy_ratio" in v else "-",
+        f"{g['sm_clock_mhz']['median']:.0f}" if g else "-",
+    ]
+
+
+ALONE_HEADER = ["ms", "vs base", "J/step", "W", "base J / J", "MHz"]
 
 
 def peak_step_mib(step):

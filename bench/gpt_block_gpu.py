@@ -11,6 +11,11 @@ its autocast). Reported per variant: ms per step (median of CUDA-event samples),
 ratio over torch BF16, peak memory of one step, and host enqueue time per step (CPU time from the
 step's first call to its return, without a synchronisation).
 
+Then each variant runs alone for a sustained block (~1.5 s after 0.5 s of warm-up): its ms per step
+at its own clock, and from the GPU's energy counter (NVML) its joules per step and mean power.
+Where the GPU runs at its power limit (the H200 does at 4096 and 8192 wide), the step time follows
+the energy per step, so the ratio of joules per step (BF16 over the variant) bounds the speed-up.
+
     python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--json out.json]
 
 Targets (issue 14, ratios over torch BF16): 2048x8 >= 1.25, 4096x4 >= 1.55, 8192x2 >= 1.60, FP8 off
@@ -28,11 +33,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cuda_timing import (  # noqa: E402
+    ALONE_HEADER,
+    EnergyCounter,
     GpuSampler,
+    alone_cells,
+    alone_vs,
     device_info,
     peak_step_mib,
     print_table,
     time_interleaved,
+    time_sustained,
     write_json,
 )
 
@@ -165,7 +175,7 @@ def host_ms(step, n=5):
     return statistics.median(out)
 
 
-def bench_shape(hidden, layers, rounds, skip_te):
+def bench_shape(hidden, layers, rounds, skip_te, energy):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
     if te is not None and not skip_te:
         modes += ["te_delayed", "te_off"]
@@ -199,6 +209,10 @@ def bench_shape(hidden, layers, rounds, skip_te):
         }
     out["target"] = TARGETS.get((hidden, layers))
     out["gpu_during_timing"] = gpu.summary()  # clocks and power of the interleaved timing
+    if energy is not None:
+        alone = {m: time_sustained(steps[m], ms[m], energy) for m in modes}
+        for m in modes:
+            out["variants"][m].update(alone_vs(alone, m, "bf16"))
     return out
 
 
@@ -209,6 +223,9 @@ def main():
     )
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--no-te", action="store_true", help="leave TransformerEngine out")
+    ap.add_argument(
+        "--no-alone", action="store_true", help="skip the sustained per-variant energy blocks"
+    )
     ap.add_argument("--json", default="bench/results/gpt_block_gpu.json")
     args = ap.parse_args()
     if te is None:
@@ -216,12 +233,15 @@ def main():
             f"TransformerEngine: not importable here ({TE_REASON}); its variants are left out",
             flush=True,
         )
+    energy = None if args.no_alone else EnergyCounter()
+    if energy is not None and energy.why:
+        print(f"energy counter: not readable here ({energy.why}); joules are left out", flush=True)
     results = []
     for shape in args.shapes.split(","):
         hidden, layers = (int(v) for v in shape.split("x"))
         print(f"[gpt_block] {hidden} x {layers} ...", flush=True)
         try:
-            results.append(bench_shape(hidden, layers, args.rounds, args.no_te))
+            results.append(bench_shape(hidden, layers, args.rounds, args.no_te, energy))
         except Exception as e:  # one shape failing must not hide the others
             print(f"{shape}: FAILED {type(e).__name__}: {e}", flush=True)
             results.append(
@@ -250,6 +270,19 @@ def main():
         ["width x layers", "variant", "ms", "tokens/s", "vs bf16", "host ms", "peak MiB", "loss"],
         rows,
     )
+    alone_rows = [
+        [f"{r['hidden']}x{r['layers']}", m] + alone_cells(v)
+        for r in results
+        for m, v in r.get("variants", {}).items()
+        if "alone" in v
+    ]
+    if alone_rows:
+        print_table(
+            "Each variant alone, sustained (~1.5 s): time, energy per step, mean power, SM clock;"
+            " base = torch BF16",
+            ["width x layers", "variant"] + ALONE_HEADER,
+            alone_rows,
+        )
     for r in results:
         g = r.get("gpu_during_timing")
         if g:

@@ -7,7 +7,9 @@ the peak memory of one step against the BF16 layer.
 Shapes (tokens, in, out): Linear 8192x8192x8192, 4096x4096x14336, 16384x4096x4096, 4096x4096x4096
 (host-bound: every FP8 layer's fixed costs show there), and LayerNormLinear 8192x4096->14336 against
 torch's nn.LayerNorm + nn.Linear. One step = forward, backward with a fixed grad_output, and (FP8)
-update_fp8_scales(), as in training. Targets (issues 5 and 14): >= 1.85x BF16 at 8192^3, >= 1.3x at
+update_fp8_scales(), as in training. Then each of the three runs alone for ~1 s, with its energy per
+step from the GPU's counter (bench/cuda_timing.py: at the power limit the time follows the energy).
+Targets (issues 5 and 14): >= 1.85x BF16 at 8192^3, >= 1.3x at
 4096x4096x14336, >= 1.0x at 4096^3, >= 1.68x for the LayerNormLinear.
 """
 
@@ -19,10 +21,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cuda_timing import (  # noqa: E402
+    ALONE_HEADER,
+    EnergyCounter,
+    alone_cells,
+    alone_vs,
     device_info,
     peak_step_mib,
     print_table,
     time_interleaved,
+    time_sustained,
     write_json,
 )
 from linear_step import make_step  # noqa: E402
@@ -71,7 +78,7 @@ def gemms_alone(t, k, n):
     return run
 
 
-def bench_shape(t, k, n, ln, rounds):
+def bench_shape(t, k, n, ln, rounds, energy):
     torch.manual_seed(0)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
@@ -95,6 +102,13 @@ def bench_shape(t, k, n, ln, rounds):
     ms = time_interleaved({"bf16": bf16, "fp8": fp8, "gemm": gemm}, warmup=3, rounds=rounds)
     mem_bf16, mem_fp8 = peak_step_mib(bf16), peak_step_mib(fp8)
     flop = 3 * 2.0 * t * k * n
+    alone = {}
+    if energy is not None:
+        fns = {"bf16": bf16, "fp8": fp8, "gemm": gemm}
+        runs = {
+            v: time_sustained(f, ms[v], energy, seconds=1.0, warm_s=0.3) for v, f in fns.items()
+        }
+        alone = {v: alone_vs(runs, v, "bf16") for v in fns}
     return {
         "layer": "LayerNormLinear" if ln else "Linear",
         "tokens": t,
@@ -110,6 +124,7 @@ def bench_shape(t, k, n, ln, rounds):
         "share_outside_gemms": 1.0 - ms["gemm"] / ms["fp8"],
         "peak_step_mib_bf16": mem_bf16,
         "peak_step_mib_fp8": mem_fp8,
+        "alone": alone,
     }
 
 
@@ -117,12 +132,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench/results/linear_gpu.json")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument(
+        "--no-alone", action="store_true", help="skip the sustained per-variant energy blocks"
+    )
     args = ap.parse_args()
+    energy = None if args.no_alone else EnergyCounter()
+    if energy is not None and energy.why:
+        print(f"energy counter: not readable here ({energy.why}); joules are left out", flush=True)
     results = []
     for t, k, n, ln in SHAPES:
         print(f"[linear_gpu] {'LayerNormLinear' if ln else 'Linear'} {t}x{k}x{n} ...", flush=True)
         try:
-            results.append(bench_shape(t, k, n, ln, args.rounds))
+            results.append(bench_shape(t, k, n, ln, args.rounds, energy))
         except Exception as e:  # one shape failing must not hide the others
             print(f"{t}x{k}x{n}: FAILED {type(e).__name__}: {e}", flush=True)
             results.append({"tokens": t, "in": k, "out": n, "error": f"{type(e).__name__}: {e}"})
@@ -157,6 +178,17 @@ def main():
         ],
         rows,
     )
+    alone_rows = [
+        [r["layer"], f"{r['tokens']}x{r['in']}x{r['out']}", v] + alone_cells(a)
+        for r in results
+        for v, a in r.get("alone", {}).items()
+    ]
+    if alone_rows:
+        print_table(
+            "Each alone, sustained (~1 s): bf16 layer, fp8 layer, the fp8 GEMMs; base = bf16",
+            ["layer", "tokens x in x out", "variant"] + ALONE_HEADER,
+            alone_rows,
+        )
     write_json(
         args.json,
         {

@@ -4,7 +4,7 @@
 # compute-sanitizer memcheck on the kernel gtest, and the benchmarks. Each step runs even when an
 # earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
 # Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
-# bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json, and with 2 GPUs bench_reduce_scatter.json,
+# bench_kernels.json, bench_gemm.json, bench_gemm_accum.json, bench_linear.json, bench_gpt.json, and with 2 GPUs bench_reduce_scatter.json,
 # bench_ddp.json, bench_ddp_mb8.json; summary.txt. Not in the default STEPS (they take minutes): "matrix" (the full NCCL
 # test matrix: matrix.log, matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
 # DDP benchmarks) run when two or more GPUs are visible: the NCCL tests on 2, the benchmarks on all.
