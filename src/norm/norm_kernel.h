@@ -59,6 +59,11 @@ struct NormBwdParams {
   void* dx = nullptr;      // [rows, cols] in `dtype`
   void* dgamma = nullptr;  // [cols] in `dtype`
   void* dbeta = nullptr;   // optional [cols] in `dtype`
+  // CUDA: whether the kernel may add the per-block partial sums of dgamma / dbeta itself after a
+  // grid-wide barrier (a cooperative launch; faster at every shape measured) instead of leaving
+  // them to a second kernel. Both add in the same fixed order, so the bits are the same; false
+  // exists for the test that checks it and for the tuning benchmark.
+  bool cooperative_tail = true;
 };
 
 #if defined(FP8DP_WITH_CUDA)

@@ -8,15 +8,18 @@
 
 #if defined(FP8DP_WITH_CUDA)
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "cuda_test_util.h"
 #include "fp8/cast.h"
 #include "norm/norm.h"
+#include "norm/norm_kernel.h"
 
 namespace fp8dp {
 namespace {
@@ -133,6 +136,63 @@ INSTANTIATE_TEST_SUITE_P(StagesWide, NormCuda,
                                             ::testing::Values<int64_t>(3001),
                                             ::testing::Values<int64_t>(8192)),
                          case_name);
+
+// dgamma / dbeta are sums of per-block partial rows, added either by the backward kernel itself
+// after a grid-wide barrier (the cooperative launch, the library's choice) or by a second kernel.
+// Both must add in one fixed order (column_sum.cuh), so the two give the same bits, and dx is the
+// same either way. Shapes where the cooperative launch applies: bf16 with several rows per block
+// (2048 columns) and one row per block (8192), fp32 rows of 6 register vectors per thread (3072).
+TEST(NormCudaTail, CooperativeAndSeparateColumnSumsGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  for (const auto& [dtype, rows, cols] : {std::tuple{at::kBFloat16, int64_t{4096}, int64_t{2048}},
+                                          std::tuple{at::kBFloat16, int64_t{1000}, int64_t{8192}},
+                                          std::tuple{at::kFloat, int64_t{3000}, int64_t{3072}}}) {
+    for (const bool rms : {false, true}) {
+      SCOPED_TRACE(std::string(rms ? "RMS " : "LN ") + c10::toString(dtype) + " " +
+                   std::to_string(rows) + "x" + std::to_string(cols));
+      at::manual_seed(rows + cols);
+      auto on_gpu = at::TensorOptions().device(at::kCUDA);
+      const at::Tensor x = (at::randn({rows, cols}, on_gpu) * 2 + 0.5).to(dtype);
+      const at::Tensor dz = at::randn({rows, cols}, on_gpu).to(dtype);
+      const at::Tensor gamma = (at::randn({cols}, on_gpu) * 0.3 + 1).to(dtype);
+      const at::Tensor mu = at::randn({rows}, on_gpu) * 0.1;
+      const at::Tensor rsigma = at::rand({rows}, on_gpu) + 0.5;
+      std::vector<at::Tensor> outs[2];
+      for (const bool coop : {true, false}) {
+        at::Tensor dx = at::empty_like(x), dgamma = at::empty_like(gamma);
+        at::Tensor dbeta = at::empty_like(gamma);
+        NormBwdParams p;
+        p.dz = dz.data_ptr();
+        p.x = x.data_ptr();
+        p.dtype = dtype == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
+        p.rows = rows;
+        p.cols = cols;
+        p.mu = mu.data_ptr<float>();
+        p.rsigma = rsigma.data_ptr<float>();
+        p.gamma = gamma.data_ptr();
+        p.rms = rms;
+        p.dx = dx.data_ptr();
+        p.dgamma = dgamma.data_ptr();
+        p.dbeta = rms ? nullptr : dbeta.data_ptr();
+        p.cooperative_tail = coop;
+        norm_bwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+        outs[coop ? 0 : 1] = {dx, dgamma, rms ? at::zeros_like(dbeta) : dbeta};
+      }
+      const char* names[] = {"dx", "dgamma", "dbeta"};
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_TRUE(at::equal(outs[0][i].cpu(), outs[1][i].cpu())) << names[i];
+      }
+      // The sums are real sums (not both zero or both garbage): dgamma against FP64.
+      const at::Tensor xhat =
+          (x.cpu().to(at::kDouble) -
+           (rms ? at::zeros({rows, 1}, at::kDouble) : mu.cpu().to(at::kDouble).unsqueeze(1))) *
+          rsigma.cpu().to(at::kDouble).unsqueeze(1);
+      const at::Tensor dzd = dz.cpu().to(at::kDouble);
+      expect_within(outs[0][1], (dzd * xhat).sum(0), (rows + 4) * kU * (dzd * xhat).abs().sum(0),
+                    "dgamma");
+    }
+  }
+}
 
 }  // namespace
 }  // namespace fp8dp

@@ -405,8 +405,8 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
 
 // Launch choices: kNV vectors per thread kept in registers (or 0: the memory path), kMinBlocks
 // (norm_bwd_kernel) and the block size (rows per block = block / tpr).
-// cooperative: whether the kernel may add the partial rows itself (a tuning choice; the library
-// always lets it where the device allows).
+// cooperative: whether the kernel may add the partial rows itself (NormBwdParams::cooperative_tail
+// and the tuning benchmark's switch; by default the library lets it where the device allows).
 template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
 void launch(const NormBwdParams& p, BwdArgs a, int block, bool cooperative, cudaStream_t st) {
   auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks, kStages>;
@@ -550,9 +550,11 @@ void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = 0, int mi
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
                    aligned(p.gamma, 16) && aligned(p.dx, 16);
   if (vec) {
-    launch_budget<T, true, kStages>(p, a, nvec, per_thread, block, min_blocks, coop, st);
+    launch_budget<T, true, kStages>(p, a, nvec, per_thread, block, min_blocks,
+                                    coop && p.cooperative_tail, st);
   } else {
-    launch_budget<T, false, kStages>(p, a, nvec, per_thread, block, min_blocks, coop, st);
+    launch_budget<T, false, kStages>(p, a, nvec, per_thread, block, min_blocks,
+                                     coop && p.cooperative_tail, st);
   }
 }
 
