@@ -13,7 +13,7 @@ step's first call to its return, without a synchronisation).
 
 Then each variant runs alone for a sustained block (~1.5 s after 0.5 s of warm-up): its ms per step
 at its own clock, and from the GPU's energy counter (NVML) its joules per step and mean power.
-Where the GPU runs at its power limit (the H200 does at 4096 and 8192 wide), the step time follows
+Where the GPU runs at its power limit (the H200 does at every width here), the step time follows
 the energy per step, so the ratio of joules per step (BF16 over the variant) bounds the speed-up.
 
     python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--json out.json]
