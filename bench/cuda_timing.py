@@ -128,13 +128,18 @@ class EnergyCounter:
         return mj.value / 1e3
 
 
-def time_sustained(step, est_ms, energy, seconds=1.5, warm_s=0.5):
+def time_sustained(step, energy, seconds=1.5, warm_s=0.5):
     """`step` run back to back on its own: warm_s seconds to let the clock settle at this step's own
     power, then about `seconds` measured. Returns ms per step (wall clock over the block, the GPU
     kept busy because the host runs ahead), joules per step and mean watts from the energy counter
-    (None without one), and the SM clock / power samples of the measured block."""
-    for _ in range(max(1, int(warm_s * 1e3 / est_ms))):
+    (None without one), and the SM clock / power samples of the measured block. The warm-up is
+    bounded by the wall clock and sets the measured block's step count, so no estimate is needed."""
+    t0, warm_steps = time.perf_counter(), 0
+    while warm_steps < 2 or time.perf_counter() - t0 < warm_s:
         step()
+        warm_steps += 1
+    torch.cuda.synchronize()
+    est_ms = (time.perf_counter() - t0) * 1e3 / warm_steps
     n = max(3, int(seconds * 1e3 / est_ms))
     torch.cuda.synchronize()
     with GpuSampler() as gpu:
@@ -176,6 +181,19 @@ def alone_cells(v):
 
 
 ALONE_HEADER = ["ms", "vs base", "J/step", "W", "base J / J", "MHz"]
+
+
+def host_ms(step, n=5):
+    """Median CPU time to enqueue one step (no synchronisation inside); a step whose host time is
+    close to its GPU time is host-bound."""
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
 
 
 def peak_step_mib(step):

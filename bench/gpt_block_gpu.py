@@ -24,9 +24,7 @@ Targets (issue 14, ratios over torch BF16): 2048x8 >= 1.25, 4096x4 >= 1.55, 8192
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +37,7 @@ from cuda_timing import (  # noqa: E402
     alone_cells,
     alone_vs,
     device_info,
+    host_ms,
     peak_step_mib,
     print_table,
     time_interleaved,
@@ -162,19 +161,6 @@ class _nullcontext:
         return False
 
 
-def host_ms(step, n=5):
-    """Median CPU time to enqueue one step (no synchronisation inside); a step whose host time is
-    close to its GPU time is host-bound."""
-    out = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        out.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
-
-
 def bench_shape(hidden, layers, rounds, skip_te, energy):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
     if te is not None and not skip_te:
@@ -210,7 +196,7 @@ def bench_shape(hidden, layers, rounds, skip_te, energy):
     out["target"] = TARGETS.get((hidden, layers))
     out["gpu_during_timing"] = gpu.summary()  # clocks and power of the interleaved timing
     if energy is not None:
-        alone = {m: time_sustained(steps[m], ms[m], energy) for m in modes}
+        alone = {m: time_sustained(steps[m], energy) for m in modes}
         for m in modes:
             out["variants"][m].update(alone_vs(alone, m, "bf16"))
     return out

@@ -26,6 +26,7 @@ from cuda_timing import (  # noqa: E402
     alone_cells,
     alone_vs,
     device_info,
+    host_ms,
     peak_step_mib,
     print_table,
     time_interleaved,
@@ -105,9 +106,7 @@ def bench_shape(t, k, n, ln, rounds, energy):
     alone = {}
     if energy is not None:
         fns = {"bf16": bf16, "fp8": fp8, "gemm": gemm}
-        runs = {
-            v: time_sustained(f, ms[v], energy, seconds=1.0, warm_s=0.3) for v, f in fns.items()
-        }
+        runs = {v: time_sustained(f, energy, seconds=1.0, warm_s=0.3) for v, f in fns.items()}
         alone = {v: alone_vs(runs, v, "bf16") for v in fns}
     return {
         "layer": "LayerNormLinear" if ln else "Linear",
@@ -122,6 +121,10 @@ def bench_shape(t, k, n, ln, rounds, energy):
         "fp8_tflops": flop / ms["fp8"] / 1e9,
         "bf16_tflops": flop / ms["bf16"] / 1e9,
         "share_outside_gemms": 1.0 - ms["gemm"] / ms["fp8"],
+        # CPU time to enqueue one step: where the FP8 step's is close to the BF16 step's GPU time,
+        # the interleaved sample that follows the BF16 step can wait on the host.
+        "host_ms_bf16": host_ms(bf16),
+        "host_ms_fp8": host_ms(fp8),
         "peak_step_mib_bf16": mem_bf16,
         "peak_step_mib_fp8": mem_fp8,
         "alone": alone,
@@ -158,6 +161,7 @@ def main():
             r["target"] or "-",
             f"{r['fp8_gemms_ms']:.3f}",
             f"{100 * r['share_outside_gemms']:.0f}%",
+            f"{r['host_ms_fp8']:.3f}/{r['host_ms_bf16']:.3f}",
             f"{r['peak_step_mib_fp8']:.0f}/{r['peak_step_mib_bf16']:.0f}",
         ]
         for r in results
@@ -174,6 +178,7 @@ def main():
             "target",
             "gemms ms",
             "outside",
+            "host ms fp8/bf16",
             "peak MiB fp8/bf16",
         ],
         rows,
@@ -196,6 +201,9 @@ def main():
             **device_info(),
             "command": "python3 bench/linear_gpu.py",
             "results": results,
+            # The cuBLASLt plans the run's autotuning chose (shape, heuristic index, configuration):
+            # two runs' picks can be compared when their GEMM times differ.
+            "gemm_plans": _C._gemm_plans(),
         },
     )
     sys.exit(0 if all("error" not in r for r in results) else 1)

@@ -217,7 +217,9 @@ void run_shape(int64_t rows, int64_t cols, cudaStream_t st, bool once, const cha
   bwd.push_back({"2 stages, 2 blocks budget", bwd_bytes, [=] { dispatch<T, 2>(b, st, 512, 2); }});
   // The library's launch, but dgamma / dbeta added by a second kernel instead of the cooperative
   // grid's own tail (what a cooperative launch costs between calls).
-  bwd.push_back({"default, column sums apart", bwd_bytes, [=] { dispatch<T>(b, st, 0, 0, false); }});
+  NormBwdParams apart = b;
+  apart.cooperative_tail = false;
+  bwd.push_back({"default, column sums apart", bwd_bytes, [=] { dispatch<T>(apart, st); }});
   if (dump != nullptr) {
     dump_outputs(rows, cols, f, b, st, dump);
     fwd.clear();

@@ -4,7 +4,7 @@
 # compute-sanitizer memcheck on the kernel gtest, and the benchmarks. Each step runs even when an
 # earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
 # Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
-# bench_kernels.json, bench_gemm.json, bench_gemm_accum.json, bench_linear.json, bench_gpt.json, and with 2 GPUs bench_reduce_scatter.json,
+# bench_kernels.json, bench_gemm.json, bench_gemm_accum.json, bench_gemm_energy.json, bench_linear.json, bench_gpt.json, and with 2 GPUs bench_reduce_scatter.json,
 # bench_ddp.json, bench_ddp_mb8.json; summary.txt. Not in the default STEPS (they take minutes): "matrix" (the full NCCL
 # test matrix: matrix.log, matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
 # DDP benchmarks) run when two or more GPUs are visible: the NCCL tests on 2, the benchmarks on all.
@@ -94,6 +94,8 @@ fi
 wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
 wantb bench_gemm_accum && run_step bench_gemm_accum "$OUT/bench.log" 300 "$PY" bench/gemm_accum_choice.py \
   --json "$OUT/bench_gemm_accum.json"
+wantb bench_gemm_energy && run_step bench_gemm_energy "$OUT/bench.log" 300 "$PY" bench/gemm_energy_candidates.py \
+  --json "$OUT/bench_gemm_energy.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 300 "$PY" bench/gpt_block_gpu.py --json "$OUT/bench_gpt.json"
 if wantb profile_gpt; then
@@ -141,7 +143,7 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_norm_variants bench_gemm bench_gemm_accum bench_linear bench_gpt profile_gpt \
+  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_norm_variants bench_gemm bench_gemm_accum bench_gemm_energy bench_linear bench_gpt profile_gpt \
            bench_reduce_scatter bench_ddp bench_ddp_mb8 matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done

@@ -36,6 +36,15 @@ void bind_gemm_cuda(py::module_& m) {
       py::arg("out") = py::none(), py::arg("accumulate") = false, py::arg("out_dtype") = at::kFloat,
       py::arg("use_split_accumulator") = true);
   m.def("_gemm_set_autotune", &gemm_lt_set_autotune, py::arg("on"));
+  m.def("_gemm_set_candidates", &gemm_lt_set_candidates, py::arg("max_algos") = 8,
+        py::arg("algo_override") = -1);
+  m.def("_gemm_plans", [] {
+    py::list out;
+    for (const auto& p : gemm_lt_plans())
+      out.append(py::dict(py::arg("shape") = p.shape, py::arg("pick") = p.pick,
+                          py::arg("candidates") = p.candidates, py::arg("config") = p.config));
+    return out;
+  });
   m.def("_gemm_cache_size", &gemm_lt_cache_size);
   m.def("_gemm_clear_cache", &gemm_lt_clear_cache);
 #else

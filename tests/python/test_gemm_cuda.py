@@ -178,3 +178,57 @@ def test_gemm_errors(case, match, gen):
         b = b[:, :48].contiguous()
     with pytest.raises(ValueError, match=match):
         _C._gemm_cuda(a, b, **kw)
+
+
+@pytest.fixture
+def default_candidates():
+    yield
+    _C._gemm_set_candidates(8, -1)
+    _C._gemm_clear_cache()
+
+
+def test_algo_override_pins_each_candidate(gen, default_candidates):
+    """Every heuristic candidate, pinned by index, computes the same GEMM within the split-accumulator
+    bound, and the plan reports the index it was given (bench/gemm_energy_candidates.py relies on
+    both)."""
+    m, n, k = 256, 192, 512
+    a, a_si = fp8_operand(m, k, E4M3, gen)
+    b, b_si = fp8_operand(n, k, E5M2, gen)
+    ref, absprod = reference(a, a_si, b, b_si)
+    _C._gemm_clear_cache()
+    _C._gemm_set_candidates(8, -1)
+    _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si)
+    (auto,) = _C._gemm_plans()
+    assert 1 <= auto["candidates"] <= 8 and 0 <= auto["pick"] < auto["candidates"]
+    assert f"m={m} n={n} k={k}" in auto["shape"] and auto["config"].startswith("algo ")
+    for i in range(auto["candidates"]):
+        _C._gemm_clear_cache()
+        _C._gemm_set_candidates(8, i)
+        out = _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si)
+        (plan,) = _C._gemm_plans()
+        assert plan["pick"] == i and plan["candidates"] == auto["candidates"]
+        assert_within(out, ref, absprod, k, torch.float32, fast=False)
+
+
+def test_algo_override_errors(gen, default_candidates):
+    for max_algos, override, match in [
+        (0, -1, r"max_algos must be in \[1, 32\], got 0"),
+        (33, -1, r"max_algos must be in \[1, 32\], got 33"),
+        (8, -2, r"algo_override must be -1 \(autotune\) or in \[0, max_algos = 8\), got -2"),
+        (4, 4, r"in \[0, max_algos = 4\), got 4"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _C._gemm_set_candidates(max_algos, override)
+    a, a_si = fp8_operand(64, 64, E4M3, gen)
+    b, b_si = fp8_operand(32, 64, E4M3, gen)
+    _C._gemm_clear_cache()
+    _C._gemm_set_candidates(32, -1)
+    _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si)
+    (plan,) = _C._gemm_plans()
+    if plan["candidates"] == 32:
+        pytest.skip("cuBLASLt offers all 32 candidates here: no index is out of range")
+    _C._gemm_clear_cache()
+    _C._gemm_set_candidates(32, plan["candidates"])
+    with pytest.raises(ValueError, match=f"algo_override must be below the {plan['candidates']}"):
+        _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si)
+    assert _C._gemm_cache_size() == 0  # the failed plan is not cached

@@ -28,7 +28,8 @@ namespace {
 
 // 32 MiB: what cuBLASLt's Hopper FP8 kernels ask for at the largest split-K / stream-K settings.
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
-constexpr int kMaxAlgos = 8;
+// The heuristic is asked for at most kMaxAlgos candidates; State::max_algos (default 8) of them.
+constexpr int kMaxAlgos = 32;
 // Each candidate is timed kTimedRounds times (kTimedReps calls each), the rounds interleaved across
 // the candidates, and ranked by its median: one sequential sample per candidate let clock drift
 // and a neighbour's tail pick a different kernel from run to run (seen on the H200: the same
@@ -86,6 +87,8 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  int pick = 0, candidates = 0;  // the chosen heuristic index, of how many offered
+  std::string shape, config;     // shape_of() and the chosen configuration, for gemm_lt_plans()
   std::mutex mu;  // the scale / bias pointers are descriptor attributes, set per call
   ~Plan() {
     if (lc) cublasLtMatrixLayoutDestroy(lc);
@@ -104,6 +107,8 @@ struct State {
     const char* e = std::getenv("FP8DP_GEMM_AUTOTUNE");
     return !(e != nullptr && std::strcmp(e, "0") == 0);
   }();
+  int algo_override = -1;  // >= 0: new plans take that heuristic candidate, untimed
+  int max_algos = 8;
 };
 
 State& state() {
@@ -195,8 +200,29 @@ int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
   return best;
 }
 
+// The algorithm's configuration as cuBLASLt numbers it (ids of cublasLtMatmulTile_t,
+// cublasLtMatmulStages_t, cublasLtClusterShape_t), so that two picks can be told apart.
+std::string describe(const cublasLtMatmulHeuristicResult_t& r) {
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t a) -> int64_t {
+    uint32_t v = 0;  // every attribute read here is at most 32 bits wide
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&r.algo, a, &v, sizeof(v), &written) !=
+        CUBLAS_STATUS_SUCCESS)
+      return -1;
+    return v;
+  };
+  using std::to_string;
+  return "algo " + to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " +
+         to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) + " stages " +
+         to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitk " +
+         to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " swizzle " +
+         to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)) + " cluster " +
+         to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)) + " waves " +
+         to_string(r.wavesCount);
+}
+
 std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void* ws,
-                                 cudaStream_t st, bool autotune) {
+                                 cudaStream_t st, bool autotune, int max_algos, int algo_override) {
   auto pl = std::make_unique<Plan>();
   FP8DP_CHECK_CUBLAS(cublasLtMatmulDescCreate(&pl->op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                      shape_of(p));
@@ -254,7 +280,7 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
   cublasLtMatmulHeuristicResult_t res[kMaxAlgos] = {};
   int count = 0;
   if (s == CUBLAS_STATUS_SUCCESS) {
-    s = cublasLtMatmulAlgoGetHeuristic(h, pl->op, pl->la, pl->lb, pl->lc, pl->lc, pref, kMaxAlgos,
+    s = cublasLtMatmulAlgoGetHeuristic(h, pl->op, pl->la, pl->lb, pl->lc, pl->lc, pref, max_algos,
                                        res, &count);
   }
   cublasLtMatmulPreferenceDestroy(pref);
@@ -265,10 +291,17 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
   set_pointers(*pl, p);
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   FP8DP_CHECK_CUDA(cudaStreamIsCapturing(st, &cap));
-  const int pick = (autotune && count > 1 && cap == cudaStreamCaptureStatusNone)
+  FP8DP_CHECK_ARG(algo_override < count, "gemm_lt: algo_override must be below the ", count,
+                  " candidates cuBLASLt offers for ", shape_of(p), ", got ", algo_override);
+  const int pick = algo_override >= 0 ? algo_override
+                   : (autotune && count > 1 && cap == cudaStreamCaptureStatusNone)
                        ? pick_fastest(h, *pl, p, res, count, ws, st)
                        : 0;
   pl->algo = res[pick].algo;
+  pl->pick = pick;
+  pl->candidates = count;
+  pl->config = describe(res[pick]);
+  pl->shape = shape_of(p);
   return pl;
 }
 
@@ -315,7 +348,9 @@ void gemm_lt(const LtGemmParams& p, void* stream) {
     h = handle_for(dev);
     ws = workspace_for(dev, st);
     auto it = S.plans.find(key);
-    if (it == S.plans.end()) it = S.plans.emplace(key, build_plan(h, p, ws, st, S.autotune)).first;
+    if (it == S.plans.end())
+      it = S.plans.emplace(key, build_plan(h, p, ws, st, S.autotune, S.max_algos, S.algo_override))
+               .first;
     plan = it->second.get();
   }
   std::lock_guard<std::mutex> lock(plan->mu);
@@ -326,6 +361,27 @@ void gemm_lt(const LtGemmParams& p, void* stream) {
 void gemm_lt_set_autotune(bool on) {
   std::lock_guard<std::mutex> lock(state().mu);
   state().autotune = on;
+}
+
+void gemm_lt_set_candidates(int max_algos, int algo_override) {
+  FP8DP_CHECK_ARG(max_algos >= 1 && max_algos <= kMaxAlgos,
+                  "gemm_lt_set_candidates: max_algos must be in [1, ", kMaxAlgos, "], got ",
+                  max_algos);
+  FP8DP_CHECK_ARG(
+      algo_override >= -1 && algo_override < max_algos,
+      "gemm_lt_set_candidates: algo_override must be -1 (autotune) or in [0, max_algos = ",
+      max_algos, "), got ", algo_override);
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().max_algos = max_algos;
+  state().algo_override = algo_override;
+}
+
+std::vector<LtPlanInfo> gemm_lt_plans() {
+  std::lock_guard<std::mutex> lock(state().mu);
+  std::vector<LtPlanInfo> out;
+  for (const auto& [key, plan] : state().plans)
+    out.push_back({plan->shape, plan->pick, plan->candidates, plan->config});
+  return out;
 }
 
 int64_t gemm_lt_cache_size() {

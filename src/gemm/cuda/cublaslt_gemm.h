@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "common/dtype.h"
 
@@ -33,14 +35,30 @@ struct LtGemmParams {
 
 // Runs the GEMM on `stream` (a cudaStream_t) on the current device. The first call for a shape
 // (dims, strides, dtypes, epilogue, pointer alignment) builds and caches the cuBLASLt descriptors,
-// asks the heuristic for up to 8 algorithms and, unless autotuning is off or the stream is being
-// captured into a graph, times each once on the call's operands and keeps the fastest. Every
+// asks the heuristic for up to 8 algorithms (see gemm_lt_set_candidates) and, unless autotuning is
+// off or the stream is being captured into a graph, times each on the call's operands and keeps the
+// fastest. Every
 // cuBLASLt failure throws fp8dp::Error naming the status and the shape.
 void gemm_lt(const LtGemmParams& p, void* stream);
 
 // Autotuning switch (default on; the environment variable FP8DP_GEMM_AUTOTUNE=0 turns it off).
 // Only affects shapes not cached yet.
 void gemm_lt_set_autotune(bool on);
+
+// Candidate selection for plans built from now on: the heuristic is asked for up to max_algos
+// (1..32, default 8) algorithms, and algo_override >= 0 takes that candidate without timing (-1,
+// the default: autotune as above). For benchmarks that rank the candidates by other measures
+// (energy per call, sustained time); throws when the override is out of range.
+void gemm_lt_set_candidates(int max_algos, int algo_override);
+
+// One cached plan: its shape (as error messages write it), the heuristic index it uses, how many
+// candidates the heuristic offered, and the algorithm's configuration ids.
+struct LtPlanInfo {
+  std::string shape;
+  int pick = 0, candidates = 0;
+  std::string config;
+};
+std::vector<LtPlanInfo> gemm_lt_plans();
 
 // Cached plans (for tests and benchmarks) and dropping them.
 int64_t gemm_lt_cache_size();

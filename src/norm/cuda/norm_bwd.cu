@@ -405,10 +405,10 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
 
 // Launch choices: kNV vectors per thread kept in registers (or 0: the memory path), kMinBlocks
 // (norm_bwd_kernel) and the block size (rows per block = block / tpr).
-// cooperative: whether the kernel may add the partial rows itself (NormBwdParams::cooperative_tail
-// and the tuning benchmark's switch; by default the library lets it where the device allows).
+// The kernel adds the partial rows itself where p.cooperative_tail (the default) asks for it and the
+// device allows a cooperative launch; else a second kernel does.
 template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
-void launch(const NormBwdParams& p, BwdArgs a, int block, bool cooperative, cudaStream_t st) {
+void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks, kStages>;
   const int64_t rpb = block / a.tpr;
   const auto align128 = [](size_t b) { return (b + 127) / 128 * 128; };
@@ -440,7 +440,7 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, bool cooperative, cuda
   if (kNV == 0) FP8DP_CHECK_CUDA(cudaMemsetAsync(part, 0, nparts * part_bytes, st));
   // The register path adds the partial rows itself (add_parts) when the device can launch all its
   // blocks as one cooperative grid: `blocks` never exceeds what is resident at once.
-  if (cooperative && kNV > 0 && block % kSumThreads == 0 && has_cooperative_launch()) {
+  if (p.cooperative_tail && kNV > 0 && block % kSumThreads == 0 && has_cooperative_launch()) {
     a.dgamma = p.dgamma;
     a.dbeta = p.dbeta;
     void* args[] = {&a};
@@ -478,34 +478,32 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, bool cooperative, cuda
 // 4096 x 8192 / 4096 / 2048). kStages: the copy-engine stages of the register kernels on an sm_90+
 // device with whole vectors.
 template <typename T, bool kVec, int kMinBlocks, int kStages>
-void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block, bool coop,
+void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block,
                cudaStream_t st) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;  // 3 vectors of bf16 / fp16, 6 of fp32
   constexpr bool kCanStage = kVec && kStages > 0;
   const bool staged = kCanStage && has_bulk_copy();
   if (per_thread <= 2 && kNV > 2) {
-    if (staged)
-      return launch<T, kVec, 2, kMinBlocks, kCanStage ? kStages : 0>(p, a, block, coop, st);
-    return launch<T, kVec, 2, kMinBlocks>(p, a, block, coop, st);
+    if (staged) return launch<T, kVec, 2, kMinBlocks, kCanStage ? kStages : 0>(p, a, block, st);
+    return launch<T, kVec, 2, kMinBlocks>(p, a, block, st);
   }
   if (per_thread <= kNV) {
-    if (staged)
-      return launch<T, kVec, kNV, kMinBlocks, kCanStage ? kStages : 0>(p, a, block, coop, st);
-    return launch<T, kVec, kNV, kMinBlocks>(p, a, block, coop, st);
+    if (staged) return launch<T, kVec, kNV, kMinBlocks, kCanStage ? kStages : 0>(p, a, block, st);
+    return launch<T, kVec, kNV, kMinBlocks>(p, a, block, st);
   }
-  launch<T, kVec, 0, kMinBlocks>(p, a, block, coop, st);
+  launch<T, kVec, 0, kMinBlocks>(p, a, block, st);
 }
 
 template <typename T, bool kVec, int kStages>
 void launch_budget(const NormBwdParams& p, const BwdArgs& a, int64_t nvec, int64_t per_thread,
-                   int block, int min_blocks, bool coop, cudaStream_t st) {
+                   int block, int min_blocks, cudaStream_t st) {
   if (min_blocks == 0) {
     const bool staged = kVec && kStages > 0 && has_bulk_copy();
     min_blocks = !staged && nvec >= 512 ? 2 : 1;
   }
-  min_blocks == 2 ? launch_nv<T, kVec, 2, kStages>(p, a, per_thread, block, coop, st)
-                  : launch_nv<T, kVec, 1, kStages>(p, a, per_thread, block, coop, st);
+  min_blocks == 2 ? launch_nv<T, kVec, 2, kStages>(p, a, per_thread, block, st)
+                  : launch_nv<T, kVec, 1, kStages>(p, a, per_thread, block, st);
 }
 
 // Shared-memory stages of the copy-engine path (sm_90; 0 turns it off).
@@ -519,11 +517,9 @@ constexpr int kBwdStages = 2;
 inline int default_min_block(int tpr) { return tpr <= 128 ? kMinBlock : kMaxBlock; }
 
 // min_block (threads per block at least; 0: default_min_block), min_blocks (the register budget;
-// 0: the rule above), coop (false: never the cooperative launch) and kStages exist for the tuning
-// benchmark.
+// 0: the rule above) and kStages exist for the tuning benchmark.
 template <typename T, int kStages = kBwdStages>
-void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = 0, int min_blocks = 0,
-              bool coop = true) {
+void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = 0, int min_blocks = 0) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;
   BwdArgs a{p.dz,
@@ -550,11 +546,9 @@ void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = 0, int mi
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
                    aligned(p.gamma, 16) && aligned(p.dx, 16);
   if (vec) {
-    launch_budget<T, true, kStages>(p, a, nvec, per_thread, block, min_blocks,
-                                    coop && p.cooperative_tail, st);
+    launch_budget<T, true, kStages>(p, a, nvec, per_thread, block, min_blocks, st);
   } else {
-    launch_budget<T, false, kStages>(p, a, nvec, per_thread, block, min_blocks,
-                                     coop && p.cooperative_tail, st);
+    launch_budget<T, false, kStages>(p, a, nvec, per_thread, block, min_blocks, st);
   }
 }
 
