@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/cuda_scratch.h"
 #include "cuda_test_util.h"
 #include "fp8/quantize.h"
 #include "fp8/scaling.h"
@@ -506,6 +507,58 @@ TEST(QuantizeCuda, AmaxAccumulateMergesIntoTheBuffer) {
     float got = 0.0f;
     CK(cudaMemcpy(&got, amax.get(), 4, cudaMemcpyDeviceToHost));
     EXPECT_EQ(got, want) << "start " << start;
+  }
+}
+
+// The dbias partial sums come from fp8dp's scratch pool, which keeps its memory across a
+// synchronize: the default pool (cudaMallocAsync) hands it back to the driver there, and the next
+// call's allocation cost 238 us of host time on the H200 machine. Fails if the cast allocates its
+// scratch elsewhere (the pool then holds nothing after the call) or leaks it.
+TEST(QuantizeCuda, DbiasScratchStaysInThePoolAcrossSynchronize) {
+  SKIP_WITHOUT_GPU();
+  const int64_t rows = 256, cols = 512;
+  cudaMemPool_t pool = cuda::scratch_pool();
+  CK(cudaDeviceSynchronize());
+  CK(cudaMemPoolTrimTo(pool, 0));
+  auto pool_bytes = [&](cudaMemPoolAttr attr) -> uint64_t {
+    uint64_t v = 0;
+    EXPECT_EQ(cudaMemPoolGetAttribute(pool, attr, &v), cudaSuccess);
+    return v;
+  };
+  ASSERT_EQ(pool_bytes(cudaMemPoolAttrReservedMemCurrent), 0u);
+  std::vector<float> x(rows * cols);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 97) - 48.0f;
+  DevBuf in(x.size() * 4), out(x.size()), out_t(x.size()), db(cols * 4), scalars(16);
+  CK(cudaMemcpy(in.get(), x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+  const float one = 1.0f;
+  CK(cudaMemcpy(scalars.get(), &one, 4, cudaMemcpyHostToDevice));
+  QuantizeParams p;
+  p.input = in.get();
+  p.input_dtype = DType::kFloat32;
+  p.rows = rows;
+  p.cols = cols;
+  p.scale = scalars.get<float>();
+  p.out = out.get<uint8_t>();
+  p.out_t = out_t.get<uint8_t>();
+  p.amax = scalars.get<float>() + 1;
+  p.scale_inv = scalars.get<float>() + 2;
+  p.dbias = db.get<float>();
+  uint64_t reserved = 0;
+  for (int call = 0; call < 2; ++call) {
+    quantize_cuda(p, nullptr);
+    CK(cudaDeviceSynchronize());
+    if (call == 0) reserved = pool_bytes(cudaMemPoolAttrReservedMemCurrent);
+    EXPECT_GT(reserved, 0u) << "the scratch was not taken from fp8dp's pool";
+    EXPECT_EQ(pool_bytes(cudaMemPoolAttrReservedMemCurrent), reserved) << "call " << call;
+    EXPECT_EQ(pool_bytes(cudaMemPoolAttrUsedMemCurrent), 0u) << "scratch not given back";
+  }
+  // Column j of the input holds i % 97 - 48 for i = r * cols + j: the sums are exact in FP32.
+  std::vector<float> got(cols);
+  CK(cudaMemcpy(got.data(), db.get(), cols * 4, cudaMemcpyDeviceToHost));
+  for (int64_t j = 0; j < cols; ++j) {
+    double want = 0.0;
+    for (int64_t r = 0; r < rows; ++r) want += x[r * cols + j];
+    EXPECT_EQ(got[j], static_cast<float>(want)) << "column " << j;
   }
 }
 

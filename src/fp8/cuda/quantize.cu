@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/cuda_check.h"
+#include "common/cuda_scratch.h"
 #include "fp8/cuda/cast_common.cuh"
 #include "fp8/cuda/column_sum.cuh"
 #include "fp8/quantize.h"
@@ -363,8 +364,7 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
              strip_tiles};
   if (p.dbias != nullptr) {
     // Stream-ordered scratch for the per-strip sums (strips * cols floats).
-    FP8DP_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&a.dbias_partial),
-                                     static_cast<size_t>(strips * p.cols) * sizeof(float), st));
+    a.dbias_partial = scratch_alloc<float>(static_cast<size_t>(strips * p.cols), st);
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(p.cols, kTile)), static_cast<unsigned>(strips));
   const bool vec = aligned16(p.input) && (p.out == nullptr || aligned16(p.out)) && p.cols % kV == 0;
@@ -379,7 +379,7 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
     // dbias[c] = sum over strips, in strip order. 64-thread blocks: enough of them to spread a few
     // thousand columns over every SM.
     launch_dbias_sums(a.dbias_partial, strips, p, st);
-    FP8DP_CHECK_CUDA(cudaFreeAsync(a.dbias_partial, st));
+    scratch_free(a.dbias_partial, st);
   }
 }
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "common/cuda_check.h"
+#include "common/cuda_scratch.h"
 #include "fp8/cuda/cast_common.cuh"
 #include "fp8/cuda/column_sum.cuh"
 #include "norm/cuda/norm_common.cuh"
@@ -405,8 +406,8 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_bwd_kernel(const B
 
 // Launch choices: kNV vectors per thread kept in registers (or 0: the memory path), kMinBlocks
 // (norm_bwd_kernel) and the block size (rows per block = block / tpr).
-// The kernel adds the partial rows itself where p.cooperative_tail (the default) asks for it and the
-// device allows a cooperative launch; else a second kernel does.
+// The kernel adds the partial rows itself where p.cooperative_tail (the default) asks for it and
+// the device allows a cooperative launch; else a second kernel does.
 template <typename T, bool kVec, int kNV, int kMinBlocks, int kStages = 0>
 void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   auto kernel = norm_bwd_kernel<T, kVec, kNV, kMinBlocks, kStages>;
@@ -431,9 +432,8 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
       1, std::min<int64_t>(ceil_div(p.rows, rpb), int64_t{sm_count()} * std::max(per_sm, 1)));
   const int64_t nparts = p.dbeta != nullptr ? 2 : 1;
   const size_t part_bytes = static_cast<size_t>(blocks * p.cols) * sizeof(float);
-  float* part = nullptr;
-  // Stream-ordered scratch, as the cast kernels' dbias partial sums.
-  FP8DP_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&part), nparts * part_bytes, st));
+  // Stream-ordered scratch (common/cuda_scratch.h), as the cast kernels' dbias partial sums.
+  float* part = fp8dp::cuda::scratch_alloc<float>(nparts * part_bytes / sizeof(float), st);
   a.dgamma_part = part;
   a.dbeta_part = p.dbeta != nullptr ? part + blocks * p.cols : nullptr;
   // The memory path adds into its partial rows; the register path writes them whole.
@@ -447,7 +447,7 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
     FP8DP_CHECK_CUDA(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
                                                  dim3(static_cast<unsigned>(blocks)), dim3(block),
                                                  args, smem, st));
-    FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
+    fp8dp::cuda::scratch_free(part, st);
     return;
   }
   kernel<<<static_cast<unsigned>(blocks), block, smem, st>>>(a);
@@ -458,7 +458,7 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
                                    blocks,
                                    p.cols},
                      static_cast<int>(nparts), st);
-  FP8DP_CHECK_CUDA(cudaFreeAsync(part, st));
+  fp8dp::cuda::scratch_free(part, st);
 }
 
 // The library's launch: kNV = 2 or 3 vectors (whichever the row needs), blocks of at least 512
