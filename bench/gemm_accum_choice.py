@@ -38,29 +38,36 @@ for h in (2048, 4096, 8192):
     ]
 
 
+def fp8_gemm_calls(a, b, bias, split, reps):
+    """A closure making `reps` back-to-back FP8 GEMM calls a · bᵀ (+ bias) -> BF16, scale_inv 0.05
+    on both operands, with split (FP32-promoted) or fast accumulation."""
+    s = torch.tensor([0.05], device="cuda")
+
+    def run():
+        for _ in range(reps):
+            _C._gemm_cuda(
+                a,
+                b,
+                a_scale_inv=s,
+                b_scale_inv=s,
+                bias=bias,
+                out_dtype=torch.bfloat16,
+                use_split_accumulator=split,
+            )
+
+    return run
+
+
 def bench_shape(label, m, n, k):
     x = (torch.randn(m, k, device="cuda") * 20).to(torch.float8_e4m3fn)
     w = (torch.randn(n, k, device="cuda") * 20).to(torch.float8_e4m3fn)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    s = torch.tensor([0.05], device="cuda")
     reps = max(1, int(4e12 / (2.0 * m * n * k)))  # ~4 TFLOP per sample: a few ms
-
-    def variant(split):
-        def run():
-            for _ in range(reps):
-                _C._gemm_cuda(
-                    x,
-                    w,
-                    a_scale_inv=s,
-                    b_scale_inv=s,
-                    bias=bias,
-                    out_dtype=torch.bfloat16,
-                    use_split_accumulator=split,
-                )
-
-        return run
-
-    ms = time_interleaved({"fast": variant(False), "split": variant(True)}, warmup=2, rounds=15)
+    variants = {
+        "fast": fp8_gemm_calls(x, w, bias, False, reps),
+        "split": fp8_gemm_calls(x, w, bias, True, reps),
+    }
+    ms = time_interleaved(variants, warmup=2, rounds=15)
     flop = 2.0 * m * n * k
     return {
         "shape": label,

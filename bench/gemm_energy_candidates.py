@@ -24,6 +24,7 @@ from cuda_timing import (  # noqa: E402
     time_sustained,
     write_json,
 )
+from gemm_accum_choice import fp8_gemm_calls  # noqa: E402
 
 import fp8dp  # noqa: E402
 
@@ -60,26 +61,12 @@ def operands(a_shape, b_shape, split, bias_n):
 
 def bench_gemm(name, a_shape, b_shape, split, bias_n, max_algos, seconds, energy):
     a, b, bias = operands(a_shape, b_shape, split, bias_n)
-    s = torch.tensor([0.05], device="cuda")
     m, kk = a_shape
     n = b_shape[0]
     flop = 2.0 * m * n * kk
     reps = max(1, int(4e12 / flop))  # ~4 TFLOP per block: a few ms
-
-    def call():
-        _C._gemm_cuda(
-            a,
-            b,
-            a_scale_inv=s,
-            b_scale_inv=s,
-            bias=bias,
-            out_dtype=torch.bfloat16,
-            use_split_accumulator=split,
-        )
-
-    def block():
-        for _ in range(reps):
-            call()
+    call = fp8_gemm_calls(a, b, bias, split, 1)
+    block = fp8_gemm_calls(a, b, bias, split, reps)
 
     def plan_of(override):
         _C._gemm_clear_cache()
