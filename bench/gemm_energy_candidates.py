@@ -24,39 +24,11 @@ from cuda_timing import (  # noqa: E402
     time_sustained,
     write_json,
 )
-from gemm_accum_choice import fp8_gemm_calls  # noqa: E402
+from gemm_accum_choice import GEMMS, fp8_gemm_calls, operands  # noqa: E402
 
 import fp8dp  # noqa: E402
 
 _C = fp8dp._C
-
-
-def layer_gemms(label, t, k, n):
-    """(name, a [m, k'], b [n', k'], split, bias) of a layer with t tokens, k in, n out."""
-    return [
-        (f"{label} fprop", (t, k), (n, k), False, n),
-        (f"{label} dgrad", (t, n), (k, n), True, None),
-        (f"{label} wgrad", (n, t), (k, t), True, None),
-    ]
-
-
-GEMMS = layer_gemms("Linear 8192^3", 8192, 8192, 8192)
-for name, k, n in (
-    ("qkv", 4096, 12288),
-    ("proj", 4096, 4096),
-    ("fc1", 4096, 16384),
-    ("fc2", 16384, 4096),
-):
-    GEMMS += layer_gemms(f"{name} 4096", 4096, k, n)
-
-
-def operands(a_shape, b_shape, split, bias_n):
-    # The gradient is E5M2 in dgrad / wgrad (its a operand), E4M3 elsewhere.
-    a_dt = torch.float8_e5m2 if split else torch.float8_e4m3fn
-    a = (torch.randn(*a_shape, device="cuda") * 20).to(a_dt)
-    b = (torch.randn(*b_shape, device="cuda") * 20).to(torch.float8_e4m3fn)
-    bias = None if bias_n is None else torch.randn(bias_n, device="cuda").to(torch.bfloat16)
-    return a, b, bias
 
 
 def bench_gemm(name, a_shape, b_shape, split, bias_n, max_algos, seconds, energy):

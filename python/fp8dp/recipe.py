@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from . import _C
 
@@ -61,7 +61,42 @@ def _check_margin(value) -> None:
 
 
 @dataclass(frozen=True)
-class DelayedScaling:
+class _GemmAccumulation:
+    """How the FP8 GEMMs accumulate on CUDA (keyword-only fields of both recipes).
+
+    Split accumulation promotes the tensor cores' partial sums to FP32 at intervals (exact
+    FP32 accumulation); fast accumulation keeps the tensor cores' own, coarser accumulator over the
+    whole reduction and runs faster. The defaults are TransformerEngine's: fast in the forward GEMM,
+    split in dgrad and wgrad, whose reductions run over many tokens or a wide layer. The CPU GEMM
+    always accumulates in FP32, so these change nothing there."""
+
+    _: KW_ONLY
+    split_accumulator_fprop: bool = False
+    """Forward GEMM (y = x Wᵀ). Default False (fast)."""
+    split_accumulator_dgrad: bool = True
+    """Input-gradient GEMM (dx = dy W). Default True (split)."""
+    split_accumulator_wgrad: bool = True
+    """Weight-gradient GEMM (dW = dyᵀ x). Default True (split)."""
+
+    def _check_accumulation(self):
+        for name in (
+            "split_accumulator_fprop",
+            "split_accumulator_dgrad",
+            "split_accumulator_wgrad",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}: expected True or False, got {v!r}")
+
+    def _accumulation_to_cpp(self, r: _C.Recipe) -> _C.Recipe:
+        r.split_accumulator_fprop = self.split_accumulator_fprop
+        r.split_accumulator_dgrad = self.split_accumulator_dgrad
+        r.split_accumulator_wgrad = self.split_accumulator_wgrad
+        return r
+
+
+@dataclass(frozen=True)
+class DelayedScaling(_GemmAccumulation):
     """Per-tensor delayed scaling: each tensor's scale comes from the amaxes of earlier steps.
 
     scale = fp8_max / amax / 2**margin, with amax taken from a history of the last
@@ -91,6 +126,7 @@ class DelayedScaling:
                 f"amax_compute_algo: expected one of {sorted(_ALGOS)}, got {self.amax_compute_algo!r}"
             )
         _check_margin(self.margin)
+        self._check_accumulation()
 
     def to_cpp(self) -> _C.Recipe:
         r = _C.Recipe()
@@ -99,11 +135,11 @@ class DelayedScaling:
         r.amax_history_len = self.amax_history_len
         r.amax_compute_algo = _ALGOS[self.amax_compute_algo]
         r.margin = float(self.margin)
-        return r
+        return self._accumulation_to_cpp(r)
 
 
 @dataclass(frozen=True)
-class Float8CurrentScaling:
+class Float8CurrentScaling(_GemmAccumulation):
     """Per-tensor current scaling: each cast first takes the amax of the tensor being cast."""
 
     fp8_format: Format = Format.HYBRID
@@ -115,6 +151,7 @@ class Float8CurrentScaling:
     def __post_init__(self):
         _check_format(self.fp8_format)
         _check_margin(self.margin)
+        self._check_accumulation()
 
     def to_cpp(self) -> _C.Recipe:
         r = _C.Recipe()
@@ -122,4 +159,4 @@ class Float8CurrentScaling:
         r.fwd_format, r.bwd_format = self.fp8_format.fwd, self.fp8_format.bwd
         r.amax_history_len = 1
         r.margin = float(self.margin)
-        return r
+        return self._accumulation_to_cpp(r)

@@ -169,8 +169,6 @@ def update_fp8_scales(group=None) -> None:
         amaxes = _C.fp8_registry_amaxes()
         if amaxes.numel() > 0:  # the same size on every rank: the check passed
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-    else:
-        if not observed:
-            return
-        amaxes = _C.fp8_registry_amaxes()
-    _C.fp8_registry_update(amaxes)
+        _C.fp8_registry_update(amaxes)
+    elif observed:
+        _C.fp8_registry_update_local()  # nothing to reduce: each state's row 0 is its amax

@@ -23,6 +23,12 @@ struct Recipe {
   int64_t amax_history_len = 1024;    // delayed only
   AmaxAlgo amax_compute_algo = AmaxAlgo::kMax;
   float margin = 0.0f;  // in [0, kMaxMargin]
+  // Accumulation of the FP8 GEMMs on CUDA: split (FP32-promoted partial sums, exact) or fast (the
+  // tensor cores' own accumulator, faster and coarser). TransformerEngine's defaults: fast in
+  // fprop, split in dgrad and wgrad. The CPU GEMM always accumulates in FP32 (gemm.h).
+  bool split_accumulator_fprop = false;
+  bool split_accumulator_dgrad = true;
+  bool split_accumulator_wgrad = true;
 };
 
 struct AutocastState {

@@ -431,11 +431,12 @@ std::vector<std::string> registry_descriptions() {
   return reg.descriptions;
 }
 
-at::Tensor registry_amaxes() {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
+namespace {
+
+// The allocated states in signature order (C9: (identity, creation), not the order of first
+// casts), all on one device; their ids go to reg.collected. Caller holds reg.mu.
+std::vector<ScalingState*> collect(Registry& reg) {
   refresh(reg);
-  std::vector<at::Tensor> parts;
   reg.collected.clear();
   // States restored from a checkpoint that no cast has placed yet join the device of the others:
   // an update right after loading a checkpoint into a GPU model would otherwise find them on the
@@ -448,20 +449,49 @@ at::Tensor registry_amaxes() {
       break;
     }
   }
-  // C9: the order of the signature, (identity, creation), not the order of first casts.
+  std::vector<ScalingState*> states;
   for (int64_t id : reg.order) {
     ScalingState* st = reg.states.at(id);
-    if (!parts.empty()) {
-      FP8DP_CHECK(parts.front().device() == st->current_amax().device(),
+    if (!states.empty()) {
+      FP8DP_CHECK(states.front()->amax_history().device() == st->amax_history().device(),
                   "update_fp8_scales: FP8 states live on different devices (",
-                  parts.front().device(), " and ", st->current_amax().device(),
-                  "); one process updates the states of one device");
+                  states.front()->amax_history().device(), " and ",
+                  st->amax_history().device(), "); one process updates the states of one device");
     }
-    parts.push_back(st->current_amax());
+    states.push_back(st);
     reg.collected.push_back(id);
   }
+  return states;
+}
+
+}  // namespace
+
+at::Tensor registry_amaxes() {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  std::vector<at::Tensor> parts;
+  for (ScalingState* st : collect(reg)) parts.push_back(st->current_amax());
   if (parts.empty()) return at::empty({0}, at::kFloat);
   return at::cat(parts);
+}
+
+void registry_update_local() {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  const std::vector<ScalingState*> states = collect(reg);
+  reg.observed.store(false);
+  reg.collected.clear();
+  if (states.empty()) return;
+  // Each state's row 0 is already the step's amax: no gather into one tensor and back (a device
+  // copy and two allocations per step, for nothing to reduce). note_reduced reads row 0 before
+  // the update rolls it: both are enqueued in this order on the same stream.
+  std::vector<ScalingSlot> slots;
+  slots.reserve(states.size());
+  for (ScalingState* st : states) {
+    st->note_reduced(st->current_amax());
+    slots.push_back(st->update_slot(nullptr));
+  }
+  update_scaling_batched(slots, states.front()->amax_history().device());
 }
 
 void registry_update(const at::Tensor& reduced) {

@@ -147,6 +147,9 @@ RegistrySignature registry_signature();
 std::vector<std::string> registry_descriptions();
 at::Tensor registry_amaxes();
 void registry_update(const at::Tensor& reduced);
+// registry_update(registry_amaxes()) without the gather: for a process with nothing to reduce
+// across (no process group, or one rank), where row 0 of every state already holds its amaxes.
+void registry_update_local();
 int64_t registry_size();  // allocated states
 
 }  // namespace fp8dp

@@ -122,7 +122,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     GemmArgs g;
     g.bias = bias.defined() ? bias.detach() : bias;
     g.out_dtype = x.scalar_type();
-    g.use_split_accumulator = false;  // fprop: fast accumulation is accurate enough on GPUs
+    g.use_split_accumulator = ac.recipe.split_accumulator_fprop;  // default fast (recipe.h)
     if (fp8) {
       const Quantized qw = core->weight_fp8(weight, ac, first);
       g.a = qin.data;
@@ -193,6 +193,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     GemmArgs g;
     g.out_dtype = c->act_dtype;
     if (c->ac.enabled) {
+      g.use_split_accumulator = c->ac.recipe.split_accumulator_dgrad;
+      task.use_split_accumulator = c->ac.recipe.split_accumulator_wgrad;
       // One pass over grad_output: E5M2 bytes, their transpose for wgrad, and the bias gradient
       // from the unquantized values (C4: eager, returned to autograd below).
       const Quantized q =

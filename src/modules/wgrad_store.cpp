@@ -20,6 +20,7 @@ WgradResult run_wgrad(const WgradTask& t) {
   g.a_scale_inv = t.a_scale_inv;
   g.b = t.b;
   g.b_scale_inv = t.b_scale_inv;
+  g.use_split_accumulator = t.use_split_accumulator;
   WgradResult r;
   if (t.main_grad.defined()) {
     g.out = t.main_grad;

@@ -18,6 +18,7 @@ namespace fp8dp {
 // written into main_grad (fused) or returned.
 struct WgradTask {
   at::Tensor a, a_scale_inv, b, b_scale_inv;
+  bool use_split_accumulator = true;  // FP8 on CUDA: the recipe's split_accumulator_wgrad
   at::Tensor dy;  // [tokens, out] high precision: the bias gradient without FP8, else undefined
   at::Tensor weight, bias;  // the parameters (variables) the gradients belong to
   // Fused route: where dW accumulates. Always accumulated (beta = 1, C2 b): only

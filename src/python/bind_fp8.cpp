@@ -26,7 +26,10 @@ void bind_fp8(py::module_& m) {
       .def_readwrite("bwd_format", &Recipe::bwd_format)
       .def_readwrite("amax_history_len", &Recipe::amax_history_len)
       .def_readwrite("amax_compute_algo", &Recipe::amax_compute_algo)
-      .def_readwrite("margin", &Recipe::margin);
+      .def_readwrite("margin", &Recipe::margin)
+      .def_readwrite("split_accumulator_fprop", &Recipe::split_accumulator_fprop)
+      .def_readwrite("split_accumulator_dgrad", &Recipe::split_accumulator_dgrad)
+      .def_readwrite("split_accumulator_wgrad", &Recipe::split_accumulator_wgrad);
   py::class_<AutocastState>(m, "AutocastState")
       .def_readonly("enabled", &AutocastState::enabled)
       .def_readonly("recipe", &AutocastState::recipe);

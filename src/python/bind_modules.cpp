@@ -186,6 +186,7 @@ void bind_modules(py::module_& m) {
   m.def("fp8_registry_descriptions", &registry_descriptions);
   m.def("fp8_registry_amaxes", &registry_amaxes);
   m.def("fp8_registry_update", &registry_update, py::arg("reduced"));
+  m.def("fp8_registry_update_local", &registry_update_local);
   m.def("fp8_registry_size", &registry_size);
 }
 

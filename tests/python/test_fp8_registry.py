@@ -7,6 +7,7 @@ Evidence that these tests catch the defects (run on 2026-12-01, then restored) i
 docstring.
 """
 
+import gc
 import io
 
 import pytest
@@ -424,3 +425,67 @@ def test_identities_order_the_registry_and_the_signature():
     assert root._core.fp8_identity == "(root): Linear(in_features=32, out_features=48)"
     with pytest.raises(ValueError, match="module: expected a torch.nn.Module, got int"):
         fp8dp.scaling.set_fp8_identities(3)
+
+
+# ---- the update of one process: no gather ------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_local_update_equals_the_gathered_one(kind, device, monkeypatch):
+    """Without ranks to reduce across, update_fp8_scales() updates every state from its own row 0
+    (registry_update_local) instead of gathering the amaxes into one tensor and writing them back.
+    Both must leave the same histories, scales and first-scale flags, from the first step (no
+    scale yet) on, with amaxes that grow and shrink."""
+    ends = {}
+    for path in ("local", "gathered"):
+        m = make_module(kind, device=device)  # a fresh module: no FP8 state, no scale yet
+        randomize_(m, 5)
+        for step, scale in enumerate((1.0, 8.0, 0.25, 2.0)):
+            train(m, *data(32, 90 + step, device, scale=scale))
+            if path == "local":
+                with monkeypatch.context() as mp:
+                    mp.setattr(fp8dp._C, "fp8_registry_amaxes", _no_gather)
+                    fp8dp.update_fp8_scales()
+            else:
+                fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
+        ends[path + "_state"] = state(m)
+        del m
+        gc.collect()  # its state leaves the registry before the other path's module casts
+    sa, sb = ends["local_state"], ends["gathered_state"]
+    assert sa is not None and sa.keys() == sb.keys()
+    for k in sa:
+        if torch.is_tensor(sa[k]):
+            assert torch.equal(sa[k], sb[k]), f"{k}: {sa[k].tolist()} != {sb[k].tolist()}"
+        else:
+            assert sa[k] == sb[k], k
+
+
+@pytest.mark.parametrize("path", ["local", "gathered"])
+def test_update_marks_checkpointed_amaxes_seen(path, device, monkeypatch):
+    """A checkpoint taken mid-step brings row-0 amaxes for roles without a scale of their own
+    (`initialized` False). The update that follows must count them as observed, so the roles
+    start from the history's scale instead of computing a first one at their next cast: for the
+    local update too, which reads row 0 in place and must do so before it rolls.
+
+    Mutation tried: registry_update_local's note_reduced moved after the batched update (row 0 is
+    then already rolled to zero): the local case fails with `initialized` [False, False, False]."""
+    src = fp8dp.Linear(IN, OUT, device=device)
+    train(src, *data(32, 95, device))
+    ckpt = src.get_extra_state()
+    del src
+    gc.collect()
+    ckpt["initialized"] = torch.zeros(3, dtype=torch.bool)
+    m = fp8dp.Linear(IN, OUT, device=device)
+    m.set_extra_state(ckpt)
+    if path == "local":
+        with monkeypatch.context() as mp:
+            mp.setattr(fp8dp._C, "fp8_registry_amaxes", _no_gather)
+            fp8dp.update_fp8_scales()
+    else:
+        fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
+    after = m.get_extra_state()
+    assert after["initialized"].tolist() == [True, True, True]
+    expected = ckpt["fp8_max"] / ckpt["amax_history"][0]
+    assert torch.equal(after["scale"], expected.to(after["scale"].dtype))
+
+
+def _no_gather():
+    raise AssertionError("update_fp8_scales gathered the amaxes with nothing to reduce")

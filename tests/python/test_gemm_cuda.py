@@ -232,3 +232,33 @@ def test_algo_override_errors(gen, default_candidates):
     with pytest.raises(ValueError, match=f"algo_override must be below the {plan['candidates']}"):
         _C._gemm_cuda(a, b, a_scale_inv=a_si, b_scale_inv=b_si)
     assert _C._gemm_cache_size() == 0  # the failed plan is not cached
+
+
+@pytest.mark.parametrize("split", [(False, True, True), (True, False, False), (True, True, False)])
+def test_recipe_accumulation_reaches_each_layer_gemm(split, default_candidates):
+    """The recipe's split_accumulator_{fprop,dgrad,wgrad} decide the accumulation of the Linear
+    layer's three GEMMs: each one's cached plan says fast_accum exactly when its flag is off. The
+    dimensions (tokens 64, in 48, out 32) tell the three GEMMs apart by shape."""
+    tokens, fin, fout = 64, 48, 32
+    fprop, dgrad, wgrad = split
+    m = fp8dp.Linear(fin, fout, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(tokens, fin, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = fp8dp.DelayedScaling(
+        split_accumulator_fprop=fprop,
+        split_accumulator_dgrad=dgrad,
+        split_accumulator_wgrad=wgrad,
+    )
+    _C._gemm_clear_cache()
+    with fp8dp.fp8_autocast(fp8_recipe=r):
+        m(x).float().sum().backward()
+    torch.cuda.synchronize()
+    shapes = [p["shape"] for p in _C._gemm_plans()]
+    want = {
+        f"m={tokens} n={fout} k={fin}": not fprop,
+        f"m={tokens} n={fin} k={fout}": not dgrad,
+        f"m={fout} n={fin} k={tokens}": not wgrad,
+    }
+    for dims, fast in want.items():
+        (shape,) = [s for s in shapes if dims in s]
+        assert ("fast_accum" in shape) == fast, shape
+    assert len(shapes) == 3, shapes

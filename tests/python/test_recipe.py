@@ -95,6 +95,47 @@ def test_current_scaling_validation_names_the_field(kwargs, field):
         recipe.Float8CurrentScaling(**kwargs)
 
 
+ACCUMULATION = ("split_accumulator_fprop", "split_accumulator_dgrad", "split_accumulator_wgrad")
+
+
+@pytest.mark.parametrize("cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
+def test_gemm_accumulation_defaults_and_cpp_form(cls):
+    """TransformerEngine's defaults (fast fprop, split dgrad / wgrad), and each flag reaches the C++
+    recipe on its own (a swapped or dropped field shows as a wrong tuple)."""
+    assert tuple(getattr(cls(), f) for f in ACCUMULATION) == (False, True, True)
+    assert tuple(getattr(cls().to_cpp(), f) for f in ACCUMULATION) == (False, True, True)
+    for i, field in enumerate(ACCUMULATION):
+        flipped = [False, True, True]
+        flipped[i] = not flipped[i]
+        c = cls(**{field: flipped[i]}).to_cpp()
+        assert tuple(getattr(c, f) for f in ACCUMULATION) == tuple(flipped), field
+    with fp8dp.fp8_autocast(fp8_recipe=cls(split_accumulator_wgrad=False)):
+        assert _C.autocast_current().recipe.split_accumulator_wgrad is False
+
+
+@pytest.mark.parametrize("cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
+@pytest.mark.parametrize("field", ACCUMULATION)
+@pytest.mark.parametrize("value", [1, 0, "True", None])
+def test_gemm_accumulation_validation_names_the_field(cls, field, value):
+    with pytest.raises(ValueError, match=f"^{field}: expected True or False, got {value!r}$"):
+        cls(**{field: value})
+
+
+def test_gemm_accumulation_is_keyword_only():
+    """The flags come after the existing fields for keyword use only: positional arguments keep
+    their meaning (fp8_format, amax_history_len, ...)."""
+    r = recipe.DelayedScaling(recipe.Format.E4M3, 16, "most_recent", 1)
+    assert (r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.margin) == (
+        recipe.Format.E4M3,
+        16,
+        "most_recent",
+        1,
+    )
+    assert recipe.Float8CurrentScaling(recipe.Format.E4M3, 2).margin == 2
+    with pytest.raises(TypeError):
+        recipe.DelayedScaling(recipe.Format.E4M3, 16, "max", 0, True)
+
+
 @pytest.mark.parametrize("cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
 @pytest.mark.parametrize("margin", [2000, 128, 18.9, recipe.MAX_MARGIN + 1e-9])
 def test_margin_above_the_bound_is_refused(cls, margin):
