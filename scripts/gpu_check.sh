@@ -92,12 +92,14 @@ if wantb bench_norm_variants; then
     -o $BUILD/norm_variants bench/norm_variants.cu src/fp8/cuda/quantize.cu && $BUILD/norm_variants"
 fi
 wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
+# GEMM_ACCUM_ARGS / GPT_ARGS add arguments (e.g. --gemms backward; --compare-qkv-index --fast-backward).
 wantb bench_gemm_accum && run_step bench_gemm_accum "$OUT/bench.log" 300 "$PY" bench/gemm_accum_choice.py \
-  --json "$OUT/bench_gemm_accum.json"
+  ${GEMM_ACCUM_ARGS:-} --json "$OUT/bench_gemm_accum.json"
 wantb bench_gemm_energy && run_step bench_gemm_energy "$OUT/bench.log" 300 "$PY" bench/gemm_energy_candidates.py \
   --json "$OUT/bench_gemm_energy.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
-wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 300 "$PY" bench/gpt_block_gpu.py --json "$OUT/bench_gpt.json"
+wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py ${GPT_ARGS:-} \
+  --json "$OUT/bench_gpt.json"
 if wantb profile_gpt; then
   # Kernel time and launches per step of the GPT block stack, per variant (PROFILE_SHAPES;
   # PROFILE_ARGS adds arguments, e.g. --host for the CPU time per operator).
