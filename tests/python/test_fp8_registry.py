@@ -440,12 +440,7 @@ def test_local_update_equals_the_gathered_one(kind, device, monkeypatch):
         randomize_(m, 5)
         for step, scale in enumerate((1.0, 8.0, 0.25, 2.0)):
             train(m, *data(32, 90 + step, device, scale=scale))
-            if path == "local":
-                with monkeypatch.context() as mp:
-                    mp.setattr(fp8dp._C, "fp8_registry_amaxes", _no_gather)
-                    fp8dp.update_fp8_scales()
-            else:
-                fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
+            _update(path, monkeypatch)
         ends[path + "_state"] = state(m)
         del m
         gc.collect()  # its state leaves the registry before the other path's module casts
@@ -475,16 +470,22 @@ def test_update_marks_checkpointed_amaxes_seen(path, device, monkeypatch):
     ckpt["initialized"] = torch.zeros(3, dtype=torch.bool)
     m = fp8dp.Linear(IN, OUT, device=device)
     m.set_extra_state(ckpt)
-    if path == "local":
-        with monkeypatch.context() as mp:
-            mp.setattr(fp8dp._C, "fp8_registry_amaxes", _no_gather)
-            fp8dp.update_fp8_scales()
-    else:
-        fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
+    _update(path, monkeypatch)
     after = m.get_extra_state()
     assert after["initialized"].tolist() == [True, True, True]
     expected = ckpt["fp8_max"] / ckpt["amax_history"][0]
     assert torch.equal(after["scale"], expected.to(after["scale"].dtype))
+
+
+def _update(path, monkeypatch):
+    """One update of every state: update_fp8_scales() in this process ("local"; gathering the
+    amaxes fails the test), or the gather-and-write-back that a reduction across ranks uses."""
+    if path == "gathered":
+        fp8dp._C.fp8_registry_update(fp8dp._C.fp8_registry_amaxes())
+        return
+    with monkeypatch.context() as mp:
+        mp.setattr(fp8dp._C, "fp8_registry_amaxes", _no_gather)
+        fp8dp.update_fp8_scales()
 
 
 def _no_gather():
