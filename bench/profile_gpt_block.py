@@ -65,7 +65,8 @@ def main():
     ref = make_model(hidden, layers, "torch")
     out = {"shape": args.shape, "variants": {}}
     for v in args.variants.split(","):
-        model = ref if v == "bf16" else make_model(hidden, layers, v.split("_")[0], ref)
+        base = v.partition("@")[0]  # "bf16@index": the same stack with the old QKV split
+        model = ref if base == "bf16" else make_model(hidden, layers, base.split("_")[0], ref)
         step, _ = make_step(model, x, dy, v)
         table, cpu, gpu = kernel_table(step, args.steps, args.host)
         total = sum(ms for ms, _ in table.values())
