@@ -455,8 +455,8 @@ std::vector<ScalingState*> collect(Registry& reg) {
     if (!states.empty()) {
       FP8DP_CHECK(states.front()->amax_history().device() == st->amax_history().device(),
                   "update_fp8_scales: FP8 states live on different devices (",
-                  states.front()->amax_history().device(), " and ",
-                  st->amax_history().device(), "); one process updates the states of one device");
+                  states.front()->amax_history().device(), " and ", st->amax_history().device(),
+                  "); one process updates the states of one device");
     }
     states.push_back(st);
     reg.collected.push_back(id);
