@@ -158,7 +158,9 @@ cublasStatus_t matmul(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p, void*
 
 // Times every heuristic candidate (after one warm-up) and returns the index of the fastest by
 // median. With accumulate the candidates write a scratch copy so that `out` is not summed into
-// repeatedly.
+// repeatedly. That copy comes from cudaMallocAsync's default pool on purpose, not from the
+// keep-everything scratch pool (common/cuda_scratch.h): it is as large as `out` (a whole main_grad,
+// 256 MB at 8192 x 8192), needed once per shape, and best handed back at the next synchronize.
 int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
                  const cublasLtMatmulHeuristicResult_t* res, int count, void* ws, cudaStream_t st) {
   void* target = p.out;
