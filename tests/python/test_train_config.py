@@ -41,6 +41,12 @@ def _demo():
         ("train", "lr", -1.0, "train.lr: expected a finite number > 0"),
         ("train", "steps", 2.5, "train.steps: expected an integer >= 1, got 2.5"),
         ("fp8", "recipe", "mxfp8", "fp8.recipe: expected one of"),
+        (
+            "fp8",
+            "split_accumulator_wgrad",
+            "no",
+            "fp8.split_accumulator_wgrad: expected true or false, got 'no'",
+        ),
         ("ddp", "bucket_size", 0, "ddp.bucket_size: expected an integer >= 1, got 0"),
         (
             "ddp",
@@ -165,3 +171,21 @@ def test_pipeline_world_size_errors_name_the_key(world, message):
     assert cfg.check_world_size(2) == 8  # DP 1: one pipeline runs all 16 / 2 micro-batches
     with pytest.raises(ValueError, match=message):
         cfg.check_world_size(world)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_accumulation_keys_reach_the_recipe(recipe):
+    """fp8.split_accumulator_* go into the run's recipe, each to its own field (defaults: the
+    recipes' own, False / True / True)."""
+    from fp8dp.train.loop import make_recipe
+
+    fields = ("split_accumulator_fprop", "split_accumulator_dgrad", "split_accumulator_wgrad")
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}"])
+    assert tuple(getattr(make_recipe(cfg), f) for f in fields) == (False, True, True)
+    sets = [
+        f"fp8.recipe={recipe}",
+        "fp8.split_accumulator_fprop=true",
+        "fp8.split_accumulator_wgrad=false",
+    ]
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), sets)
+    assert tuple(getattr(make_recipe(cfg), f) for f in fields) == (True, True, False)

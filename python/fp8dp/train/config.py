@@ -169,6 +169,13 @@ class TrainSection:
             )
 
 
+ACCUMULATION_KEYS = (
+    "split_accumulator_fprop",
+    "split_accumulator_dgrad",
+    "split_accumulator_wgrad",
+)
+
+
 @dataclass
 class FP8Section:
     """FP8 recipe of the run (contract C7)."""
@@ -185,9 +192,22 @@ class FP8Section:
     margin: float = 0
     """Headroom in powers of two. Default 0; at most log2(448 / 2**-6) = 14.807 (see
     fp8dp.recipe.MAX_MARGIN)."""
+    split_accumulator_fprop: bool = False
+    """CUDA FP8 GEMMs: FP32-promoted (true) or fast (false) accumulation in the forward GEMM, as
+    the recipes' field of that name. Default false (TransformerEngine's)."""
+    split_accumulator_dgrad: bool = True
+    """The same for the input-gradient GEMM. Default true."""
+    split_accumulator_wgrad: bool = True
+    """The same for the weight-gradient GEMM. Default true."""
+
+    def accumulation(self) -> dict:
+        """The three split_accumulator_* fields, as keyword arguments of either recipe."""
+        return {k: getattr(self, k) for k in ACCUMULATION_KEYS}
 
     def __post_init__(self):
         self.margin = _as_float(self.margin)
+        for k in ACCUMULATION_KEYS:
+            _bool(f"fp8.{k}", getattr(self, k))
         _bool("fp8.enabled", self.enabled)
         _choice("fp8.recipe", self.recipe, ("delayed", "current"))
         _int("fp8.amax_history_len", self.amax_history_len)

@@ -57,9 +57,12 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def make_recipe(cfg: TrainConfig):
     f = cfg.fp8
     if f.recipe == "current":
-        return fp8dp.Float8CurrentScaling(margin=f.margin)
+        return fp8dp.Float8CurrentScaling(margin=f.margin, **f.accumulation())
     return fp8dp.DelayedScaling(
-        amax_history_len=f.amax_history_len, amax_compute_algo=f.amax_compute_algo, margin=f.margin
+        amax_history_len=f.amax_history_len,
+        amax_compute_algo=f.amax_compute_algo,
+        margin=f.margin,
+        **f.accumulation(),
     )
 
 
