@@ -482,9 +482,9 @@ void registry_update_local() {
   reg.observed.store(false);
   reg.collected.clear();
   if (states.empty()) return;
-  // Each state's row 0 is already the step's amax: no gather into one tensor and back (a device
-  // copy and two allocations per step, for nothing to reduce). note_reduced reads row 0 before
-  // the update rolls it: both are enqueued in this order on the same stream.
+  // Each state's row 0 is already the step's amax: no gather into one tensor (an allocation and a
+  // device copy per step, for nothing to reduce). note_reduced reads row 0 before the update
+  // rolls it: both are enqueued in this order on the same stream.
   std::vector<ScalingSlot> slots;
   slots.reserve(states.size());
   for (ScalingState* st : states) {
