@@ -118,10 +118,7 @@ def bench_operands(label, a, b, bias):
 
 
 def bench_shape(label, m, n, k):
-    x = (torch.randn(m, k, device="cuda") * 20).to(torch.float8_e4m3fn)
-    w = (torch.randn(n, k, device="cuda") * 20).to(torch.float8_e4m3fn)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    return bench_operands(label, x, w, bias)
+    return bench_operands(label, *operands((m, k), (n, k), False, n))
 
 
 def backward_todo():
