@@ -15,16 +15,20 @@ Evidence that the tests catch their defect (each mutation alone, then reverted):
   "1 GPU, 2 ranks" cases fail (DID NOT RAISE: ("cuda", "nccl") returned), and
   test_one_gpu_two_ranks_stops_before_joining fails: main() goes on to torch.cuda.set_device(0)
   (patched here to raise "set_device(0) called") instead of returning 2.
-- choose_device with auto ignoring an explicit backend (`device = "cuda" if cuda_ok else "cpu"`
-  always): the "auto + gloo on a GPU machine" case returns ("cuda", "nccl") and the
-  "auto + nccl without CUDA" case returns ("cpu", "gloo").
-- __main__.main without the --device / --backend flags appended to the overrides:
-  test_device_flag_overrides_set returns 2 with "run.device: cuda: expected at most one rank
-  per visible GPU ..." (the --set value stood).
-- RunSection without its two pair checks: test_run_section_refuses_pairs fails (DID NOT RAISE).
+- choose_device with auto ignoring an explicit backend (`if backend != "auto":` made `if
+  False:`): 3 cases of test_choose_device fail: "auto + gloo, 1 GPU, 4 ranks" raises "run.device:
+  auto (CUDA is available, so cuda): expected at most one rank per visible GPU ..." instead of
+  returning ("cpu", "gloo"); "auto + nccl, 1 GPU, 2 ranks" names run.device instead of
+  run.backend; "auto + nccl without CUDA" DID NOT RAISE (("cpu", "gloo") returned).
+- __main__.main without the --device / --backend flags appended to the overrides: 3 tests fail:
+  test_device_flag_overrides_set returns 2 with "run.device: cuda: expected at most one rank per
+  visible GPU ..." (the --set value stood), and test_one_gpu_two_ranks_stops_before_joining with
+  --device cuda / --backend nccl names "run.device: auto (CUDA is available, so cuda)".
+- RunSection without its two pair checks (`if False:`): test_run_section_refuses_pairs fails
+  (DID NOT RAISE ValueError).
 - checkpoint._read_and_check without the run section's defaults for old checkpoints:
-  test_checkpoint_from_before_the_run_section_resumes returns 2 with "run.backend: expected None
-  (the checkpoint ... was trained with it; ...), got 'auto'".
+  test_checkpoint_from_before_the_run_section_resumes: the resume returns 2 with "run.backend:
+  expected None (the checkpoint in '...' was trained with it; only [...] may change), got 'auto'".
 """
 
 import io
