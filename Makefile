@@ -35,19 +35,20 @@ test-wheel: build
 # The format check runs last, so that a formatting slip does not hide test results.
 test: test-cpp test-python test-wheel format-check
 
-# The training demo: torchrun with one rank per GPU (NCCL) when fp8dp was built with CUDA and sees
-# GPUs, else 2 CPU ranks (gloo). DEMO_CONFIG overrides the config, DEMO_ARGS the extra arguments.
+# The training demo: torchrun with one rank per GPU (--device cuda, NCCL) when fp8dp was built with
+# CUDA and sees GPUs, else 2 CPU ranks (--device cpu, gloo). DEMO_CONFIG overrides the config,
+# DEMO_ARGS the extra arguments (they come last: DEMO_ARGS="--device cpu" wins).
 DEMO_ARGS ?= --compare-bf16
 demo: build
 	@set -e; \
 	ngpu=$$($(PY) -c "import fp8dp, torch; print(torch.cuda.device_count() if fp8dp.cuda_available() else 0)"); \
 	if [ "$$ngpu" -gt 0 ]; then \
-	  nproc=$$ngpu; cfg=$(or $(DEMO_CONFIG),configs/gpu.yaml); echo "[demo] $$ngpu GPU(s), NCCL: $$cfg"; \
+	  nproc=$$ngpu; dev=cuda; cfg=$(or $(DEMO_CONFIG),configs/gpu.yaml); echo "[demo] $$ngpu GPU(s), NCCL: $$cfg"; \
 	else \
 	  why=$$($(PY) -c "import fp8dp; print(fp8dp.cuda_available(return_reason=True)[1])"); \
-	  nproc=2; cfg=$(or $(DEMO_CONFIG),configs/demo.yaml); echo "[demo] no GPU ($$why): 2 CPU ranks, gloo: $$cfg"; \
+	  nproc=2; dev=cpu; cfg=$(or $(DEMO_CONFIG),configs/demo.yaml); echo "[demo] no GPU ($$why): 2 CPU ranks, gloo: $$cfg"; \
 	fi; \
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$$nproc -m fp8dp.train --config $$cfg $(DEMO_ARGS); \
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$$nproc -m fp8dp.train --config $$cfg --device $$dev $(DEMO_ARGS); \
 	out=$$($(PY) -c "from fp8dp.train import load_config; print(load_config('$$cfg').out.dir)"); \
 	echo "[demo] metrics: $$out/fp8/metrics.jsonl (FP8) and $$out/nofp8/metrics.jsonl (no FP8, if run)"; \
 	echo "[demo] plot:    $$out/loss.png"

@@ -2,6 +2,9 @@
 
 import torch  # noqa: F401  (loads libtorch before the extension that links against it)
 
+from . import _extension  # noqa: F401  (first: imports _C, or says why it cannot)
+
+# isort: split
 from . import _C, pipeline, recipe
 from .autocast import fp8_autocast, is_fp8_enabled
 from .ddp import DistributedDataParallel

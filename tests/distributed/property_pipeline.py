@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import fp8dp
-from fp8dp.pipeline import _VIRTUAL, check_layout
+from fp8dp.pipeline import _VIRTUAL, check_backend, check_layout
 
 PIPELINE_SEED_BASE = 2**31
 PP = 2
@@ -64,7 +64,13 @@ def _block_config(pw, rng, ws, D, fp8) -> dict:
     return c
 
 
-def gen_pipeline_config(pw, case_seed: int, ws: int) -> dict:
+def gen_pipeline_config(
+    pw, case_seed: int, ws: int, torch_version: str = torch.__version__
+) -> dict:
+    """A pipeline case drawn from case_seed. The schedule is drawn among those that fit the
+    block and micro-batch counts (check_layout) and that torch_version runs on the worker's
+    backend (check_backend: no zbv on gloo before torch 2.13), so on an older torch a seed can
+    draw another schedule than on a newer one: the case is still one that the library accepts."""
     rng = random.Random(case_seed)
     D = rng.choice([16, 16, 32])
     fp8 = rng.random() < 0.3
@@ -75,6 +81,7 @@ def gen_pipeline_config(pw, case_seed: int, ws: int) -> dict:
         for v in vs:
             try:
                 check_layout(schedule, PP, v, n_blocks, n_mb)
+                check_backend(schedule, pw.BACKEND, torch_version)
                 choices.append([schedule, v])
             except ValueError:
                 pass

@@ -75,6 +75,7 @@ LR = 0.1
 EPS = 1e-5
 U32 = 2.0**-24  # unit roundoff of float32
 COMM_TIMEOUT_S = 8.0  # a desynchronised case ends in an error, not a hang
+BACKEND = "gloo"  # of the world group, and so of the pipeline cases' groups (make_groups)
 
 
 # ---- the configuration generator -----------------------------------------------------------
@@ -1023,7 +1024,7 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group(BACKEND, timeout=timedelta(seconds=60))
     rank, ws = dist.get_rank(), dist.get_world_size()
     if args.config_json:
         c = json.loads(args.config_json)

@@ -11,6 +11,7 @@ FP8DP_PROPERTY_SHRINK=1 also shrinks each failing case to a minimal configuratio
 alike (slower). The worker alone: `torchrun --standalone --nproc_per_node=W
 tests/distributed/property_worker.py --seed S --cases N` (or `--case-seed C` for one case)."""
 
+import collections
 import json
 import os
 
@@ -138,3 +139,30 @@ def test_gradient_accounting_property(world_size, tmp_path):
         failures
     )
     assert rc == 0, log[-6000:]
+
+
+def test_pipeline_generator_draws_what_this_torch_runs():
+    """The pipeline cases' schedules are drawn among those that the installed torch runs on the
+    worker's backend (fp8dp.pipeline.check_backend): the world-size-2 cases of the default sample
+    draw zbv on torch 2.13 and none on torch 2.11, where the library refuses zbv on gloo (on the
+    one-GPU machine's torch 2.11, test_gradient_accounting_property[2] failed on exactly those).
+
+    Mutation tried (then reverted): the check_backend call removed from
+    property_pipeline.gen_pipeline_config: this test fails with 2 zbv cases drawn for torch
+    2.11.0 (Counter({'1f1b': 11, 'interleaved_1f1b': 10, 'zero_bubble': 9, 'zbv': 2}))."""
+    import property_pipeline
+    import property_worker
+
+    seed = int(os.environ.get("FP8DP_PROPERTY_SEED", "0"))
+    seeds = property_pipeline.pipeline_case_seeds(seed, _pipeline_cases(2), 2)
+
+    def drawn(torch_version):
+        return collections.Counter(
+            property_pipeline.gen_pipeline_config(property_worker, cs, 2, torch_version)["schedule"]
+            for cs in seeds
+        )
+
+    old, new = drawn("2.11.0"), drawn("2.13.0")
+    assert old["zbv"] == 0, old
+    assert new["zbv"] > 0, new  # the sample does reach zbv where torch runs it
+    assert sum(old.values()) == sum(new.values()) == len(seeds)

@@ -95,7 +95,8 @@ def run(*argv):
         ).items():
             mp.setenv(k, v)
         with redirect_stdout(out), redirect_stderr(err):
-            rc = main([str(a) for a in argv] + ["--no-progress"])
+            # --device cpu: the same gloo world of one on a GPU machine (issue 29)
+            rc = main([str(a) for a in argv] + ["--no-progress", "--device", "cpu"])
     return rc, out.getvalue(), err.getvalue()
 
 

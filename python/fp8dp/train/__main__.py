@@ -45,6 +45,19 @@ def parse_args(argv=None):
     p.add_argument(
         "--resume", metavar="DIR", help="continue bit-exactly from the checkpoint in DIR"
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        help="where the ranks run (run.device; overrides the config and --set): cuda is one GPU "
+        "per rank, cpu runs gloo; auto (the default) picks cuda when fp8dp has CUDA and torch "
+        "sees a GPU",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        help="torch.distributed backend (run.backend; overrides the config and --set): auto "
+        "(the default) is nccl on cuda, gloo on cpu",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -65,11 +78,13 @@ def main(argv=None) -> int:
                 f"runs), got {'--save' if args.save else '--resume'}"
             )
         )
+    # --device / --backend are run.device / run.backend, applied after --set: the flag wins.
+    flags = [f"run.{k}={getattr(args, k)}" for k in ("device", "backend") if getattr(args, k)]
     try:
-        cfg = load_config(args.config, args.set)  # errors name the key, before any work starts
+        cfg = load_config(args.config, args.set + flags)  # errors name the key, before any work
+        rank, world, device, backend = setup_distributed(cfg.run)  # errors before it joins
     except (ValueError, OSError) as e:
         return _fail(e)
-    rank, world, device, backend = setup_distributed()
     try:
         cfg.check_world_size(world)
         runs = [cfg]

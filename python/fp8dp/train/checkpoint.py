@@ -18,7 +18,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from .config import ParallelSection
+from .config import ParallelSection, RunSection
 
 _RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.save_every", "out.dir"}
 _STATE_KEYS = {"step", "model", "optimizer", "rng"}
@@ -153,10 +153,11 @@ def _read_and_check(
             f"--resume: the checkpoint was written by {meta['world_size']} ranks and resumes "
             f"exactly only at the same world size, got {world_size}"
         )
-    # A checkpoint written before the parallel section existed was trained data-parallel: the
-    # section's defaults.
+    # A checkpoint written before the parallel (run) section existed was trained data-parallel
+    # (on the device that run.device auto picks): the section's defaults.
     old = {
         **_flatten({"parallel": dataclasses.asdict(ParallelSection())}),
+        **_flatten({"run": dataclasses.asdict(RunSection())}),
         **_flatten(meta["config"]),
     }
     new = _flatten(config)

@@ -322,6 +322,38 @@ class OutputSection:
             raise ValueError(f"out.dir: expected a directory path, got {self.dir!r}")
 
 
+@dataclass
+class RunSection:
+    """Where the ranks run. The demo decides once, before torch.distributed starts
+    (fp8dp/train/device.py, choose_device), so that a job that cannot run stops with one line on
+    every rank instead of failing inside CUDA or hanging in init_process_group."""
+
+    device: str = "auto"
+    """"auto", "cpu" or "cuda". auto: cuda (one GPU per rank, cuda:LOCAL_RANK) when this fp8dp
+    build has CUDA and torch sees a GPU, else cpu; with run.backend set, the device that backend
+    runs on. cuda with more ranks per node than visible GPUs is an error that says what to run
+    instead. CLI: --device."""
+    backend: str = "auto"
+    """"auto", "gloo" or "nccl": the torch.distributed backend. auto: nccl on cuda, gloo on cpu;
+    the demo runs gloo on the CPU and NCCL on GPUs only (the two pairs fp8dp's tests run).
+    CLI: --backend."""
+
+    def __post_init__(self):
+        _choice("run.device", self.device, ("auto", "cpu", "cuda"))
+        _choice("run.backend", self.backend, ("auto", "gloo", "nccl"))
+        # The pairs that cannot run whatever the machine has fail here, before any work starts.
+        if self.device == "cpu" and self.backend == "nccl":
+            raise ValueError(
+                "run.backend: expected gloo or auto with run.device cpu (NCCL reduces CUDA tensors "
+                "only), got 'nccl'; use --device cuda for NCCL"
+            )
+        if self.device == "cuda" and self.backend == "gloo":
+            raise ValueError(
+                "run.backend: expected nccl or auto with run.device cuda (the demo runs gloo on "
+                "CPU ranks only), got 'gloo'; use --device cpu for gloo"
+            )
+
+
 _SECTIONS = {
     "model": ModelConfig,
     "train": TrainSection,
@@ -330,6 +362,7 @@ _SECTIONS = {
     "parallel": ParallelSection,
     "data": DataSection,
     "out": OutputSection,
+    "run": RunSection,
 }
 
 
@@ -342,6 +375,7 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     data: DataSection = field(default_factory=DataSection)
     out: OutputSection = field(default_factory=OutputSection)
+    run: RunSection = field(default_factory=RunSection)
 
     def __post_init__(self):
         tokens = self.train.micro_batch_size * self.model.seq_len

@@ -20,24 +20,35 @@ import torch.nn.functional as F
 import fp8dp
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import RunSection, TrainConfig
 from .data import VOCAB_SIZE, ByteCorpus
+from .device import choose_device, local_world_size
 from .metrics import MetricsWriter
 from .model import GPT
 
 
-def setup_distributed() -> tuple:
-    """Join the torchrun job (or start a one-rank job without torchrun). NCCL when this fp8dp
-    build has CUDA and a GPU is visible, gloo on the CPU otherwise."""
+def setup_distributed(run: RunSection) -> tuple:
+    """Join the torchrun job (or start a one-rank job without torchrun) on the device and backend
+    that run.device / run.backend ask for (device.choose_device: ValueError, before
+    init_process_group, for a request this machine cannot serve)."""
     if "RANK" not in os.environ:  # plain `python -m fp8dp.train`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
-    if fp8dp.cuda_available():
+    cuda_ok, cuda_reason = fp8dp.cuda_available(return_reason=True)
+    device_type, backend = choose_device(
+        run.device,
+        run.backend,
+        cuda_ok=cuda_ok,
+        cuda_reason=cuda_reason,
+        n_gpus=torch.cuda.device_count() if cuda_ok else 0,
+        local_world_size=local_world_size(),
+    )
+    if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        backend, device = "nccl", torch.device("cuda", local)
+        device = torch.device("cuda", local)
     else:
-        backend, device = "gloo", torch.device("cpu")
+        device = torch.device("cpu")
     if not dist.is_initialized():
         # A bounded timeout: a rank that died makes the others fail instead of hanging.
         dist.init_process_group(backend, timeout=timedelta(minutes=5))
