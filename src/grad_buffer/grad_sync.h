@@ -136,7 +136,8 @@ class GradSync : public GradSink {
   at::Tensor param_shard(const OwnedShard& s) const;
   // Copies each master shard (any float dtype) into its param_shard, first finishing any parameter
   // all-gather still in flight (it writes the same storage). After finish_grad_sync() this is the
-  // optimizer step: the phase becomes stepped. (Elsewhere, e.g. a checkpoint load, the phase stays.)
+  // optimizer step: the phase becomes stepped. (Elsewhere, e.g. a checkpoint load, the phase
+  // stays.)
   void copy_shards(const std::vector<at::Tensor>& masters);
   // Launches every bucket group's parameter all-gather, asynchronously, in forward order: the group
   // holding the earliest-registered parameter first, so the first layers' parameters arrive first

@@ -313,8 +313,9 @@ TEST(GradSyncPhases, GradientForALaunchedGroupIsRefusedBeforeItIsAdded) {
   f.sync->finish_grad_sync();
   EXPECT_STREQ(phase_name(f.sync->phase()), "finished");
   // After the finish every gradient is refused (a graph built before it).
-  EXPECT_NE(error_of([&] { f.sync->param_ready(0, at::ones({4, 3}), false); })
-                .find("arrived in phase 'finished'"),
+  EXPECT_NE(error_of([&] {
+              f.sync->param_ready(0, at::ones({4, 3}), false);
+            }).find("arrived in phase 'finished'"),
             std::string::npos);
   EXPECT_TRUE(at::equal(f.sync->main_grad(0), at::ones({4, 3})));
 }
@@ -369,7 +370,7 @@ TEST(GradSyncPhases, ScaleWaitsForLaunchedCollectives) {
   learn(f);
   f.comm->snapshot = true;
   f.sync->param_ready(2, at::ones({2, 2}), false);
-  f.sync->param_ready(1, at::ones({5}), false);  // launches {c, b}
+  f.sync->param_ready(1, at::ones({5}), false);     // launches {c, b}
   f.sync->param_ready(0, at::ones({4, 3}), false);  // launches {a}
   f.sync->scale_gradients(0.5);
   f.sync->finish_grad_sync();
@@ -389,8 +390,9 @@ TEST(GradSyncPhases, StepThenForgottenZeroIsRefused) {
   for (const auto& s : f.sync->owned_shards()) masters.push_back(at::zeros({s.numel}));
   f.sync->copy_shards_and_sync_params(masters);
   EXPECT_STREQ(phase_name(f.sync->phase()), "stepped");
-  EXPECT_NE(error_of([&] { f.sync->begin_microbatch(true); })
-                .find("forward with grad enabled in phase 'stepped'"),
+  EXPECT_NE(error_of([&] {
+              f.sync->begin_microbatch(true);
+            }).find("forward with grad enabled in phase 'stepped'"),
             std::string::npos);
   EXPECT_NE(error_of([&] { f.sync->scale_gradients(2.0); }).find("phase 'stepped'"),
             std::string::npos);
@@ -426,10 +428,8 @@ TEST(GradSyncPhases, StaleGradIsRefusedAtWrapAndZeroClearsGrad) {
   std::vector<at::Tensor> params{at::zeros({3}).requires_grad_()};
   params[0].mutable_grad() = at::ones({3});
   auto comm = std::make_shared<SoloCommunicator>();
-  const std::string msg =
-      error_of([&] { GradSync(params, {"w"}, comm, GradSyncOptions{}); });
-  EXPECT_NE(msg.find("parameter 'w' on rank 0 has a .grad left from a backward"),
-            std::string::npos)
+  const std::string msg = error_of([&] { GradSync(params, {"w"}, comm, GradSyncOptions{}); });
+  EXPECT_NE(msg.find("parameter 'w' on rank 0 has a .grad left from a backward"), std::string::npos)
       << msg;
   params[0].mutable_grad() = at::Tensor();
   GradSync sync(params, {"w"}, comm, GradSyncOptions{});
