@@ -69,7 +69,8 @@ def check(ddp, ref):
 
 
 def wrap(model, group, **kw):
-    cfg = fp8dp.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=100, **kw)
+    kw = {"bucket_size": 100, **kw}
+    cfg = fp8dp.DistributedDataParallelConfig(overlap_grad_reduce=True, **kw)
     return fp8dp.DistributedDataParallel(model, cfg, process_group=group)
 
 
