@@ -292,9 +292,9 @@ void learn(Fixture& f) {
   f.sync->zero_grad_buffer();
 }
 
-// Mechanism removed (check_accepting_locked() returning at once, as before C11): the gradient is
-// added to the bucket in flight, so the main_grad EXPECT fails (2 instead of 1) and the error
-// text checks fail.
+// Mechanism removed (expected; not yet run) (check_accepting_locked() returning at once): the
+// gradient is added to the bucket in flight, so the main_grad EXPECT fails (2 instead of 1) and the
+// error text checks fail.
 TEST(GradSyncPhases, GradientForALaunchedGroupIsRefusedBeforeItIsAdded) {
   Fixture f(overlap());
   learn(f);
@@ -324,8 +324,9 @@ TEST(GradSyncPhases, GradientForALaunchedGroupIsRefusedBeforeItIsAdded) {
   EXPECT_TRUE(at::equal(f.sync->main_grad(0), at::ones({4, 3})));
 }
 
-// Mutation tried: the grad_enabled check in begin_microbatch() removed: every EXPECT_NE on the
-// refusals fails (no error), and enter_no_sync() without its check fails the last one.
+// Mechanism removed (expected failure; not yet run one by one): the grad_enabled check in
+// begin_microbatch() removed: every EXPECT_NE on the refusals fails (no error), and enter_no_sync()
+// without its check fails the last one.
 TEST(GradSyncPhases, ForwardWithGradAndNoSyncAreRefusedOnceTheSyncStarted) {
   Fixture f(overlap());
   learn(f);
@@ -351,8 +352,8 @@ TEST(GradSyncPhases, ForwardWithGradAndNoSyncAreRefusedOnceTheSyncStarted) {
   EXPECT_EQ(error_of([&] { f.sync->enter_no_sync(); }), "");
 }
 
-// Mutation tried: start_grad_sync() without its finished early return: grad_launches becomes 4
-// (every group reduced a second time).
+// Mechanism removed (expected failure; not yet run one by one): start_grad_sync() without its
+// finished early return: grad_launches becomes 4 (every group reduced a second time).
 TEST(GradSyncPhases, StartAfterFinishIsANoOpAndFinishIsIdempotent) {
   Fixture f(overlap());
   learn(f);
@@ -367,8 +368,9 @@ TEST(GradSyncPhases, StartAfterFinishIsANoOpAndFinishIsIdempotent) {
 
 // The collective reads its bucket at launch and writes the result at its end (SnapshotWork): a
 // factor applied in between is lost unless scale_gradients() waits first.
-// Mutation tried: the wait for launched groups in scale_gradients() removed: main_grad(1) is 1,
-// not 0.5 (the factor lost on the launched group {c, b}), while a (not launched) is 0.5.
+// Mechanism removed (expected failure; not yet run one by one): the wait for launched groups in
+// scale_gradients() removed: main_grad(1) is 1, not 0.5 (the factor lost on the launched group {c,
+// b}), while a (not launched) is 0.5.
 TEST(GradSyncPhases, ScaleWaitsForLaunchedCollectives) {
   Fixture f(overlap());
   learn(f);
@@ -382,8 +384,9 @@ TEST(GradSyncPhases, ScaleWaitsForLaunchedCollectives) {
     EXPECT_TRUE(at::equal(f.sync->main_grad(p), at::full_like(f.params[p], 0.5f))) << p;
 }
 
-// Mutation tried: copy_shards() not marking the step: the refusal of scale_gradients() and of the
-// forward after the step do not happen (both EXPECT_NE fail).
+// Mechanism removed (expected failure; not yet run one by one): copy_shards() not marking the step:
+// the refusal of scale_gradients() and of the forward after the step do not happen (both EXPECT_NE
+// fail).
 TEST(GradSyncPhases, StepThenForgottenZeroIsRefused) {
   GradSyncOptions o = overlap();
   o.use_distributed_optimizer = true;
@@ -405,8 +408,8 @@ TEST(GradSyncPhases, StepThenForgottenZeroIsRefused) {
   EXPECT_STREQ(phase_name(f.sync->phase()), "accumulating");
 }
 
-// Mutation tried: begin_microbatch() without the wait for param all-gathers: the waits of both
-// gathers stay 0.
+// Mechanism removed (expected failure; not yet run one by one): begin_microbatch() without the wait
+// for param all-gathers: the waits of both gathers stay 0.
 TEST(GradSyncPhases, ForwardWaitsForEveryGatherWithoutOverlapParamGather) {
   GradSyncOptions o = overlap();
   o.use_distributed_optimizer = true;
@@ -426,8 +429,9 @@ TEST(GradSyncPhases, ForwardWaitsForEveryGatherWithoutOverlapParamGather) {
   }
 }
 
-// Mutation tried: the stale-.grad slot of the layout check ignored: the constructor succeeds, and
-// after zero_grad_buffer() without clearing .grad the last EXPECT fails.
+// Mechanism removed (expected failure; not yet run one by one): the stale-.grad slot of the layout
+// check ignored: the constructor succeeds, and after zero_grad_buffer() without clearing .grad the
+// last EXPECT fails.
 TEST(GradSyncPhases, StaleGradIsRefusedAtWrapAndZeroClearsGrad) {
   std::vector<at::Tensor> params{at::zeros({3}).requires_grad_()};
   params[0].mutable_grad() = at::ones({3});
