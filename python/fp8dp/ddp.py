@@ -190,6 +190,7 @@ class DistributedDataParallel(torch.nn.Module):
         opts.pad_buckets_for_high_nccl_busbw = config.pad_buckets_for_high_nccl_busbw
         opts.grad_ledger = config.grad_ledger
         opts.grad_reduce_wire = config.grad_reduce_wire
+        opts.overlap_param_gather = config.overlap_param_gather
         is_cuda = bool(named) and named[0][1].is_cuda
         comm = _C.make_communicator(
             config.comm_backend, process_group, is_cuda, config.nccl_high_priority_stream
@@ -291,7 +292,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         self._check_parameters()
-        self._sync.begin_microbatch()
+        # C11: a forward that builds a graph is refused once the iteration's sync has started (or
+        # finished, or the optimizer stepped); without overlap_param_gather this also waits for
+        # the parameter all-gathers in flight before the module reads its weights.
+        self._sync.begin_microbatch(torch.is_grad_enabled())
         out = self.module(*args, **kwargs)
         if self._ledger:
             self._sync.announce_hooks(_hooked_params(out, self._index))
@@ -345,33 +349,44 @@ class DistributedDataParallel(torch.nn.Module):
         (stream-ordered on CUDA). A no-op when none is in flight."""
         self._sync.finish_param_sync()
 
+    @property
+    def phase(self) -> str:
+        """Where the iteration stands (contract C11): "accumulating", "sync_started" (a bucket
+        group launched its collective), "finished" (finish_grad_sync()), "stepped" (the
+        distributed optimizer stepped) or "failed" (a finish failed; zero_grad_buffer() next)."""
+        return self._sync.phase
+
     @contextlib.contextmanager
     def no_sync(self):
-        """Micro-batches inside only accumulate into main_grad: no readiness, no collectives."""
-        previous = self._sync.sync_enabled
-        self._sync.sync_enabled = False
+        """Micro-batches inside only accumulate into main_grad: no readiness, no collectives.
+        Refused (RuntimeError) once the iteration's sync started: only the last micro-batch runs
+        outside no_sync()."""
+        previous = self._sync.enter_no_sync()
         try:
             yield
         finally:
             self._sync.sync_enabled = previous
 
     def start_grad_sync(self) -> None:
-        """Launch every bucket group not launched yet (asynchronously)."""
+        """Launch every bucket group not launched yet (asynchronously), after the last
+        micro-batch's backward (and backward_dw()); a no-op once finished."""
         self._sync.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
-        """Launch what is left, wait for all collectives; idempotent until the next gradient."""
+        """Launch what is left, wait for all collectives; idempotent until zero_grad_buffer()."""
         self._sync.finish_grad_sync()
 
     def zero_grad_buffer(self) -> None:
-        """Zero every main_grad and reset grad_added_to_main_grad (the start of an iteration)."""
+        """Zero every main_grad, clear every parameter's .grad and reset grad_added_to_main_grad:
+        the start of an iteration (phase "accumulating")."""
         self._check_parameters()
         self._sync.zero_grad_buffer()
         for p in self._params:
             p.grad_added_to_main_grad = False
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        """main_grad *= scaling_factor for every parameter."""
+        """main_grad *= scaling_factor for every parameter; waits first for collectives in flight
+        (which would lose the factor). Refused after the optimizer step."""
         self._sync.scale_gradients(float(scaling_factor))
 
     def broadcast_params(self, src: int = 0) -> None:

@@ -44,6 +44,9 @@ class GradSink {
     int64_t microbatch = -1;
     int64_t iteration = -1;
     std::string module;  // who queued it
+    // Whether readiness counts its delivery (it was queued while readiness was counting, i.e.
+    // outside no_sync(): the last micro-batch's): set by expect(), carried back by deliver().
+    bool counted = false;
   };
   // module: the queueing module's name in the model, for the error that names a forgotten one.
   virtual Token expect(int64_t p, int64_t microbatch, const std::string& module) = 0;

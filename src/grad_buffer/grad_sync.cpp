@@ -21,6 +21,22 @@ std::string join(const std::vector<std::string>& v) {
 
 }  // namespace
 
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::kAccumulating:
+      return "accumulating";
+    case Phase::kSyncStarted:
+      return "sync_started";
+    case Phase::kFinished:
+      return "finished";
+    case Phase::kStepped:
+      return "stepped";
+    case Phase::kFailed:
+      return "failed";
+  }
+  return "?";
+}
+
 GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> names,
                    std::shared_ptr<Communicator> comm, GradSyncOptions opts)
     : params_(std::move(params)), names_(std::move(names)), comm_(std::move(comm)), opts_(opts) {
@@ -114,24 +130,41 @@ void GradSync::check_same_layout_on_all_ranks() {
     for (int64_t s : params_[i].sizes()) h = (h ^ static_cast<uint64_t>(s)) * 1099511628211ull;
     h = (h ^ static_cast<uint64_t>(params_[i].scalar_type())) * 1099511628211ull;
   }
+  // Slot 4: 1 + the first parameter that still holds a .grad from before wrapping (0: none).
+  // Agreed here, with the layout, so that every rank raises, not only the one that has it.
+  int64_t stale = 0;
+  for (size_t i = 0; i < params_.size() && stale == 0; ++i)
+    if (params_[i].grad().defined()) stale = static_cast<int64_t>(i) + 1;
+  constexpr int kSlots = 5;
   const int dp = comm_->size();
   auto opts = at::TensorOptions().dtype(at::kLong).device(params_[0].device());
   at::Tensor mine = at::tensor(std::vector<int64_t>{static_cast<int64_t>(params_.size()), numel,
-                                                    static_cast<int64_t>(h >> 2), dp},
+                                                    static_cast<int64_t>(h >> 2), dp, stale},
                                opts);
-  at::Tensor all = at::empty({4 * dp}, opts);
+  at::Tensor all = at::empty({kSlots * dp}, opts);
   comm_->all_gather({mine}, {all})->wait();
   at::Tensor cpu = all.cpu();
   comm_->check_for_errors();  // an aborted collective unblocks the copy with garbage: raise first
   const int64_t* a = cpu.const_data_ptr<int64_t>();
   for (int r = 0; r < dp; ++r) {
-    FP8DP_CHECK_ARG(a[4 * r + 3] == dp, "process_group: rank ", r, " sees world size ",
-                    a[4 * r + 3], " but rank ", comm_->rank(), " sees ", dp,
-                    ": mismatched world sizes");
-    FP8DP_CHECK_ARG(a[4 * r] == a[0] && a[4 * r + 1] == a[1] && a[4 * r + 2] == a[2],
-                    "module: rank ", r, " has ", a[4 * r], " trainable parameters with ",
-                    a[4 * r + 1], " elements but rank 0 has ", a[0], " with ", a[1],
+    const int64_t* x = a + kSlots * r;
+    FP8DP_CHECK_ARG(x[3] == dp, "process_group: rank ", r, " sees world size ", x[3], " but rank ",
+                    comm_->rank(), " sees ", dp, ": mismatched world sizes");
+    FP8DP_CHECK_ARG(x[0] == a[0] && x[1] == a[1] && x[2] == a[2], "module: rank ", r, " has ", x[0],
+                    " trainable parameters with ", x[1], " elements but rank 0 has ", a[0],
+                    " with ", a[1],
                     " (or their shapes/dtypes differ): every rank must wrap the same model");
+  }
+  for (int r = 0; r < dp; ++r) {
+    const int64_t s = a[kSlots * r + 4];
+    // A gradient left from a backward before wrapping (a warm-up step, a reference computed on the
+    // same model) would be added to main_grad with the first micro-batch's: the autograd hook adds
+    // whatever p.grad holds. Dropping it silently could hide a mistake as well; torch's optimizers
+    // leave clearing .grad to the user, so ask for it.
+    FP8DP_CHECK_ARG(s == 0, "module: parameter '", names_.at(s - 1), "' on rank ", r,
+                    " has a .grad left from a backward before DistributedDataParallel was built: "
+                    "it would be added into main_grad with the first micro-batch's gradient; call "
+                    "model.zero_grad(set_to_none=True) before wrapping the model");
   }
 }
 
@@ -158,7 +191,7 @@ void GradSync::param_ready(int64_t p, const std::optional<at::Tensor>& grad,
   const Route route = grad_added_to_main_grad ? Route::kFused
                       : has_grad              ? Route::kAutograd
                                               : Route::kNone;
-  accept_locked(p, route == Route::kAutograd ? *grad : at::Tensor(), route, -1);
+  accept_locked(p, route == Route::kAutograd ? *grad : at::Tensor(), route, -1, false);
 }
 
 int64_t GradSync::microbatch() const {
@@ -186,14 +219,20 @@ GradSink::Token GradSync::expect(int64_t p, int64_t microbatch, const std::strin
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
+  check_accepting_locked(p, Route::kDelayed, "a weight gradient queued for backward_dw()");
   ++undelivered_[{p, module}];
-  return Token{microbatch, iteration_, module};
+  // Counted exactly (readiness.h): the queue of the last micro-batch, whose backward runs outside
+  // no_sync(), is what completes the bucket; earlier micro-batches' queues only accumulate.
+  const bool counted = sync_enabled_;
+  if (counted) readiness_->expect_delivery(p);
+  return Token{microbatch, iteration_, module, counted};
 }
 
 void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token token) {
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
+  check_accepting_locked(p, route, "a gradient");
   if (route == Route::kDelayed) {
     FP8DP_CHECK(token.iteration == iteration_, "parameter '", names_[p],
                 "': a weight gradient queued in an earlier iteration was delivered (stale "
@@ -204,14 +243,71 @@ void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token tok
                 "added");
     if (--it->second == 0) undelivered_.erase(it);
   }
-  accept_locked(p, grad, route, token.microbatch);
+  accept_locked(p, grad, route, token.microbatch, route == Route::kDelayed && token.counted);
 }
 
-void GradSync::accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch) {
-  finished_ = false;
+Phase GradSync::phase_locked() const {
+  if (failed_) return Phase::kFailed;
+  if (stepped_) return Phase::kStepped;
+  if (finished_) return Phase::kFinished;
+  for (const auto& g : groups_)
+    if (g.launched()) return Phase::kSyncStarted;
+  return Phase::kAccumulating;
+}
+
+Phase GradSync::phase() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return phase_locked();
+}
+
+void GradSync::check_accepting_locked(int64_t p, Route route, const char* what) {
+  const Phase ph = phase_locked();
+  if (ph == Phase::kAccumulating) return;
+  if (ph == Phase::kSyncStarted && !groups_[group_of_param_[p]].launched()) return;
+  // One report more than learned for a launched group: readiness names that cause more precisely
+  // (a hook firing twice), and refuses it before anything is added too.
+  if (ph == Phase::kSyncStarted && sync_enabled_ && route != Route::kDelayed &&
+      readiness_->golden_known() && readiness_->count(p) >= readiness_->golden(p))
+    return;
+  // The fused GEMM wrote into main_grad before handing over: too late to refuse cleanly.
+  const bool written = route == Route::kFused;
+  if (written) failed_ = true;
+  std::string why;
+  if (ph == Phase::kSyncStarted)
+    why =
+        "its bucket group's collective has started (by the last micro-batch's backward or by "
+        "start_grad_sync()): it would be added to a bucket that is being reduced. Run every "
+        "micro-batch but the LAST under no_sync(), call start_grad_sync() only after the last "
+        "backward (and backward_dw()), and zero_grad_buffer() to start the next iteration";
+  else if (ph == Phase::kFailed)
+    why =
+        "finish_grad_sync() failed and main_grad is not reduced: call zero_grad_buffer() and redo "
+        "the iteration";
+  else
+    why =
+        "finish_grad_sync() has reduced this iteration's gradients (a backward through a graph "
+        "built before the sync finished?): call zero_grad_buffer() (or "
+        "DistributedOptimizer.zero_grad()) to start the next iteration, then run its forward "
+        "and backward";
+  FP8DP_CHECK(false, what, " of parameter '", names_[p], "' arrived in phase '", phase_name(ph),
+              "': ", why, ". ",
+              written ? "The fused GEMM already accumulated it into main_grad, which is no longer "
+                        "valid: zero_grad_buffer() and redo the iteration"
+                      : "It was not added");
+}
+
+void GradSync::accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch,
+                             bool delivery) {
+  check_accepting_locked(p, route, "a gradient");
   if (opts_.grad_ledger) ledger_->record(p, route, microbatch);
-  // Count first: an excess report throws before its gradient could be added a second time.
-  const bool complete = sync_enabled_ && readiness_->mark(p);
+  // Count first: an excess report throws before its gradient could be added a second time. A
+  // delayed gradient counts by its token (readiness.h), a learned report only outside no_sync().
+  bool complete = false;
+  if (route == Route::kDelayed) {
+    if (delivery) complete = readiness_->mark_delivery(p);
+  } else if (sync_enabled_) {
+    complete = readiness_->mark(p);
+  }
   if (grad.defined()) {
     at::Tensor mg = main_grad(p);
     FP8DP_CHECK_ARG(grad.sizes() == mg.sizes(), "gradient of '", names_[p], "': expected shape ",
@@ -239,20 +335,68 @@ void GradSync::check_params_in_buffers() const {
   }
 }
 
-void GradSync::begin_microbatch() {
+void GradSync::begin_microbatch(bool grad_enabled) {
   std::lock_guard<std::mutex> lock(mu_);
   check_params_in_buffers();
-  finished_ = false;
+  const Phase ph = phase_locked();
+  if (grad_enabled && ph != Phase::kAccumulating) {
+    std::string why;
+    if (ph == Phase::kSyncStarted)
+      why =
+          "bucket groups of this iteration have launched their collectives (by the last "
+          "micro-batch's backward, or by start_grad_sync()), and this micro-batch's gradients "
+          "would land on buckets being reduced. Only the LAST micro-batch of an iteration runs "
+          "outside no_sync(), start_grad_sync() comes after its backward, and zero_grad_buffer() "
+          "starts the next iteration";
+    else if (ph == Phase::kFailed)
+      why =
+          "finish_grad_sync() failed and main_grad is not reduced: call zero_grad_buffer() and "
+          "redo the iteration";
+    else
+      why = std::string(ph == Phase::kStepped ? "the optimizer has stepped on"
+                                              : "finish_grad_sync() has reduced") +
+            " this iteration's gradients, and new ones would be added on top of them: call "
+            "zero_grad_buffer() (or DistributedOptimizer.zero_grad()) to start the next iteration";
+    FP8DP_CHECK(false, "forward with grad enabled in phase '", phase_name(ph), "': ", why,
+                ". (A forward under torch.no_grad(), e.g. evaluation, is allowed in every phase.)");
+  }
+  // Without overlap_param_gather nothing else waits before the module reads its weights.
+  if (!opts_.overlap_param_gather) finish_param_sync_locked(-1);
   ledger_->begin_microbatch();
+}
+
+bool GradSync::enter_no_sync() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Phase ph = phase_locked();
+  FP8DP_CHECK(ph == Phase::kAccumulating, "no_sync() in phase '", phase_name(ph),
+              "': a micro-batch under no_sync() must come before the last one of the iteration, "
+              "while nothing is launched or reduced; its gradients would land on ",
+              ph == Phase::kSyncStarted ? "buckets being reduced" : "reduced buckets",
+              ". Only the LAST micro-batch runs outside no_sync(); call zero_grad_buffer() to "
+              "start the next iteration");
+  const bool previous = sync_enabled_;
+  sync_enabled_ = false;
+  return previous;
 }
 
 void GradSync::start_grad_sync() {
   std::lock_guard<std::mutex> lock(mu_);
+  const Phase ph = phase_locked();
+  if (ph == Phase::kFinished) return;  // reduced already: launching again would reduce twice
+  FP8DP_CHECK(ph != Phase::kStepped && ph != Phase::kFailed, "start_grad_sync() in phase '",
+              phase_name(ph), "': ",
+              ph == Phase::kStepped
+                  ? "the optimizer has stepped on this iteration's reduced gradients"
+                  : "finish_grad_sync() failed and main_grad is not reduced",
+              "; call zero_grad_buffer() to start the next iteration");
+  // A queued weight gradient would be delivered into a launched bucket.
+  FP8DP_CHECK(undelivered_.empty(), "start_grad_sync(): ", describe_undelivered(),
+              ". Call backward_dw() for them first; nothing was launched");
   for (auto& g : groups_)
     if (!g.launched()) g.start_grad_sync(*comm_, settings_);
 }
 
-std::string GradSync::undelivered_locked() {
+std::string GradSync::describe_undelivered() const {
   // Entries are ordered by parameter, then module: one line per parameter, naming its modules.
   std::vector<std::string> lost;
   for (auto it = undelivered_.begin(); it != undelivered_.end();) {
@@ -266,10 +410,16 @@ std::string GradSync::undelivered_locked() {
     lost.push_back("'" + names_[p] + "' (" + std::to_string(queued) + " queued, by module " +
                    join(modules) + ")");
   }
+  if (lost.empty()) return "";
+  return "weight gradients queued by backward were never computed by backward_dw(): " + join(lost);
+}
+
+std::string GradSync::undelivered_locked() {
+  const std::string lost = describe_undelivered();
   undelivered_.clear();
   ++iteration_;  // what is still queued belongs to the abandoned iteration: modules drop it
   if (lost.empty()) return "";
-  return "weight gradients queued by backward were never computed by backward_dw(): " + join(lost) +
+  return lost +
          ". Call module.backward_dw() once per backward that reached a module built with "
          "delay_wgrad_compute=True, before finish_grad_sync(); the queued ones are dropped";
 }
@@ -307,11 +457,16 @@ void GradSync::abandon_iteration() {
   readiness_->reset();
   ledger_->reset();
   undelivered_locked();
+  failed_ = true;  // main_grad is not reduced: only zero_grad_buffer() goes on from here
 }
 
 void GradSync::finish_grad_sync() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (finished_) return;
+  if (finished_ || stepped_) return;  // reduced already (DistributedOptimizer.step() calls it)
+  FP8DP_CHECK(!failed_,
+              "finish_grad_sync() in phase 'failed': an earlier finish_grad_sync() (or a "
+              "gradient added to a launched bucket) failed and main_grad is not reduced; call "
+              "zero_grad_buffer() and redo the iteration");
   const std::string err = local_errors();
   if (opts_.grad_ledger || opts_.check_for_nan_in_grad) {
     // Agree before raising: a rank that raised alone would leave the others blocked in the next
@@ -377,9 +532,12 @@ void GradSync::zero_grad_buffer() {
   for (auto& g : groups_) g.finish_grad_sync();
   for (auto& g : groups_) g.reset();
   for (auto& b : buffers_) b.grad_data.zero_();
+  // A .grad left on a parameter (a backward outside the hooks' reach, autograd.grad's
+  // accumulation, a user's write) would be added by the next hook: the iteration starts clean.
+  for (auto& p : params_) p.mutable_grad() = at::Tensor();
   readiness_->reset();
   ledger_->reset();
-  finished_ = false;
+  finished_ = stepped_ = failed_ = false;
   // A new iteration: weight gradients still queued from the last one must not land in it.
   const std::string lost = undelivered_locked();
   FP8DP_CHECK(lost.empty(), "zero_grad_buffer: ", lost);
@@ -387,6 +545,29 @@ void GradSync::zero_grad_buffer() {
 
 void GradSync::scale_gradients(double factor) {
   std::lock_guard<std::mutex> lock(mu_);
+  const Phase ph = phase_locked();
+  FP8DP_CHECK(ph != Phase::kStepped && ph != Phase::kFailed, "scale_gradients() in phase '",
+              phase_name(ph), "': ",
+              ph == Phase::kStepped ? "the optimizer has already stepped on these gradients, so "
+                                      "the factor could not act; call it before the step"
+                                    : "finish_grad_sync() failed and main_grad is not reduced; "
+                                      "call zero_grad_buffer() and redo the iteration",
+              "");
+  if (ph == Phase::kSyncStarted) {
+    // A launched collective reads its bucket (or its encoding, made at launch) and writes the
+    // result at its end: a product taken in between would be lost. Wait (stream-ordered on CUDA,
+    // no host sync), then scale the reduced values; the groups not launched yet are scaled before
+    // their reduction, which is linear.
+    try {
+      for (auto& g : groups_)
+        if (g.launched()) g.finish_grad_sync();
+    } catch (const std::exception& e) {
+      abandon_iteration();
+      throw Error(std::string(e.what()) +
+                  "\nscale_gradients: main_grad is NOT reduced; zero_grad_buffer() and redo the "
+                  "iteration");
+    }
+  }
   for (auto& b : buffers_) b.grad_data.mul_(factor);
 }
 
@@ -439,6 +620,7 @@ void GradSync::copy_shards(const std::vector<at::Tensor>& masters) {
   for (size_t k = 0; k < shards.size(); ++k)
     param_shard(shards[k]).copy_(masters[k].detach().reshape({-1}));
   bump_param_versions();
+  if (finished_) stepped_ = true;  // the optimizer step of this iteration's gradients
 }
 
 void GradSync::start_param_sync() {

@@ -36,7 +36,20 @@ struct GradSyncOptions {
   // What the bucket reductions put on the wire: "buffer" (the buffer's dtype), "bf16", "fp8_e4m3"
   // or "fp8_e5m2" (wire.h; the buffers must be FP32).
   std::string grad_reduce_wire = "buffer";
+  // Without it a forward waits for every parameter all-gather in flight before the module runs
+  // (begin_microbatch); with it each module's pre-hook waits for its own bucket groups.
+  bool overlap_param_gather = false;
 };
+
+// Where one DDP iteration stands (contract C11). Every public call of GradSync checks it and
+// either does the right thing or refuses, before it changes anything, naming the call, the phase
+// and what to call instead:
+//   accumulating  -> sync_started (a bucket group launched: by readiness or start_grad_sync())
+//                 -> finished (finish_grad_sync()) -> stepped (the optimizer's copy_shards())
+//   any phase     -> accumulating (zero_grad_buffer(): the next iteration)
+//   finish_grad_sync() that fails -> failed (main_grad is not reduced; zero_grad_buffer()).
+enum class Phase : int { kAccumulating, kSyncStarted, kFinished, kStepped, kFailed };
+const char* phase_name(Phase p);
 
 // One shard of a parameter owned by this rank under the distributed optimizer.
 struct OwnedShard {
@@ -79,25 +92,42 @@ class GradSync : public GradSink {
   // A micro-batch's forward began (for the ledger). Also checks that every parameter still lives
   // in its buffer: model.to(dtype) / .half() / .cuda() after wrapping moves a parameter's data out
   // of it, and the model would silently stop training (the optimizer steps the buffer).
-  void begin_microbatch();
+  // grad_enabled (torch.is_grad_enabled()): a forward that builds a graph is refused outside the
+  // accumulating phase (its gradients would land on launched or reduced buckets); one under
+  // no_grad (evaluation) is allowed in every phase. Without overlap_param_gather it then waits for
+  // every parameter all-gather in flight, so the module never reads half-gathered weights.
+  void begin_microbatch(bool grad_enabled = true);
   // Raises a ValueError naming the first parameter whose data no longer views its buffer.
   void check_params_in_buffers() const;
-  // no_sync(): false suppresses readiness counting and launches.
+  // false suppresses readiness counting and launches; unchecked (the pipeline's per-step policy
+  // toggles it between B and W steps).
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
   bool sync_enabled() const { return sync_enabled_; }
+  // DDP's no_sync(): refused outside the accumulating phase (a micro-batch after the sync started
+  // would add to launched or reduced buckets); disables sync and returns the previous setting.
+  bool enter_no_sync();
+  // Where the iteration stands (Phase), and its name for Python and messages.
+  Phase phase() const;
 
-  // Launches every bucket group not launched yet.
+  // Launches every bucket group not launched yet. Refused while a gradient queued for
+  // backward_dw() is not delivered (it would land in a launched bucket), after the optimizer step
+  // and after a failed finish; a no-op once finished.
   void start_grad_sync();
   // Checks readiness (and the ledger and NaN check when enabled; then every rank agrees on the
   // outcome first, so all raise together: one tiny all-reduce and the iteration's only host read),
-  // launches what is left, waits (stream-ordered on CUDA). Idempotent until the next gradient
-  // arrives.
+  // launches what is left, waits (stream-ordered on CUDA). A no-op when finished or stepped
+  // (the gradients are reduced); refused after a failed finish.
   void finish_grad_sync();
-  // Waits for any gradient collective in flight, zeroes every grad buffer and forgets this
-  // iteration's counts.
+  // Waits for any gradient collective in flight, zeroes every grad buffer, clears every
+  // parameter's .grad, forgets this iteration's counts: the accumulating phase of the next one.
   void zero_grad_buffer();
+  // main_grad *= factor. Waits first for the collectives of launched groups (they would overwrite
+  // or have already encoded their buckets), so the factor applies to every gradient whatever the
+  // wire or collective. Refused after the optimizer step (it could no longer act) and after a
+  // failed finish.
   void scale_gradients(double factor);
   // Finishes any parameter all-gather in flight, then broadcasts every param buffer from root.
+  // Allowed in every phase: it writes the param buffers only, never a gradient.
   void broadcast_params(int root);
 
   // Distributed optimizer: this rank's shards, their views, and the parameter all-gather.
@@ -105,7 +135,9 @@ class GradSync : public GradSink {
   at::Tensor grad_shard(const OwnedShard& s) const;
   at::Tensor param_shard(const OwnedShard& s) const;
   // Copies each master shard (any float dtype) into its param_shard, first finishing any parameter
-  // all-gather still in flight (it writes the same storage).
+  // all-gather still in flight (it writes the same storage). After finish_grad_sync() this is the
+  // optimizer step: the phase becomes stepped. (Elsewhere, e.g. a checkpoint load, the phase
+  // stays.)
   void copy_shards(const std::vector<at::Tensor>& masters);
   // Launches every bucket group's parameter all-gather, asynchronously, in forward order: the group
   // holding the earliest-registered parameter first, so the first layers' parameters arrive first
@@ -130,9 +162,15 @@ class GradSync : public GradSink {
 
  private:
   void check_same_layout_on_all_ranks();
-  // Adds grad (when defined) to main_grad, records the route, counts p ready and launches its
-  // bucket group when complete. mu_ held.
-  void accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch);
+  // Adds grad (when defined) to main_grad, records the route, counts p ready (learned, or a
+  // delivery announced by expect() when `delivery`) and launches its bucket group when complete.
+  // mu_ held.
+  void accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch,
+                     bool delivery);
+  Phase phase_locked() const;
+  // Refuses a gradient of p (`what`) that would land in a launched or reduced bucket.
+  void check_accepting_locked(int64_t p, Route route, const char* what);
+  std::string describe_undelivered() const;
   std::string local_errors();
   // Raises if a queued weight gradient was never delivered; forgets them and starts a new
   // iteration either way (mu_ held).
@@ -155,7 +193,9 @@ class GradSync : public GradSink {
   std::unique_ptr<Readiness> readiness_;
   std::unique_ptr<Ledger> ledger_;
   bool sync_enabled_ = true;
-  bool finished_ = false;
+  bool finished_ = false;  // finish_grad_sync() succeeded (the groups are reset then)
+  bool stepped_ = false;   // copy_shards() after finishing: the optimizer stepped
+  bool failed_ = false;    // a finish (or a gradient into a launched bucket) spoiled main_grad
   // Queued weight gradients (expect()) not delivered yet, per (parameter, queueing module), entries
   // at zero erased; and the iteration they belong to (zero_grad_buffer() and an abandoned
   // finish_grad_sync() start the next one).

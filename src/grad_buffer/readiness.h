@@ -1,7 +1,16 @@
-// Readiness by counts (contract C5): which bucket groups are complete for the last micro-batch.
-// The first iteration learns the golden count of every parameter (how often its gradient is
-// reported ready in one micro-batch: more than once when it is used several times in one forward);
-// later iterations complete a group the moment each of its parameters reached its golden count.
+// Readiness by counts (contracts C5, C11): which bucket groups are complete for the last
+// micro-batch. A parameter's reports come in two kinds:
+// - learned: the autograd hook (one call per backward that reaches the parameter, with or without a
+//   gradient) and the fused GEMM's delivery in backward. Their number per micro-batch depends on
+//   the graph, not on the route a gradient takes, so the first iteration learns it as the golden
+//   count (more than one when the parameter is used several times);
+// - expected: a weight (or, without FP8, bias) gradient that backward queued for backward_dw()
+//   (C3). Backward announces each one (expect_delivery) before the parameter's autograd hook runs,
+//   and backward_dw() delivers it later. Whether the deferred GEMM makes the bias gradient depends
+//   on FP8 (C4), so these are counted exactly, per micro-batch, never learned: FP8 switched on or
+//   off between iterations changes nothing that was learned.
+// A parameter is done when its learned count is golden and nothing expected is outstanding; a
+// group completes when all of its parameters are.
 #pragma once
 
 #include <cstdint>
@@ -16,29 +25,41 @@ class Readiness {
   Readiness(std::vector<int64_t> group_of_param, std::vector<std::string> names,
             int64_t num_groups);
 
-  // Counts one readiness report of p. Returns true when this report completed p's group (only once
+  // Counts one learned report of p. Returns true when this report completed p's group (only once
   // the golden counts are known). Throws fp8dp::Error naming p when p was already reported as often
   // as in the first iteration: a gradient that would be counted twice.
   bool mark(int64_t p);
+  // Backward queued a gradient of p that backward_dw() will deliver: p is not done until it is.
+  void expect_delivery(int64_t p);
+  // The queued gradient of p announced by expect_delivery() arrived. Returns true when this
+  // completed p's group (as mark()). Throws fp8dp::Error when none was outstanding.
+  bool mark_delivery(int64_t p);
 
   bool golden_known() const { return golden_known_; }
-  // Parameters of group g whose count is not yet golden, as "name (ready n of m)" strings.
+  // Parameters of group g that are not done, as "name (ready n of m)" strings (with the number of
+  // gradients still queued for backward_dw(), when any).
   std::vector<std::string> incomplete(int64_t g) const;
   bool complete(int64_t g) const { return golden_known_ && pending_[g] == 0; }
-  // Ends the iteration: the first iteration with any report learns the counts as golden.
+  // Ends the iteration: the first iteration with any learned report learns the counts as golden.
   void end_iteration();
   // Forgets this iteration's counts (keeps the golden ones).
   void reset();
 
   int64_t count(int64_t p) const { return count_[p]; }
   int64_t golden(int64_t p) const { return golden_[p]; }
+  int64_t outstanding(int64_t p) const { return outstanding_[p]; }
 
  private:
+  bool done(int64_t p) const { return count_[p] == golden_[p] && outstanding_[p] == 0; }
+  // p's done-ness changed from `was`: keeps pending_ of its group in step; true when the group
+  // just completed.
+  bool update(int64_t p, bool was);
+
   std::vector<int64_t> group_of_param_;
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> params_of_group_;
-  std::vector<int64_t> count_, golden_;
-  std::vector<int64_t> pending_;  // per group: parameters below their golden count
+  std::vector<int64_t> count_, golden_, outstanding_;
+  std::vector<int64_t> pending_;  // per group: parameters (with golden > 0) not done
   bool golden_known_ = false;
 };
 

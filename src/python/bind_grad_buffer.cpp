@@ -38,7 +38,8 @@ void bind_grad_buffer(py::module_& m) {
       .def_readwrite("pad_buckets_for_high_nccl_busbw",
                      &GradSyncOptions::pad_buckets_for_high_nccl_busbw)
       .def_readwrite("grad_ledger", &GradSyncOptions::grad_ledger)
-      .def_readwrite("grad_reduce_wire", &GradSyncOptions::grad_reduce_wire);
+      .def_readwrite("grad_reduce_wire", &GradSyncOptions::grad_reduce_wire)
+      .def_readwrite("overlap_param_gather", &GradSyncOptions::overlap_param_gather);
   py::class_<OwnedShard>(m, "OwnedShard")
       .def_readonly("param", &OwnedShard::param)
       .def_readonly("param_offset", &OwnedShard::param_offset)
@@ -65,12 +66,18 @@ void bind_grad_buffer(py::module_& m) {
       .def("main_grad", &GradSync::main_grad, py::arg("index"))
       .def("param_ready", &GradSync::param_ready, py::arg("index"), py::arg("grad"),
            py::arg("grad_added_to_main_grad"), py::call_guard<py::gil_scoped_release>())
-      .def("begin_microbatch", &GradSync::begin_microbatch)
+      // Without overlap_param_gather it may wait for all-gathers in flight: without the GIL.
+      .def("begin_microbatch", &GradSync::begin_microbatch, py::arg("grad_enabled") = true,
+           py::call_guard<py::gil_scoped_release>())
       .def("check_params_in_buffers", &GradSync::check_params_in_buffers)
       .def("announce_hooks", &GradSync::announce_hooks, py::arg("params"))
       .def("set_backward_microbatch", &GradSync::set_backward_microbatch, py::arg("mb"))
       .def("ledger_microbatch", &GradSync::microbatch)
       .def_property("sync_enabled", &GradSync::sync_enabled, &GradSync::set_sync_enabled)
+      .def("enter_no_sync", &GradSync::enter_no_sync)
+      // The iteration's phase (grad_sync.h), read-only: "accumulating", "sync_started",
+      // "finished", "stepped" or "failed".
+      .def_property_readonly("phase", [](const GradSync& s) { return phase_name(s.phase()); })
       .def("start_grad_sync", &GradSync::start_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &GradSync::finish_grad_sync,
            py::call_guard<py::gil_scoped_release>())

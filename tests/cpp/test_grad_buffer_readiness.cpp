@@ -2,6 +2,9 @@
 // reports, all without tensors or a process group.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 #include "common/check.h"
 #include "grad_buffer/ledger.h"
 #include "grad_buffer/readiness.h"
@@ -53,6 +56,41 @@ TEST(Readiness, IncompleteListsMissingParameters) {
   ASSERT_EQ(inc.size(), 2u);
   EXPECT_EQ(inc[0], "'a' (ready 0 of 1)");
   EXPECT_EQ(inc[1], "'b' (ready 1 of 2)");
+}
+
+// C11: a gradient queued for backward_dw() is counted exactly, not learned. Learned reports of b
+// (its autograd hook) are the same whether or not the deferred GEMM makes b's gradient (FP8 off:
+// it does; FP8 on: autograd has it), so an iteration of either route completes the group, the
+// one with a queued gradient only when it is delivered.
+// Mechanism removed (expected; not run one by one): expect_delivery() a no-op and mark_delivery()
+// a learned mark(), the golden-count readiness before C11, makes the delivery an excess report
+// ("'a' was reported ready 2 times"), as the same model showed on the tree before C11.
+TEST(Readiness, LearnedFromOneRouteServesTheOther) {
+  Readiness r = learned();  // learned without any queued gradient (the FP8-on route)
+  r.expect_delivery(0);     // FP8 off: backward queues a's gradient...
+  EXPECT_FALSE(r.mark(0));  // ...its hook fires: learned count golden, one delivery outstanding
+  EXPECT_FALSE(r.mark(1));
+  EXPECT_FALSE(r.mark(1));
+  EXPECT_EQ(r.incomplete(0), std::vector<std::string>{
+                                 "'a' (ready 1 of 1, 1 queued for backward_dw() not delivered)"});
+  EXPECT_TRUE(r.mark_delivery(0));  // backward_dw(): group 0 complete
+  r.end_iteration();
+  // And back: no queued gradient this time; the hook alone completes a.
+  EXPECT_FALSE(r.mark(1));
+  EXPECT_FALSE(r.mark(1));
+  EXPECT_TRUE(r.mark(0));
+}
+
+TEST(Readiness, DeliveryWithoutAnExpectationIsAnError) {
+  Readiness r = learned();
+  EXPECT_THROW(r.mark_delivery(2), fp8dp::Error);
+  // Learning iteration: a queued gradient is never part of the golden count.
+  Readiness fresh({0}, {"a"}, 1);
+  fresh.expect_delivery(0);
+  fresh.mark(0);
+  fresh.mark_delivery(0);
+  fresh.end_iteration();
+  EXPECT_EQ(fresh.golden(0), 1);
 }
 
 TEST(Readiness, NothingLearnedFromAnIterationWithoutReports) {

@@ -788,7 +788,10 @@ def param_reads_wait_for_the_gather(rank, ws, reader):
     opt.step()
     xin = micro(x, rank, 0, 1)
     if reader in ("forward", "module_forward"):  # the bare module's submodules wait as well
-        out = ddp(xin) if reader == "forward" else model(xin)
+        # (under no_grad: after the step a forward that builds a graph is refused until
+        # zero_grad(), contract C11; a read is an evaluation)
+        with torch.no_grad():
+            out = ddp(xin) if reader == "forward" else model(xin)
         assert torch.equal(out, ref_model(xin))
     elif reader in ("state_dict", "module_state_dict"):  # a checkpoint right after step()
         mine = ddp.state_dict() if reader == "state_dict" else model.state_dict()

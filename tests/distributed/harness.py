@@ -135,6 +135,7 @@ def load_cases() -> dict:
     """Every registered case (importing the case modules registers them)."""
     import cases_ddp  # noqa: F401
     import cases_nccl  # noqa: F401
+    import cases_phases  # noqa: F401
     import cases_wire  # noqa: F401
 
     return CASES
