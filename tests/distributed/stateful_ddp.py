@@ -92,6 +92,7 @@ class DDPLifecycle:
             self.opt = fp8dp.DistributedOptimizer(torch.optim.SGD, self.ddp, lr=spec["lr"])
         self.it = IterModel()
         self.zero_model()
+        self.stale = False  # a .grad set by op_stale_grad, until the next zero
         self.saved = None  # (model state_dict, optimizer state_dict, P) of save_checkpoint
 
     # ---- the model's gradient state ------------------------------------------------------------
@@ -177,6 +178,7 @@ class DDPLifecycle:
         """Runs fn under `expectation` ("ok" / "refuse" / "may_refuse"). Returns (tag, failure,
         result): tag "done" or "refused"."""
         before = self.snapshot() if expectation != "ok" else None
+        self._last_error = None
         try:
             res = fn()
         except Exception as e:  # noqa: BLE001 (classified below)
@@ -185,6 +187,7 @@ class DDPLifecycle:
             bad = refusal_problem(e)
             if bad:
                 return "refused", f"{what}: {bad}", None
+            self._last_error = str(e)
             ch = self.changed(before)
             if ch:
                 return "refused", f"{what} was refused but not before changing state: {ch}", None
@@ -421,6 +424,7 @@ class DDPLifecycle:
         if bad or tag == "refused":
             return tag, bad
         self.zero_model()
+        self.stale = False
         for n, p in self.params.items():
             if bool(p.main_grad.count_nonzero()):
                 return tag, f"main_grad of '{n}' not zero after zero_grad_buffer()"
@@ -498,6 +502,204 @@ class DDPLifecycle:
         self.P = [dict(self.P[0]) for _ in range(self.ws)]
         return tag, self.check_params("after broadcast_params(0)")
 
+    # ---- phases (§1): more of the issue's cases ---------------------------------------------------
+    def op_stale_grad(self, name):
+        """A .grad left on a parameter by code outside DDP; the next zero_grad_buffer() /
+        zero_grad() must clear it (issue 28 §1), so that it never reaches main_grad."""
+        with torch.no_grad():
+            self.params[name].grad = torch.full_like(self.params[name], 7.0)
+        self.stale = True
+        return "done", None
+
+    def op_shard_update_then_forward(self, delta):
+        """copy_shards(); start_param_sync(); forward with overlap_param_gather=False: the forward
+        must wait for the all-gather (the docstring's promise; issue 28 §1)."""
+        k = self.k
+        self.k += 1
+        x, _ = sm.microbatch_data(self.seed, k, self.rank)
+        masters = self.opt._masters
+
+        def run():
+            with torch.no_grad():
+                for m in masters:
+                    m.add_(delta)
+                self.ddp.copy_shards(masters)
+                self.ddp.start_param_sync()
+                with fp8dp.fp8_autocast(enabled=self.fp8, fp8_recipe=sm.RECIPE):
+                    return self.ddp(x)
+
+        tag, bad, out = self.attempt("ok", run, "copy_shards(); start_param_sync(); forward")
+        if bad:
+            return tag, bad
+        for r in range(self.ws):
+            self.P[r] = {n: v + delta for n, v in self.P[r].items()}
+        if not self.fp8:
+            exp, mag = sm.forward64(self.layers, self.P[self.rank], x)
+            bad = sm.first_mismatch(
+                "forward output right after start_param_sync()",
+                out,
+                exp,
+                sm.fp32_tol(mag, len(self.layers) + 1, 1),
+            )
+            if bad:
+                return tag, bad
+        return tag, self.check_params("after copy_shards + start_param_sync + forward")
+
+    # ---- params (§3, C13): parameters changed outside step() --------------------------------------
+    def _load_fn(self, new):
+        sd = {n: new[n].float() for n in self.names}
+        return lambda: self.ddp.load_state_dict(sd, strict=False)
+
+    def op_load_weights(self, per_rank, k):
+        """The model's weights replaced through load_state_dict (a fine-tuning start); per_rank:
+        each rank loads its own, then broadcast_params(0) makes them rank 0's."""
+        new = [
+            sm.other_params(self.layers, self.seed + k, r if per_rank else 0)
+            for r in range(self.ws)
+        ]
+
+        def run():
+            self._load_fn(new[self.rank])()
+            if per_rank:
+                self.ddp.broadcast_params(0)
+
+        tag, bad, _ = self.attempt("ok", run, "load_state_dict(new weights)")
+        if bad:
+            return tag, bad
+        self.P = [dict(new[0 if per_rank else r]) for r in range(self.ws)]
+        return tag, self.check_params("after loading new weights")
+
+    def op_copy_into_param(self, name, k):
+        new = sm.other_params(self.layers, self.seed + k, 0)[name]
+
+        def run():
+            with torch.no_grad():
+                self.params[name].copy_(new.float())
+
+        tag, bad, _ = self.attempt("ok", run, f"'{name}'.copy_(new values)")
+        if bad:
+            return tag, bad
+        for r in range(self.ws):
+            self.P[r] = dict(self.P[r], **{name: new.clone()})
+        return tag, self.check_params("after an in-place copy_")
+
+    def op_reload_model_params(self, name, k):
+        """A write the version counters cannot see (through .data), then Megatron's explicit
+        DistributedOptimizer.reload_model_params()."""
+        new = sm.other_params(self.layers, self.seed + k, 0)[name]
+
+        def run():
+            reload = getattr(self.opt, "reload_model_params", None)
+            if reload is None:
+                raise AssertionError("DistributedOptimizer has no reload_model_params() (C13)")
+            self.params[name].data.copy_(new.float())
+            reload()
+
+        tag, bad, _ = self.attempt("ok", run, "reload_model_params()")
+        if bad:
+            return tag, bad
+        for r in range(self.ws):
+            self.P[r] = dict(self.P[r], **{name: new.clone()})
+        return tag, self.check_params("after reload_model_params()")
+
+    def bad_optimizer_state(self, kind):
+        good = copy.deepcopy(self.opt.state_dict())
+        if kind == "adam":  # another optimizer's state, of the right shapes
+            ms = [torch.nn.Parameter(m.detach().clone()) for m in self.opt._masters] or [
+                torch.nn.Parameter(torch.zeros(0))
+            ]
+            adam = torch.optim.Adam(ms, lr=1e-3)
+            for m in ms:
+                m.grad = torch.ones_like(m)
+            adam.step()
+            good["optimizer"] = adam.state_dict()
+        elif kind == "bf16_masters":
+            good["masters"] = [m.to(torch.bfloat16) for m in good["masters"]]
+        elif kind == "short_master":
+            good["masters"] = [m[:-1] for m in good["masters"]]
+        elif kind == "missing_key":
+            del good["shards"]
+        return good
+
+    def op_bad_optimizer_load(self, kind):
+        bad_sd = self.bad_optimizer_state(kind)
+        tag, bad, _ = self.attempt(
+            "refuse", lambda: self.opt.load_state_dict(bad_sd), f"optimizer load_state_dict({kind})"
+        )
+        return tag, bad
+
+    # ---- autograd (§4, C14) ---------------------------------------------------------------------
+    def op_autograd_grad(self, layer):
+        """torch.autograd.grad(loss, weight) through the bare module: the gradient returned as
+        for nn.Linear and nothing else touched (main_grad, the queues), or refused before any
+        state changes."""
+        k = self.k
+        self.k += 1
+        x, G = sm.microbatch_data(self.seed, k, self.rank)
+        w = self.net.layers[layer].weight
+        before = self.snapshot()
+
+        def run():
+            with fp8dp.fp8_autocast(enabled=self.fp8, fp8_recipe=sm.RECIPE):
+                out = self.net(x)
+            return torch.autograd.grad(sm.loss_of(out, G), [w])[0]
+
+        tag, bad, g = self.attempt("may_refuse", run, f"autograd.grad(loss, layers.{layer}.weight)")
+        if bad or tag == "refused":
+            return tag, bad
+        ch = self.changed(before)
+        if ch:
+            return tag, f"autograd.grad(loss, layers.{layer}.weight) changed state: {ch}"
+        n = f"layers.{layer}.weight"
+        c = sm.Contribution(self.layers, self.P[self.rank], x, G, self.fp8)
+        if g is None:
+            return tag, f"autograd.grad returned None for '{n}'"
+        return tag, sm.first_mismatch(
+            f"autograd.grad of '{n}'", g, c.grad[n], sm.fp32_tol(c.mag[n], len(self.layers) + 1, 2)
+        )
+
+    # ---- agree (§2, C12) ---------------------------------------------------------------------------
+    DISAGREE = {
+        "average_in_collective": (False, True),
+        "grad_reduce_wire": ("buffer", "bf16"),
+        "bucket_size": (256, 512),
+        "overlap_grad_reduce": (False, True),
+        "use_distributed_optimizer": (False, True),
+        "check_for_nan_in_grad": (False, True),
+        "grad_reduce_in_fp32": (True, False),
+        "grad_ledger": (False, True),
+        "pad_buckets_for_high_nccl_busbw": (False, True),
+        "comm_backend": ("auto", "process_group"),
+        "nccl_blocking_wait": (False, True),
+    }
+
+    def op_build_disagreeing(self, field):
+        """Another DDP over a fresh copy of the net, its config differing in one field on the
+        odd ranks: every rank must raise, naming the field, at construction (no hang, no abort,
+        no wrong mean later)."""
+        value = self.DISAGREE[field][self.rank % 2]
+        net = sm.Net(self.layers)
+        kw = dict(delay_wgrad_compute=bool(self.delayed), bucket_size=256)
+        kw[field] = value
+        cfg = fp8dp.DistributedDataParallelConfig(**kw)
+        made = []
+
+        def run():
+            made.append(fp8dp.DistributedDataParallel(net, cfg, process_group=self.group))
+
+        tag, bad, _ = self.attempt(
+            "refuse", run, f"DistributedDataParallel(config.{field} per rank)"
+        )
+        if (
+            tag == "refused"
+            and not bad
+            and self._last_error is not None
+            and field not in self._last_error
+        ):
+            bad = f"the refusal does not name the field '{field}': {self._last_error[:300]}"
+        made.clear()
+        return tag, bad
+
     def op_invariants(self):
         """Always true between calls: the queues as the model has them; p.grad of a DDP parameter
         None (the hooks move every gradient into main_grad); the ranks' parameters identical."""
@@ -509,14 +711,25 @@ class DDPLifecycle:
                     f"layer {i} has {q} queued weight gradient(s), the model {len(self.fifo[i])}",
                 )
         for n, p in self.params.items():
-            if p.grad is not None:
+            if p.grad is not None and not self.stale:
                 return "done", f"'{n}'.grad is not None between calls"
         return "done", self.check_ranks_identical("between calls")
 
-    def close(self):
-        """Drops the DDP (its hooks hold it weakly) and the modules' queues."""
+    def close(self) -> bool:
+        """Waits for collectives the sequence left in flight (a parameter all-gather, buckets
+        started but not finished), then drops the DDP. Returns False when that failed: the group
+        is then out of step and is replaced."""
+        ok = True
+        try:
+            if self.ddp._sync.param_sync_pending:
+                self.ddp._sync.finish_param_sync()
+            if self.maybe_launched() and not self.it.finished and not self.dw_pending():
+                self.ddp.finish_grad_sync()
+        except Exception:  # noqa: BLE001 (the sequence already failed, or will be replaced)
+            ok = False
         self.opt = None
         self.ddp = None
+        return ok
 
 
 def _flat_state(sd) -> list:

@@ -158,6 +158,16 @@ def _chain64(layers, P, x, G, mode: str):
     return (h * g).sum() * LOSS_SCALE, leaves
 
 
+def forward64(layers, P, x):
+    """(the chain's output in float64, the same on absolute values: its FP32 bound's magnitude)."""
+    h, a = x.double(), x.double().abs()
+    for i, spec in enumerate(layers):
+        b = P.get(f"layers.{i}.bias")
+        h = F.linear(h, P[f"layers.{i}.weight"], b)
+        a = F.linear(a, P[f"layers.{i}.weight"].abs(), b.abs() if b is not None else None)
+    return h, a
+
+
 def grads64(layers, P, x, G, mode="plain") -> dict:
     loss, leaves = _chain64(layers, P, x, G, mode)
     names = list(leaves)

@@ -27,6 +27,7 @@ by the first and the last stage, §5, C15).
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import stateful_ddp as sd
@@ -41,6 +42,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+TRACE = bool(os.environ.get("FP8DP_STATEFUL_TRACE"))
 FAMILIES = ("lifecycle", "phases", "fp8", "params", "autograd", "agree", "all")
 
 
@@ -81,10 +83,14 @@ class Driver:
 
     def execute(self, op: str, kw: dict):
         Stats.steps += 1
+        if TRACE:  # every call, flushed: the last lines name the call a dying rank was in
+            print(f"[stateful rank {self.rank}] {op} {kw}", flush=True)
         try:
             if op in self.builders:
                 self._teardown()
                 if self.broken:  # the old group may hold a half-run collective
+                    if self.group is not None:
+                        dist.destroy_process_group(self.group)
                     self.group = sd.new_group()
                     self.broken = False
                 self.life = self.builders[op](self, **kw)
@@ -116,7 +122,8 @@ class Driver:
 
     def _teardown(self):
         if self.life is not None:
-            self.life.close()
+            if not self.life.close():
+                self.broken = True
             self.life = None
 
 
@@ -154,11 +161,14 @@ def ddp_spec(draw, family):
 
 
 def _on(*fams):
-    """Precondition: the machine is built and its family is one of fams (or "all")."""
-    return lambda self: self.built and (self.FAMILY in fams or self.FAMILY == "all")
+    """Precondition: the machine is built and its family is one of fams (or "all"); while a
+    stale .grad is set (phases), only zero_grad may follow."""
+    return lambda self: (
+        self.built and (self.FAMILY in fams or self.FAMILY == "all") and not self.L.stale
+    )
 
 
-ANY = ("lifecycle", "phases", "fp8", "params", "autograd")
+ANY = ("lifecycle", "phases", "fp8", "params", "autograd", "agree")
 
 
 class DDPMachine(RuleBasedStateMachine):
@@ -202,6 +212,13 @@ class DDPMachine(RuleBasedStateMachine):
     def microbatch(self, no_sync, dw_now, ifm):
         self.call("microbatch", no_sync=no_sync, dw_now=dw_now, ifm=ifm)
 
+    @precondition(lambda self: _on(*ANY)(self) and self.L.expect_microbatch() == "ok")
+    @rule(dw_now=st.booleans())
+    def microbatch_no_sync(self, dw_now):
+        """(a second rule for micro-batches: hypothesis draws rules uniformly, and a lifecycle is
+        mostly micro-batches)"""
+        self.call("microbatch", no_sync=True, dw_now=dw_now, ifm=None)
+
     @precondition(lambda self: _on(*ANY)(self) and self.L.dw_pending() > 0)
     @rule(data=st.data())
     def backward_dw(self, data):
@@ -231,7 +248,7 @@ class DDPMachine(RuleBasedStateMachine):
     def scale_gradients(self, f):
         self.call("scale_gradients", f=f)
 
-    @precondition(lambda self: _on(*ANY)(self) and self._quiet())
+    @precondition(lambda self: self.built and self._quiet() and (self.L.stale or _on(*ANY)(self)))
     @rule(via_opt=st.booleans())
     def zero_grad(self, via_opt):
         self.call("zero", via_opt=via_opt)
@@ -299,6 +316,71 @@ class DDPMachine(RuleBasedStateMachine):
     @rule()
     def step_again(self):
         self.call("step")
+
+    @precondition(lambda self: _on("phases")(self) and self._quiet() and not self.L.stale)
+    @rule(data=st.data())
+    def stale_grad(self, data):
+        self.call("stale_grad", name=data.draw(st.sampled_from(self.L.names)))
+
+    @precondition(
+        lambda self: _on("phases")(self)
+        and self.L.opt is not None
+        and self.L.it.mb == 0
+        and self._quiet()
+    )
+    @rule(delta=st.sampled_from([2.0**-3, -(2.0**-2)]))
+    def shard_update_then_forward(self, delta):
+        self.call("shard_update_then_forward", delta=delta)
+
+    # -- params (§3, C13): parameters changed outside step() (the distributed optimizer)
+    @precondition(lambda self: _on("params")(self) and self.L.opt is not None and self._quiet())
+    @rule(per_rank=st.booleans(), k=st.integers(0, 3))
+    def load_weights(self, per_rank, k):
+        self.call("load_weights", per_rank=per_rank, k=k)
+
+    @precondition(lambda self: _on("params")(self) and self.L.opt is not None and self._quiet())
+    @rule(data=st.data(), k=st.integers(0, 3))
+    def copy_into_param(self, data, k):
+        self.call("copy_into_param", name=data.draw(st.sampled_from(self.L.names)), k=k)
+
+    @precondition(lambda self: _on("params")(self) and self.L.opt is not None and self._quiet())
+    @rule(data=st.data(), k=st.integers(0, 3))
+    def reload_model_params(self, data, k):
+        self.call("reload_model_params", name=data.draw(st.sampled_from(self.L.names)), k=k)
+
+    @precondition(lambda self: _on("params")(self) and self.L.opt is not None and self._quiet())
+    @rule(kind=st.sampled_from(["adam", "bf16_masters", "short_master", "missing_key"]))
+    def bad_optimizer_load(self, kind):
+        self.call("bad_optimizer_load", kind=kind)
+
+    # -- autograd (§4, C14)
+    @precondition(lambda self: _on("autograd")(self) and self.L.expect_microbatch() == "ok")
+    @rule(
+        no_sync=st.booleans(),
+        dw_now=st.booleans(),
+        ckpt=st.sampled_from(["none", "nonreentrant", "reentrant"]),
+        save_on_cpu=st.booleans(),
+    )
+    def microbatch_checkpointed(self, no_sync, dw_now, ckpt, save_on_cpu):
+        self.call(
+            "microbatch",
+            no_sync=no_sync,
+            dw_now=dw_now,
+            ifm=None,
+            ckpt=ckpt,
+            save_on_cpu=save_on_cpu,
+        )
+
+    @precondition(lambda self: _on("autograd")(self) and self._quiet())
+    @rule(data=st.data())
+    def autograd_grad(self, data):
+        self.call("autograd_grad", layer=data.draw(st.integers(0, len(self.L.layers) - 1)))
+
+    # -- agree (§2, C12): ranks that disagree on one config field
+    @precondition(lambda self: _on("agree")(self) and self._quiet())
+    @rule(field=st.sampled_from(sorted(sd.DDPLifecycle.DISAGREE)))
+    def build_disagreeing(self, field):
+        self.call("build_disagreeing", field=field)
 
     # -- fp8 (§1): FP8 on / off between iterations
     @precondition(lambda self: _on("fp8")(self) and self.L.it.mb == 0 and self.L.dw_pending() == 0)

@@ -101,6 +101,10 @@ def main():
     else:
         builders, machine = rules.BUILDERS, rules.DDPMachine
         machine.FAMILY = args.family
+    # rules left out of this run (to look past a finding that kills the process, e.g. a gloo
+    # abort): hypothesis collects the rules on first use
+    for name in filter(None, os.environ.get("FP8DP_STATEFUL_SKIP_RULES", "").split(",")):
+        delattr(machine, name)
     driver = rules.Driver(ctrl, builders)
     if rank == 0:
         print(
