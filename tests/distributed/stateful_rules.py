@@ -258,17 +258,24 @@ class DDPMachine(RuleBasedStateMachine):
     def step(self):
         self.call("step")
 
-    @precondition(lambda self: _on(*ANY)(self) and self._quiet())
+    # (the calls below come after a step: hypothesis draws rules uniformly, and the lifecycle's
+    # substance is micro-batches, syncs and steps)
+    @precondition(lambda self: _on(*ANY)(self) and self._quiet() and self.L.it.stepped)
     @rule()
     def save_checkpoint(self):
         self.call("save_checkpoint")
 
-    @precondition(lambda self: _on(*ANY)(self) and self._quiet() and self.L.saved is not None)
+    @precondition(
+        lambda self: _on(*ANY)(self)
+        and self._quiet()
+        and self.L.saved is not None
+        and self.L.it.stepped
+    )
     @rule()
     def load_checkpoint(self):
         self.call("load_checkpoint")
 
-    @precondition(lambda self: _on(*ANY)(self) and self._quiet())
+    @precondition(lambda self: _on(*ANY)(self) and self._quiet() and self.L.it.stepped)
     @rule()
     def broadcast_params(self):
         self.call("broadcast_params")
@@ -294,6 +301,13 @@ class DDPMachine(RuleBasedStateMachine):
     @rule(no_sync=st.booleans(), ifm=st.sampled_from([None, True, False]))
     def microbatch_in_wrong_phase(self, no_sync, ifm):
         self.call("microbatch", no_sync=no_sync, dw_now=True, ifm=ifm)
+
+    @precondition(lambda self: _on("phases")(self) and self.L.dw_pending() > 0)
+    @rule(data=st.data())
+    def backward_dw_outside_no_sync(self, data):
+        """An earlier micro-batch's deferred backward_dw() run outside no_sync()."""
+        layer = data.draw(st.sampled_from([i for i, q in self.L.fifo.items() if q]))
+        self.call("backward_dw", layer=layer, same_context=False)
 
     @precondition(lambda self: _on("phases")(self) and self.L.dw_pending() > 0)
     @rule()
