@@ -240,10 +240,7 @@ class DDPMachine(RuleBasedStateMachine):
     def finish_grad_sync(self):
         self.call("finish_grad_sync")
 
-    @precondition(
-        lambda self: _on(*ANY)(self)
-        and (self.L.it.finished or (not self.L.maybe_launched() and not self.L.it.stepped))
-    )
+    @precondition(lambda self: _on(*ANY)(self) and self.L.it.finished)
     @rule(f=st.sampled_from([0.5, 0.25, 2.0, 3.0]))
     def scale_gradients(self, f):
         self.call("scale_gradients", f=f)
@@ -314,11 +311,10 @@ class DDPMachine(RuleBasedStateMachine):
     def finish_with_backward_dw_pending(self):
         self.call("finish_grad_sync")
 
+    # scale_gradients() before finish_grad_sync(): in flight (the case) or before any
+    # launch (found by the long run: main_grad is left unscaled, docs/stateful_testing.md)
     @precondition(
-        lambda self: _on("phases")(self)
-        and self.L.maybe_launched()
-        and not self.L.it.finished
-        and self.L.dw_pending() == 0
+        lambda self: _on("phases")(self) and not self.L.it.finished and not self.L.it.stepped
     )
     @rule(f=st.sampled_from([0.5, 3.0]))
     def scale_gradients_in_flight(self, f):
