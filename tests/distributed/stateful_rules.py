@@ -210,6 +210,10 @@ class DDPMachine(RuleBasedStateMachine):
         ifm=st.sampled_from([None, True, False]),
     )
     def microbatch(self, no_sync, dw_now, ifm):
+        # backward_dw() pops the oldest entry: right after a backward it is this micro-batch's
+        # only when nothing older waits (else an earlier micro-batch's W runs in this one's
+        # no_sync context: the phases family's backward_dw_outside_no_sync; long run seed 3)
+        dw_now = dw_now and self.L.dw_pending() == 0
         self.call("microbatch", no_sync=no_sync, dw_now=dw_now, ifm=ifm)
 
     @precondition(lambda self: _on(*ANY)(self) and self.L.expect_microbatch() == "ok")
@@ -217,6 +221,7 @@ class DDPMachine(RuleBasedStateMachine):
     def microbatch_no_sync(self, dw_now):
         """(a second rule for micro-batches: hypothesis draws rules uniformly, and a lifecycle is
         mostly micro-batches)"""
+        dw_now = dw_now and self.L.dw_pending() == 0  # (see microbatch)
         self.call("microbatch", no_sync=True, dw_now=dw_now, ifm=None)
 
     @precondition(lambda self: _on(*ANY)(self) and self.L.dw_pending() > 0)
@@ -372,6 +377,7 @@ class DDPMachine(RuleBasedStateMachine):
         save_on_cpu=st.booleans(),
     )
     def microbatch_checkpointed(self, no_sync, dw_now, ckpt, save_on_cpu):
+        dw_now = dw_now and self.L.dw_pending() == 0  # (see microbatch)
         self.call(
             "microbatch",
             no_sync=no_sync,
