@@ -109,7 +109,10 @@ def find_shared(blocks: Sequence, ranges: Sequence, declared=None) -> list:
             )
         for n in group:
             if n not in names:
-                near = sorted(k for k in names if k.endswith(str(n).split(".")[-1]))[:6]
+                # Suggest the names of the same block first, then any with the same last part.
+                parts = str(n).split(".")
+                near = [k for k in names if k.split(".")[:2] == parts[:2]]
+                near = sorted(near or [k for k in names if k.endswith("." + parts[-1])])[:6]
                 raise ValueError(
                     f"shared_parameters[{gi}]: no parameter named {n!r} in the blocks (names are "
                     f"'blocks.<index in the block list>.<path in the block>'; similar: {near})"
