@@ -230,8 +230,39 @@ def prepare(blocks, ranges, owners, groups, zero1: bool, declared) -> tuple:
         timeout=groups.timeout,
     )
     local = untie_local_stages(blocks, ranges, owners[groups.pp_rank])
+    clear_foreign_skip_flags(shared, local)
     broadcast_initial(shared, local)
     return shared, local
+
+
+def clear_foreign_skip_flags(shared: list, local: dict) -> None:
+    """A delayed-wgrad module marks its weight skip_backward_post_hook (its gradient comes from
+    backward_dw(), C3). One object shared with a stage where only other modules use it (an
+    fp8dp head's weight that is also a plain embedding elsewhere) carries that mark into a stage
+    that has no such module, and DDP there would refuse it ("... has no
+    register_wgrad_accumulation_and_reduce_hooks()") although autograd delivers its gradient.
+    Each local copy belongs to one stage of this rank (untie_local_stages), so its mark is set
+    from that stage: kept where a module of the stage that registers it has the delayed-wgrad
+    API, cleared elsewhere."""
+    for t in shared:
+        for s, n in t.copies:
+            if s not in local:
+                continue
+            _, i, path = n.split(".", 2)
+            p = local[s][int(i)].get_parameter(path)
+            if not getattr(p, "skip_backward_post_hook", False):
+                continue
+            users = [
+                m
+                for b in local[s].values()
+                for m in b.modules()
+                if any(q is p for q in m._parameters.values())
+            ]
+            if not any(
+                callable(getattr(m, "register_wgrad_accumulation_and_reduce_hooks", None))
+                for m in users
+            ):
+                p.skip_backward_post_hook = False
 
 
 @torch.no_grad()

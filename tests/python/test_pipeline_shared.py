@@ -15,6 +15,9 @@ Models (4 blocks, so 4 stages with two per rank on PP 2, or one per rank on PP 4
   Pipeline(shared_parameters=[["blocks.0.w", "blocks.3.head.weight"]]) ties it (Megatron builds
   its output layer untied): the head's copy starts from W's value (the broadcast from the first
   stage at construction), so the reference is the "emb" model.
+- "emb_rev": "emb" tied the other way round (block 0's w = the head's weight object), so the
+  first stage holds an object that the delayed head marked skip_backward_post_hook although no
+  module of that stage computes its gradient later: the stage's copy must take autograd's route.
 Layouts: PP 2 × DP 1, PP 2 × DP 2 (Megatron rank order), PP 4 × DP 1 (one stage per rank only);
 plain data parallelism (main_grad compared) and ZeRO-1 (parameters compared: main_grad holds
 only the owned chunks).
@@ -36,6 +39,9 @@ Evidence (tried on this branch, then reverted; one launch of the cases named):
   bucket per stage in the ZeRO-1 cases.
 - broadcast_initial skipped: "declared" fails, the head's copy starting from its own init
   ("blocks.3.head.weight: parameter relative error 1.15", copies 0.933 apart).
+- clear_foreign_skip_flags skipped: "emb_rev" refuses at construction on the first stage,
+  "parameter 'blocks.0.w' has skip_backward_post_hook=True but its module First has no
+  register_wgrad_accumulation_and_reduce_hooks()".
 - untie_local_stages giving the blocks as passed: zbv refuses at construction, "parameter
   'blocks.3.head.weight' is already managed by another fp8dp.DistributedDataParallel".
 """
@@ -71,6 +77,8 @@ CASES = [
     ("zbv", 2, True, False, "module"),
     ("zbv", 2, False, True, "module"),
     ("1f1b", 1, False, True, "declared"),
+    ("1f1b", 1, False, False, "emb_rev"),
+    ("zbv", 2, True, True, "emb_rev"),
     ("zbv", 2, True, False, "declared"),
 ]
 
@@ -120,6 +128,9 @@ def _model(kind, fused):
         b2 = b1
     if kind == "declared":
         return [first, b1, b2, last], [["blocks.0.w", "blocks.3.head.weight"]]
+    if kind == "emb_rev":  # tied the other way: the head's object (marked delayed) in block 0
+        first.w = last.head.weight
+        return [first, b1, b2, last], None
     last.head.weight = first.w
     return [first, b1, b2, last], None
 
