@@ -32,6 +32,14 @@ torch's schedules run the pipeline; fp8dp plugs in where torch cannot see inside
   ``step()`` scales ``main_grad`` by 1/n_microbatches instead (for a loss that is a mean per
   micro-batch; ``scale_grads=False`` here for a sum).
 
+- **Shared parameters (C15, pipeline_shared.py).** A Parameter that blocks of two stages reach
+  (a tied embedding / output weight, one module placed twice) or a declared group of names
+  (``shared_parameters``) gets one copy per stage, initialised from the first stage's; step()
+  sums the copies' gradients after finish_grad_sync (Megatron's embedding group; under ZeRO-1
+  over the owned elements), so they stay bit-identical.
+- **Batch check (pipeline_batch.py).** step() checks the batch against the declared shapes on
+  every rank and raises on all of them before anything is sent.
+
 A step::
 
     groups = fp8dp.pipeline.make_groups(pipeline_parallel_size=2)

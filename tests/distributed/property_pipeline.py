@@ -26,6 +26,13 @@ by backward_dw()" for one used twice); fixed in fp8dp/pipeline.py (_StageSync co
 tried since, then reverted: that runner capped at one call per module per micro-batch, 10 of 12
 cases fail (the ledger's / finish_grad_sync's "never computed"); Pipeline.step without its
 1/n_microbatches scaling, 6 of 6 fail with main_grad n_mb times the reference.
+Ties across blocks (issue 28 §5), seeds 0 and 1: they found that a delayed module's
+skip_backward_post_hook mark on a shared object reached a stage without that module (case
+2735922621: "parameter 'blocks.4.g.tl.1.weight' has skip_backward_post_hook=True but its module
+Linear has no register_wgrad_accumulation_and_reduce_hooks()"; fixed by
+pipeline_shared.clear_foreign_skip_flags). Mutation: Pipeline.step without the shared-gradient
+sum (reduce_grads), seed 0 with 40 pipeline cases: 5 fail, main_grad of the tied weight holding
+one stage's part ("observed 0.0, expected -0.024" on a stage whose block never used it).
 """
 
 from __future__ import annotations
