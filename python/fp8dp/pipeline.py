@@ -32,6 +32,14 @@ torch's schedules run the pipeline; fp8dp plugs in where torch cannot see inside
   ``step()`` scales ``main_grad`` by 1/n_microbatches instead (for a loss that is a mean per
   micro-batch; ``scale_grads=False`` here for a sum).
 
+- **Shared parameters (C15, pipeline_shared.py).** A Parameter that blocks of two stages reach
+  (a tied embedding / output weight, one module placed twice) or a declared group of names
+  (``shared_parameters``) gets one copy per stage, initialised from the first stage's; step()
+  sums the copies' gradients after finish_grad_sync (Megatron's embedding group; under ZeRO-1
+  over the owned elements), so they stay bit-identical.
+- **Batch check (pipeline_batch.py).** step() checks the batch against the declared shapes on
+  every rank and raises on all of them before anything is sent.
+
 A step::
 
     groups = fp8dp.pipeline.make_groups(pipeline_parallel_size=2)
@@ -59,9 +67,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import pipeline_shared as shared_params
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig
 from .modules import _FP8LinearBase
+from .pipeline_batch import BatchCheck
 from .scaling import update_fp8_scales
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -79,6 +89,8 @@ class PipelineGroups:
     dp_rank: int
     pp_group: object  # the pipeline ranks that hold this rank's data-parallel slice
     dp_group: object  # the ranks that hold the same stages (gradient and amax reductions)
+    timeout: object = None  # make_groups' timeout, for the groups Pipeline makes (shared params)
+    check_group: object = None  # gloo, every rank: Pipeline.step's batch check (pipeline_batch.py)
 
 
 def make_groups(
@@ -108,7 +120,8 @@ def make_groups(
         g = dist.new_group([p * dp + d for d in range(dp)], backend=backend, timeout=timeout)
         if rank // dp == p:
             dp_group = g
-    return PipelineGroups(pp, dp, rank // dp, rank % dp, pp_group, dp_group)
+    check = dist.new_group(backend="gloo", timeout=timeout)
+    return PipelineGroups(pp, dp, rank // dp, rank % dp, pp_group, dp_group, timeout, check)
 
 
 def stage_ranks(schedule: str, pp_size: int, virtual_stages: int) -> list[list[int]]:
@@ -280,6 +293,8 @@ class Pipeline:
         ddp_config: DistributedDataParallelConfig | None = None,
         scale_grads: bool = True,
         device: torch.device | str = "cpu",
+        shared_parameters: Sequence[Sequence[str]] | None = None,
+        microbatch_target: torch.Tensor | None = None,
     ):
         from torch.distributed import pipelining as pl
 
@@ -297,9 +312,23 @@ class Pipeline:
         def example(t: torch.Tensor, grad: bool) -> torch.Tensor:
             return torch.empty_like(t, device=device).requires_grad_(grad)
 
+        # C15 (pipeline_shared.py): parameters shared between stages, one copy per stage; found
+        # alike on every rank, compared across ranks, initialised from the first stage's copy.
+        owners = stage_ranks(schedule, groups.pp_size, virtual_stages)
+        zero1 = ddp_config is not None and ddp_config.use_distributed_optimizer
+        self.shared, local = shared_params.prepare(
+            blocks, ranges, owners, groups, zero1, shared_parameters
+        )
+        self._zero1 = zero1
+        # The batch check of step() (pipeline_batch.py): every rank learns whether any rank's
+        # batch is wrong before anything is sent.
+        self._batch_check = BatchCheck(
+            n_microbatches, microbatch_input, microbatch_target, group=groups.check_group
+        )
+
         self.modules, self._syncs, stages = [], [], []
         for s in self.stage_indices:
-            module = _StageModule({i: blocks[i] for i in ranges[s]})
+            module = _StageModule(local[s])
             ddp = DistributedDataParallel(module, ddp_config, process_group=groups.dp_group)
             sync = _StageSync(ddp, n_microbatches)
             first, last = s == 0, s == n_stages - 1
@@ -320,6 +349,7 @@ class Pipeline:
             self.modules.append(ddp)
             self._syncs.append(sync)
         self.stages = stages  # torch's PipelineStage of each local stage
+        shared_params.bind(self.shared, dict(zip(self.stage_indices, self.modules)))
         self.is_last = (n_stages - 1) in self.stage_indices
         self.is_first = 0 in self.stage_indices
         cls = {
@@ -341,7 +371,21 @@ class Pipeline:
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """One iteration: zero every stage's main_grad, run the schedule over the batch (split
         into n_microbatches along dim 0), finish the gradient collectives and scale main_grad by
-        1/n_microbatches (scale_grads). Returns what the torch schedule returns."""
+        1/n_microbatches (scale_grads), then sum the gradients of parameters shared between
+        stages over their copies (C15, pipeline_shared.py). Returns what the torch schedule
+        returns.
+
+        Before anything changes or is sent, every rank checks its part of the batch (the first
+        stage the input, the last the target) against the shapes the pipeline was built with,
+        and all ranks learn the outcome: a wrong batch raises ValueError on every rank, naming
+        what was expected and what came (pipeline_batch.py)."""
+        self._batch_check(
+            args if self.is_first else None,
+            target if self.is_last else None,
+            self.is_first,
+            self.is_last,
+            self.stage_indices,
+        )
         for ddp, sync in zip(self.modules, self._syncs):
             ddp.zero_grad_buffer()
             sync.begin_step()
@@ -360,4 +404,5 @@ class Pipeline:
             ddp.finish_grad_sync()
             if self.scale_grads and self.n_microbatches != 1:
                 ddp.scale_gradients(1.0 / self.n_microbatches)
+        shared_params.reduce_grads(self.shared, self._zero1)
         return out

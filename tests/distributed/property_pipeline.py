@@ -6,8 +6,10 @@ A case is 2-5 blocks, each a graph of property_worker's generator (fp8dp Linear 
 LayerNormLinear with random bias / fused / delayed routes, torch.nn.Linear, plain parameters
 through F.linear and matmul, weights tied or used twice inside the block, frozen parameters),
 without what a pipeline block cannot have: the embedding op (a block maps one tensor to one
-tensor, so there are no token ids), ties across blocks (blocks live on different ranks) and ops
-that run only in some micro-batches (a stage does not know its micro-batch). Every case runs with
+tensor, so there are no token ids) and ops that run only in some micro-batches (a stage does not
+know its micro-batch). With FP8 off, half the cases also tie weights across blocks (contract
+C15: the same Parameter object in two blocks, on two stages or one; fp8dp.pipeline keeps a copy
+per stage and sums their gradients), which the float64 reference holds as one tensor. Every case runs with
 the gradient ledger on, so a gradient that reaches main_grad twice or never (route (a) at the B
 step, (b) / (c) at the W step through dw_builder) is an error naming the parameter; and every
 local parameter's main_grad after each step is compared with a float64 reference of the whole
@@ -24,6 +26,13 @@ by backward_dw()" for one used twice); fixed in fp8dp/pipeline.py (_StageSync co
 tried since, then reverted: that runner capped at one call per module per micro-batch, 10 of 12
 cases fail (the ledger's / finish_grad_sync's "never computed"); Pipeline.step without its
 1/n_microbatches scaling, 6 of 6 fail with main_grad n_mb times the reference.
+Ties across blocks (issue 28 §5), seeds 0 and 1: they found that a delayed module's
+skip_backward_post_hook mark on a shared object reached a stage without that module (case
+2735922621: "parameter 'blocks.4.g.tl.1.weight' has skip_backward_post_hook=True but its module
+Linear has no register_wgrad_accumulation_and_reduce_hooks()"; fixed by
+pipeline_shared.clear_foreign_skip_flags). Mutation: Pipeline.step without the shared-gradient
+sum (reduce_grads), seed 0 with 40 pipeline cases: 5 fail, main_grad of the tied weight holding
+one stage's part ("observed 0.0, expected -0.024" on a stage whose block never used it).
 """
 
 from __future__ import annotations
@@ -87,6 +96,18 @@ def gen_pipeline_config(
                 pass
     schedule, virtual = rng.choice(choices)
     blocks = [_block_config(pw, rng, ws // PP, D, fp8) for _ in range(n_blocks)]
+    ddp = dict(
+        grad_ledger=True,  # exactly once, per parameter and micro-batch (C2, C10)
+        overlap_grad_reduce=rng.random() < 0.6,
+        average_in_collective=rng.random() < 0.5,
+        bucket_size=rng.choice([D * D // 2, D * D, 5 * D * D]),
+    )
+    # Drawn after everything else, so a seed's other choices are those it made before ties.
+    cross_ties = []
+    if not fp8 and rng.random() < 0.5:  # the FP8 reference's twins do not carry ties
+        for _ in range(rng.randint(1, 2)):
+            a, b = sorted(rng.sample(range(n_blocks), 2))
+            cross_ties.append([a, rng.choice(_slots(blocks[a])), b, rng.choice(_slots(blocks[b]))])
     return dict(
         case_seed=case_seed,
         ws=ws,
@@ -98,13 +119,30 @@ def gen_pipeline_config(
         n_mb=n_mb,
         steps=2,
         blocks=blocks,
-        ddp=dict(
-            grad_ledger=True,  # exactly once, per parameter and micro-batch (C2, C10)
-            overlap_grad_reduce=rng.random() < 0.6,
-            average_in_collective=rng.random() < 0.5,
-            bucket_size=rng.choice([D * D // 2, D * D, 5 * D * D]),
-        ),
+        ddp=ddp,
+        cross_ties=cross_ties,
     )
+
+
+def _slots(cb) -> list:
+    """A block's [D, D] weight slots (GenModel._weight): fp8 and torch Linear weights, plain."""
+    return (
+        [["fp8", i] for i in range(len(cb["fp8_mods"]))]
+        + [["tl", i] for i in range(len(cb["tl_mods"]))]
+        + [["plain", i] for i in range(cb["n_plain"])]
+    )
+
+
+def tie_across_blocks(c, blocks) -> None:
+    """Block b's weight slot takes block a's Parameter object. Skipped (the same decision on every
+    rank) unless both are trainable and b's object fills that slot alone: replacing one slot of
+    a tie inside block b would leave its old object in the other slot, still marked by the
+    module that no longer holds it (a model DDP rightly refuses, pipelined or not)."""
+    for a, sa, b, sb in c.get("cross_ties", []):
+        pa, pb = blocks[a].g._weight(tuple(sa)), blocks[b].g._weight(tuple(sb))
+        alone = sum(blocks[b].g._weight(tuple(x)) is pb for x in _slots(c["blocks"][b])) == 1
+        if pa.requires_grad and pb.requires_grad and pa is not pb and alone:
+            blocks[b].g._set_weight(tuple(sb), pa)
 
 
 class PipeBlock(nn.Module):
@@ -147,7 +185,8 @@ def reference(pw, c, blocks, x, y, dp):
     each micro-batch's mse, through every block in order."""
     n_mb = c["n_mb"]
     named = [(b, n, p) for b in blocks for n, p in b.g.named_parameters()]
-    train = [p for _, _, p in named if p.requires_grad]
+    # A weight tied across blocks appears in both: one entry (its gradient is summed once).
+    train = list({id(p): p for _, _, p in named if p.requires_grad}.values())
     total = {id(p): torch.zeros(p.shape, dtype=torch.float64) for p in train}
     mag = {id(p): torch.zeros(p.shape, dtype=torch.float64) for p in train}
     if not c["fp8"]:
@@ -213,6 +252,7 @@ def run_case(pw, c, found, timeout_s: float) -> int:
     groups = _groups(ws, timeout_s)
     torch.manual_seed(c["case_seed"] % 2**31)
     blocks = [PipeBlock(pw, cb) for cb in c["blocks"]]
+    tie_across_blocks(c, blocks)
     any_delay = any(m["delay"] for cb in c["blocks"] for m in cb["fp8_mods"])
     cfg = fp8dp.DistributedDataParallelConfig(delay_wgrad_compute=any_delay, **c["ddp"])
     ex = torch.empty(T, c["D"])
@@ -249,12 +289,18 @@ def run_case(pw, c, found, timeout_s: float) -> int:
         bad = None
         for ddp in pp.modules:
             for n, p in ddp.module.named_parameters():
+                # A stage that runs on a deep copy (a tie within one rank): the reference is
+                # the block's own parameter, by name.
+                _, i, path = n.split(".", 2)
+                orig = blocks[int(i)].get_parameter(path)
                 if not p.requires_grad:
                     if hasattr(p, "main_grad"):
                         bad = bad or dict(step=step, what="frozen parameter has main_grad", param=n)
                     continue
-                tol = pw.grad_tolerance(tol_case, mag[id(p)])
-                bad = bad or pw.first_mismatch(step, "main_grad", n, p.main_grad, ref[id(p)], tol)
+                tol = pw.grad_tolerance(tol_case, mag[id(orig)])
+                bad = bad or pw.first_mismatch(
+                    step, "main_grad", n, p.main_grad, ref[id(orig)], tol
+                )
                 if p.grad is not None:
                     bad = bad or dict(step=step, what="p.grad is not None after the sync", param=n)
                 checks += 1

@@ -102,6 +102,11 @@ class ModelConfig:
     """Biases on every projection. Default true: exercises the bias-gradient path (contract C4)."""
     params_dtype: str = "float32"
     """"float32" or "bfloat16". Default float32: the CPU emulation is fastest in FP32."""
+    tie_embeddings: bool = False
+    """The head's weight IS the token embedding (GPT-2's tie; Megatron's
+    share_embeddings_and_output_weights). Default false, as before. Under pipeline parallelism
+    the embedding (first stage) and the head (last stage) each hold a copy, summed and kept
+    identical by fp8dp.pipeline (contract C15)."""
 
     def __post_init__(self):
         for k in ("n_layer", "d_model", "n_head", "ffn_mult", "seq_len"):
@@ -114,6 +119,7 @@ class ModelConfig:
             )
         _choice("model.normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _bool("model.bias", self.bias)
+        _bool("model.tie_embeddings", self.tie_embeddings)
         _choice("model.params_dtype", self.params_dtype, _DTYPES)
 
 

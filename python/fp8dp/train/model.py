@@ -88,6 +88,10 @@ class GPT(torch.nn.Module):
             init_method=partial(_normal, 0.02),
             **proj,
         )
+        if cfg.tie_embeddings:
+            # The head is still built above, so the random stream (and every other initial
+            # weight) is that of the untied model; its own weight is dropped for the embedding.
+            self.head.weight = self.tok.weight
 
     def forward(self, tokens: torch.Tensor, is_first_microbatch=None) -> torch.Tensor:
         """tokens [seq, batch] (int64) -> logits [seq, batch, 256]."""

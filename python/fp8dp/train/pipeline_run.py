@@ -6,7 +6,11 @@ data-parallel path never runs any of this.
 Blocks (each maps one tensor to one tensor, as fp8dp.pipeline.Pipeline expects): the embedding
 (token ids -> hidden), each transformer block, the final norm + head (hidden -> logits). They are
 the very modules of the GPT that every rank builds from the same seed, so the initial weights are
-those of the data-parallel run; each rank wraps only its stages' blocks.
+those of the data-parallel run; each rank wraps only its stages' blocks. With
+model.tie_embeddings the head's weight is the embedding's Parameter object in every process, so
+the Pipeline finds the tie itself (the first and the last stage each train a copy, summed and
+kept identical: fp8dp/pipeline_shared.py); under zbv both stages are on pipeline rank 0 and the
+head's stage runs on a deep copy (its module in the checkpoint is that copy).
 
 Token ids enter batch-first, [micro-batches x micro_batch_size, seq]: torch's schedules split the
 batch along dim 0, and the GPT is sequence-first inside. The first block transposes; the loss
@@ -145,6 +149,9 @@ class PipelineRun:
             microbatch_input=torch.zeros(mb, m.seq_len, dtype=torch.long),
             activation=torch.empty(m.seq_len, mb, m.d_model, dtype=dtype),
             microbatch_output=torch.empty(m.seq_len, mb, VOCAB_SIZE, dtype=dtype),
+            # The targets are batch-first token ids like the input: step() checks both (on every
+            # rank, before anything is sent).
+            microbatch_target=torch.zeros(mb, m.seq_len, dtype=torch.long),
             virtual_stages=par.virtual_stages,
             ddp_config=ddp_cfg,
             device=device,
