@@ -134,7 +134,11 @@ def pipeline_fields(blocks, groups, **settings) -> list:
     every rank, not only itself while the others wait in a collective."""
     out = [("world size", dist.get_world_size())]
     out += [("pipeline_parallel_size", groups.pp_size), ("data parallel size", groups.dp_size)]
+    from .ddp_config import DistributedDataParallelConfig
+
     for k, v in settings.items():
+        if k == "ddp_config" and v is None:  # None means the defaults: equal to passing them
+            v = DistributedDataParallelConfig()
         out.append((k, _tensor(v) if isinstance(v, torch.Tensor) else repr(v)))
     place = (
         groups.pp_size * groups.dp_size,

@@ -165,7 +165,7 @@ std::string describe_disagreement(const std::vector<std::vector<AgreementField>>
     for (size_t r = 0; r < at.size(); ++r)
       values[r] = at[r] ? at[r]->first + " = " + at[r]->second : absent(r);
     return what + ": ranks check different fields (different fp8dp versions?): field " +
-           std::to_string(i) + " is " + by_value(values) +
+           std::to_string(i) + " (counting from 1) is " + by_value(values) +
            "; run the same fp8dp on every rank (contract C12)";
   }
   return "";
@@ -182,11 +182,11 @@ void check_ranks_agree(Communicator& comm, const std::vector<AgreementField>& fi
   const std::string bytes = serialize(all);
   const auto [h1, h2] = hashes(bytes);
   const auto longs = at::TensorOptions().dtype(at::kLong);
-  at::Tensor mine = at::tensor(std::vector<int64_t>{kProtocol, static_cast<int64_t>(bytes.size()),
-                                                    static_cast<int64_t>(h1),
-                                                    static_cast<int64_t>(h2)},
-                               longs)
-                        .to(device);
+  at::Tensor mine =
+      at::tensor(std::vector<int64_t>{kProtocol, static_cast<int64_t>(bytes.size()),
+                                      static_cast<int64_t>(h1), static_cast<int64_t>(h2)},
+                 longs)
+          .to(device);
   at::Tensor gathered = at::empty({kDigest * n}, longs.device(device));
   comm.all_gather({mine}, {gathered})->wait();
   const at::Tensor digests = gathered.cpu();

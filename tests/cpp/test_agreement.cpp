@@ -13,8 +13,6 @@
 // - the length of the second gather taken from this rank's own bytes instead of the longest of
 //   the gathered fingerprints: DifferentFieldCounts... failed with "all_gather sizes differ
 //   between ranks" (the fake world's version of gloo's abort).
-#include "comm/agreement.h"
-
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -26,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/agreement.h"
 #include "common/check.h"
 
 namespace fp8dp {
@@ -48,11 +47,11 @@ class World {
     slots_[rank] = in.cpu().clone();
     barrier();
     for (int r = 0; r < n_; ++r)
-      FP8DP_CHECK(slots_[r].numel() * n_ == out.numel() &&
-                      slots_[r].scalar_type() == out.scalar_type(),
-                  "all_gather sizes differ between ranks: rank ", r, " sent ", slots_[r].numel(),
-                  " x ", slots_[r].scalar_type(), ", rank ", rank, " expects ",
-                  out.numel() / n_, " x ", out.scalar_type());
+      FP8DP_CHECK(
+          slots_[r].numel() * n_ == out.numel() && slots_[r].scalar_type() == out.scalar_type(),
+          "all_gather sizes differ between ranks: rank ", r, " sent ", slots_[r].numel(), " x ",
+          slots_[r].scalar_type(), ", rank ", rank, " expects ", out.numel() / n_, " x ",
+          out.scalar_type());
     out.copy_(at::cat(slots_));
     barrier();  // nobody deposits the next collective's tensor before everyone has read
   }
@@ -67,8 +66,8 @@ class World {
       cv_.notify_all();
       return;
     }
-    const bool done = cv_.wait_for(lock, std::chrono::seconds(20),
-                                   [&] { return generation_ != gen; });
+    const bool done =
+        cv_.wait_for(lock, std::chrono::seconds(20), [&] { return generation_ != gen; });
     FP8DP_CHECK(done, "a rank waited 20 s in a collective that another rank never joined");
   }
 
@@ -256,8 +255,8 @@ TEST(CheckRanksAgree, RanksBuildingDifferentObjectsAreTold) {
 TEST(CheckRanksAgree, ValuesAreComparedByteForByte) {
   // Equal lengths, a NUL inside: only the bytes after it differ.
   const std::string a("x\0a", 3), b("x\0b", 3);
-  const auto out = run(2, [&](int r) { return std::vector<AgreementField>{{"v", r ? b : a}}; },
-                       ddp);
+  const auto out =
+      run(2, [&](int r) { return std::vector<AgreementField>{{"v", r ? b : a}}; }, ddp);
   for (const auto& o : out) EXPECT_TRUE(o.value_error) << o.message;
 }
 
@@ -277,8 +276,9 @@ TEST(DescribeDisagreement, ManyRanksAreGroupedAndLongValuesCut) {
   EXPECT_NE(msg.find("and 2 more different values"), std::string::npos) << msg;
   per_rank.assign(6, {{"object being built", "X"}, {"p", "1"}});
   per_rank[4][1].second = "2";
-  EXPECT_NE(describe_disagreement(per_rank, "X").find("ranks disagree on p: ranks 0-3,5 1, rank 4 2"),
-            std::string::npos);
+  EXPECT_NE(
+      describe_disagreement(per_rank, "X").find("ranks disagree on p: ranks 0-3,5 1, rank 4 2"),
+      std::string::npos);
 }
 
 }  // namespace
