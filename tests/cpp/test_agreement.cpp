@@ -4,26 +4,16 @@
 // each ran. A collective whose sizes differ between ranks fails on every rank (as it would abort
 // or hang in gloo), and a rank left alone in a collective fails after a timeout, never hangs.
 //
-// Mutations tried (each made a test below fail, then was restored):
+// Mutations tried (each made the tests named fail, then was restored):
 // - `if (same) return;` removed (the second gather always runs): AgreeingRanksPassWithOne-
-//   Collective failed, every rank raised "the ranks' fingerprints differ although their fields
-//   are equal" and ran 2 all-gathers.
-// - the second gather replaced by this rank's own bytes for every rank: DifferingValue... failed,
-//   no rank raised (every rank compared its own fields with themselves).
+//   Collective failed: every rank raised "the ranks' fingerprints differ although their fields
+//   are equal" after 2 all-gathers.
+// - the second gather's result replaced by this rank's own bytes for every rank: the 4 tests of
+//   differing ranks failed: every rank raised, but only "fingerprints differ although their
+//   fields are equal", naming no field and no value.
 // - the length of the second gather taken from this rank's own bytes instead of the longest of
-//   the gathered fingerprints: DifferentFieldCounts... failed with "all_gather sizes differ
-//   between ranks" (the fake world's version of gloo's abort).
-#include <ATen/ATen.h>
-#include <gtest/gtest.h>
-
-#include <chrono>
-#include <condition_variable>
-#include <functional>
-#include <mutex>
-#include <string>
-#include <thread>
-#include <vector>
-
+//   the gathered fingerprints: the same 4 tests failed: no ValueError, but the fake world's
+//   "all_gather sizes differ between ranks" (gloo would abort or hang there).
 #include "comm/agreement.h"
 #include "common/check.h"
 

@@ -11,18 +11,18 @@ wrong mean per rank, grad_reduce_wire hung until the process-group timeout, five
 aborted the process inside gloo, and a per-rank n_microbatches silently consumed another rank's
 pipeline steps.
 
-Mutations tried (each case family failed, then the call was restored):
-- the check_ranks_agree call removed from DistributedDataParallel.__init__: every
-  agreement_ddp_config / agreement_ddp_model case failed on every rank with "AssertionError:
-  expected ValueError naming ..., construction passed" (the cases stop there, so the hang or
-  abort that the difference causes later is never reached; the harness's 60 s group timeout and
-  600 s launch timeout bound it anyway).
-- the call removed from DistributedOptimizer.__init__: every agreement_optimizer case failed
-  the same way.
-- the call removed from Pipeline.__init__: agreement_pipeline[field=schedule] and
-  [field=virtual_stages] still raised, but from one rank's local check_layout only, while the
-  other ranks went on ("expected ValueError ... construction passed" on those ranks), the other
-  agreement_pipeline cases passed construction on every rank and failed the same way.
+Mutations tried (each case family failed, then the call was restored), at world size 2:
+- the check_ranks_agree call removed from DistributedDataParallel.__init__: all 20
+  agreement_ddp_config / agreement_ddp_model cases failed. 16 with "expected ValueError naming
+  ..., construction passed" on both ranks (the difference surfaces only later: a wrong mean, a
+  hang, an abort in gloo); shape and count with GradSync's layout error instead of the named
+  field; dtype (a float64 parameter on one rank) with a local error on that rank while the other
+  waited in GradSync's layout all-gather until the group's 60 s timeout ("Timed out waiting
+  60000ms"). The harness bounds such hangs: a 60 s group timeout in worker.py, 600 s per launch.
+- the call removed from DistributedOptimizer.__init__: all 4 agreement_optimizer cases failed,
+  "construction passed" on both ranks.
+- the call removed from Pipeline.__init__: all 7 agreement_pipeline cases failed, "construction
+  passed" on both ranks (each rank's own check_layout accepts its own settings).
 The number of collectives the check costs (one all-gather when the ranks agree, two on a
 difference) is counted in tests/cpp/test_agreement.cpp.
 """
