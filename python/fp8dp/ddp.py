@@ -8,7 +8,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, agreement
 from .ddp_config import DistributedDataParallelConfig
 from .modules import _FP8LinearBase
 from .scaling import set_fp8_identities
@@ -136,6 +136,14 @@ class DistributedDataParallel(torch.nn.Module):
         dp = process_group.size()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # C12: the ranks must build this DDP alike. Compared here, before anything that could
+        # fail on one rank only (the checks below read config fields) and before any collective
+        # (the communicator's kind is one of the fields); a difference raises on every rank.
+        agreement.check_ranks_agree(
+            process_group,
+            "DistributedDataParallel",
+            lambda: agreement.ddp_fields(module, config, process_group, named),
+        )
         for name, p in named:
             # (a deep copy of a wrapped model carries the attribute but not the parameter identity)
             other = getattr(p, "_fp8dp_ddp", lambda: None)()

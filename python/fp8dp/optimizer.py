@@ -5,6 +5,7 @@ parameters."""
 
 import torch
 
+from . import agreement
 from .ddp import DistributedDataParallel
 from .scaling import update_fp8_scales
 
@@ -20,6 +21,13 @@ class DistributedOptimizer:
                 "ddp_model: expected a model built with "
                 "DistributedDataParallelConfig(use_distributed_optimizer=True), got False"
             )
+        # C12: the ranks must step their shards alike (class, hyperparameters, shard layout);
+        # compared before the checks below, which read what may differ between ranks.
+        agreement.check_ranks_agree(
+            ddp_model.process_group,
+            "DistributedOptimizer",
+            lambda: agreement.optimizer_fields(optimizer_cls, kwargs, ddp_model),
+        )
         if not (
             isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
         ):

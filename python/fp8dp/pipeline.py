@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import agreement
 from . import pipeline_shared as shared_params
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig
@@ -299,6 +300,26 @@ class Pipeline:
         from torch.distributed import pipelining as pl
 
         blocks = list(blocks)
+        # C12: every rank of the world (all pipeline and data-parallel ranks) must build the
+        # pipeline alike; compared once, over the world that make_groups split, before the local
+        # checks below, which read what may differ between ranks.
+        agreement.check_ranks_agree(
+            dist.group.WORLD,
+            "Pipeline",
+            lambda: agreement.pipeline_fields(
+                blocks,
+                groups,
+                schedule=schedule,
+                n_microbatches=n_microbatches,
+                virtual_stages=virtual_stages,
+                scale_grads=scale_grads,
+                microbatch_input=microbatch_input,
+                activation=activation,
+                microbatch_output=microbatch_output,
+                device=torch.device(device).type,
+                ddp_config=ddp_config,
+            ),
+        )
         check_layout(schedule, groups.pp_size, virtual_stages, len(blocks), n_microbatches)
         check_backend(schedule, dist.get_backend(groups.pp_group))
         n_stages = groups.pp_size * virtual_stages

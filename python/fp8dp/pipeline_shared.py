@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import agreement
+
 
 @dataclass
 class SharedParameter:
@@ -156,17 +158,15 @@ def find_shared(blocks: Sequence, ranges: Sequence, declared=None) -> list:
 
 def check_ranks_agree(shared: list, group=None) -> None:
     """ValueError on every rank when the ranks found different shared parameters (a model tied
-    on some ranks only): the groups made next would not match and the step would hang."""
-    mine = [t.describe() for t in shared]
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for r, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            raise ValueError(
-                "shared parameters: the ranks differ (build the same model, with the same ties "
-                f"and shared_parameters, on every rank): rank 0 has {everyone[0]}, rank {r} has "
-                f"{theirs}"
-            )
+    on some ranks only): the groups made next would not match and the step would hang. C12's one
+    check (agreement.py), with one field per shared parameter (a missing one is named too)."""
+    agreement.check_ranks_agree(
+        dist.group.WORLD if group is None else group,
+        "Pipeline shared parameters (build the same model, with the same ties and "
+        "shared_parameters, on every rank)",
+        lambda: [(f"shared parameter {i}", t.describe()) for i, t in enumerate(shared)]
+        or [("shared parameters", "none")],
+    )
 
 
 def untie_local_stages(blocks: Sequence, ranges: Sequence, local_stages: Sequence) -> dict:

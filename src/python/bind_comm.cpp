@@ -1,9 +1,11 @@
 // Binds src/comm: the Communicator interface and its collectives, the process-group
-// implementation and the factory that picks NCCL or the process group.
+// implementation, the factory that picks NCCL or the process group, and the ranks' agreement
+// check.
 #include <torch/csrc/utils/pybind.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "comm/agreement.h"
 #include "comm/make_communicator.h"
 #include "comm/process_group_communicator.h"
 
@@ -51,6 +53,10 @@ void bind_comm(py::module_& m) {
         py::arg("cuda"), py::arg("high_priority_stream") = true,
         py::call_guard<py::gil_scoped_release>());
   m.def("native_nccl_available", &native_nccl_available);
+  // Without the GIL: gloo's workers take it.
+  m.def("check_ranks_agree", &check_ranks_agree, py::arg("communicator"), py::arg("fields"),
+        py::arg("what"), py::arg("device") = c10::Device(c10::kCPU),
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace fp8dp::python

@@ -657,9 +657,10 @@ def bad_input(rank, ws, kind):
         )
     elif kind == "different_models":
         model = mlp() if rank == 0 else nn.Sequential(nn.Linear(12, 25)).to(DEV)
+        # Found by the construction-time agreement check (C12) before GradSync's layout check.
         expect_error(
             ValueError,
-            "every rank must wrap the same model",
+            "DistributedDataParallel: ranks disagree on trainable parameters: rank 0 6, rank",
             lambda: fp8dp.DistributedDataParallel(model),
         )
     elif kind == "world_size":

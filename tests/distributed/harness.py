@@ -133,6 +133,7 @@ def case(runs=("gloo", "nccl"), skip=None, when=None, **grid):
 
 def load_cases() -> dict:
     """Every registered case (importing the case modules registers them)."""
+    import cases_agreement  # noqa: F401
     import cases_ddp  # noqa: F401
     import cases_nccl  # noqa: F401
     import cases_phases  # noqa: F401
