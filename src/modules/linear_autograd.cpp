@@ -236,14 +236,21 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // A tensor hook on the weight (weight.register_hook) must see, and may replace, the gradient
     // that accumulates. The fused and the delayed routes never hand it to autograd, so the hook
     // would be skipped or fed a stand-in: refuse, before the grad_output cast records its amax
-    // and before anything reaches main_grad or the queue.
-    FP8DP_CHECK(!(need_w && (fused || delayed) && core.weight_has_tensor_hooks(c->weight)),
-                cfg.name, ": parameter 'weight' has a tensor hook (weight.register_hook), but with ",
+    // and before anything reaches main_grad or the queue. The same for the bias when its gradient
+    // is deferred with the weight's (delayed, FP8 off: C4).
+    FP8DP_CHECK(!(need_w && (fused || delayed) && core.has_tensor_hooks(c->weight)), cfg.name,
+                ": parameter 'weight' has a tensor hook (weight.register_hook), but with ",
                 fused ? "fuse_wgrad_accumulation=True" : "delay_wgrad_compute=True",
                 " its gradient never passes through autograd, so the hook would not see it; "
                 "remove the hook, use register_wgrad_accumulation_and_reduce_hooks (runs after "
                 "backward_dw) or read main_grad, or build the layer without ",
                 fused ? "fuse_wgrad_accumulation" : "delay_wgrad_compute");
+    FP8DP_CHECK(!(need_w && need_b && delayed && !c->ac.enabled && core.has_tensor_hooks(c->bias)),
+                cfg.name,
+                ": parameter 'bias' has a tensor hook (bias.register_hook), but with "
+                "delay_wgrad_compute=True and FP8 off its gradient is computed by backward_dw() "
+                "and never passes through autograd, so the hook would not see it; remove the hook "
+                "or build the layer without delay_wgrad_compute");
     // Unpacking runs the saved-tensor hooks: a non-reentrant checkpoint recomputes its region
     // here, with the grad mode it chooses.
     const variable_list saved = ctx->get_saved_variables();

@@ -118,9 +118,9 @@ at::Tensor LinearCore::dummy_wgrad(const at::Tensor& weight) {
 
 void LinearCore::mark_grad_added_to_main_grad() { attrs_.mark_grad_added_to_main_grad(); }
 
-bool LinearCore::weight_has_tensor_hooks(const at::Tensor& weight) {
+bool LinearCore::has_tensor_hooks(const at::Tensor& param) {
   // Autograd's own list first: almost always empty, and then no call into Python.
-  return has_tensor_pre_hooks(weight) && attrs_.tensor_hooks(weight);
+  return has_tensor_pre_hooks(param) && attrs_.tensor_hooks(param);
 }
 
 bool LinearCore::need_backward_dw() {

@@ -36,7 +36,7 @@ struct WeightAttrs {
   std::function<at::Tensor()> main_grad;  // undefined tensor when the attribute is missing
   std::function<bool()> zero_out_wgrad;   // weight.zero_out_wgrad, default False
   std::function<void()> mark_grad_added_to_main_grad;  // weight.grad_added_to_main_grad = True
-  // Whether a weight that has autograd pre-hooks has a live tensor hook (weight.register_hook):
+  // Whether a parameter that has autograd pre-hooks has a live tensor hook (p.register_hook):
   // Python keeps one pre-hook per tensor and empties its dict when the hooks are removed.
   // Default: every pre-hook counts.
   std::function<bool(const at::Tensor&)> tensor_hooks;
@@ -92,7 +92,8 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   at::Tensor main_grad_for(const at::Tensor& weight);
   at::Tensor dummy_wgrad(const at::Tensor& weight);
   void mark_grad_added_to_main_grad();
-  bool weight_has_tensor_hooks(const at::Tensor& weight);
+  // A live tensor hook (param.register_hook) on the weight or the bias (WeightAttrs::tensor_hooks).
+  bool has_tensor_hooks(const at::Tensor& param);
   void enqueue(WgradTask task) { store_.push(std::move(task)); }
 
  private:

@@ -13,9 +13,18 @@ Decision (linear_autograd.cpp, LinearFunction::backward):
   passes through autograd, so the hook could neither see nor replace it; computing it unfused for
   the hook's sake would silently drop the fusion and change the route DDP and the ledger count.
 
-Mutation evidence (2026-12-03, each reverted afterwards):
-1. `gradient_captured` made to return false: <filled in below>
-2. the tensor-hook check removed: <filled in below>
+Mutation evidence (2026-12-03, each tried through a temporary switch, then removed and rebuilt):
+1. `gradient_captured` made false (the former behaviour): 12 of the autograd.grad tests fail — the
+   fused layers return their stand-in (`AssertionError: weight`, the cached dummy / zeros), the
+   delayed and DDP-bound ones return nothing (`RuntimeError: The differentiated Tensor at index 1
+   appears to not have been used in the graph`), and with a hook the fused layer is refused.
+   tests/cpp/test_modules.cpp LinearAutograd.CapturedWeightGradientIsReturnedNotFused fails too
+   (the gradient and main_grad expectations).
+2. The tensor-hook check removed: test_weight_hook_with_backward_is_refused fails in all 6 cases,
+   `Failed: DID NOT RAISE RuntimeError`.
+3. Only autograd's pre-hook list asked (the bindings' `_backward_hooks` check dropped): the same 6
+   fail after `handle.remove()`, refused although no hook is left (Python keeps an empty hook dict
+   and its pre-hook behind).
 """
 
 import contextlib
@@ -192,3 +201,26 @@ def test_weight_hook_on_an_immediate_layer_works(fp8_states_released):
     forward_loss(m, x, dy, True).backward()
     assert len(seen) == 1 and seen[0].any()
     assert not m.weight.grad.any()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+def test_bias_hook_on_a_delayed_layer(fp8, fp8_states_released):
+    """FP8 off, the delayed layer's bias gradient is deferred with the weight's (C4): a hook on the
+    bias is refused like one on the weight. FP8 on, it is computed eagerly and goes through
+    autograd, so the hook sees it as for nn.Linear."""
+    x, dy = inputs()
+    m = make("Linear", delay_wgrad_compute=True)
+    seen = []
+    m.bias.register_hook(lambda g: seen.append(g.clone()))
+    loss = forward_loss(m, x, dy, fp8)
+    if fp8:
+        loss.backward()
+        assert len(seen) == 1 and torch.equal(seen[0], m.bias.grad)
+        # the eager FP8 bias gradient: column sums of dy (FP32 sums of 32 values, then exact)
+        torch.testing.assert_close(seen[0], dy.sum(0), rtol=2.0**-18, atol=2.0**-18)
+        m.backward_dw()
+        return
+    with pytest.raises(RuntimeError, match=r"parameter 'bias' has a tensor hook"):
+        loss.backward()
+    assert m._core.queued_wgrads == 0 and m.bias.grad is None and m.weight.grad is None
+    assert not seen

@@ -23,11 +23,23 @@ What is checked, and how (CPU: the recompute is deterministic, so gradients are 
   several micro-batches, immediate / fused / delayed, FP8 on and off: no false alarm, main_grad
   bitwise that of the same run without checkpointing.
 
-Mutation evidence (2026-12-03, each reverted afterwards):
-1. `saved[kInHp] = g.a` kept in the capsule instead of saved (one tensor): <filled in below>
-2. recompute with the live autocast state (`const AutocastState ac = autocast_current();`):
-   <filled in below>
-3. announce in every forward (the `if (!in_backward_pass())` guard removed): <filled in below>
+Mutation evidence (2026-12-03, each tried through a temporary switch, then removed and rebuilt):
+1. One tensor back in the capsule (the high-precision GEMM input, `saved[kInHp] = g.a` replaced by
+   a LinearCtx member read in backward): test_checkpoint_frees_activations[hp-nonreentrant] fails,
+   `AssertionError: (359232, 113472, 32768)` — the checkpointed fp8dp stack holds 245760 bytes more
+   than plain torch (3 blocks x the norm output and the gelu output); and
+   test_pack_hook_sees_every_saved_tensor[Linear-hp], [LayerNorm-hp] fail (the GEMM input is
+   missing from the packed list). 3 failed.
+2. The recompute with the live autocast state (LinearCore::forward ignoring the recorded one):
+   non-reentrant fails inside torch, `CheckpointError: A different number of tensors was saved
+   during the original forward and recomputation. Number of tensors saved during forward: 14 ...
+   recomputation: 10`; reentrant silently recomputes without FP8: `AssertionError: micro-batch 0:
+   input gradients differ`. test_checkpoint_gives_the_same_gradients[delayed|current-*-*] fail
+   (4 of the 4 FP8 cases run with -k immediate).
+3. The announcement made in every forward (the `if (!in_backward_pass())` guard removed):
+   test_checkpoint_ledger_exact_under_ddp[*-fused|delayed-nonreentrant-True] fail at
+   finish_grad_sync: `gradient ledger: ... 'blocks.0.fc1.weight': micro-batch 1: 2 of 3 (missing
+   1) ...` (the recompute announced a second fused / delayed delivery). 4 failed.
 """
 
 import contextlib
