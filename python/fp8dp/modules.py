@@ -4,6 +4,16 @@ Forward, backward, the FP8 casts, the weight cache, the delayed weight-gradient 
 backward_dw live in C++ (``_C.LinearCore``, src/modules/). These classes own the nn.Parameters,
 validate the constructor's arguments and pass the parameter attributes that C++ reads and writes
 (``main_grad``, ``zero_out_wgrad``, ``grad_added_to_main_grad``).
+
+Torch's autograd features (C14): the activations backward needs are saved through autograd's
+saved-tensor mechanism, so ``torch.utils.checkpoint`` (non-reentrant and reentrant) frees and
+recomputes them as for ``nn.Linear`` and ``torch.autograd.graph.save_on_cpu`` offloads them. The
+recompute repeats the forward's ``fp8_autocast`` state (that of the layer's latest forward outside
+backward), so backward may run outside the context. ``torch.autograd.grad(loss, weight)`` returns
+the weight gradient as ``nn.Linear`` does, also with ``fuse_wgrad_accumulation`` or
+``delay_wgrad_compute`` (then nothing goes to ``main_grad`` or the backward_dw queue); a tensor hook
+on such a weight (``weight.register_hook``) with a backward that accumulates is refused, since that
+gradient never passes through autograd.
 """
 
 from __future__ import annotations

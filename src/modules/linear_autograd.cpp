@@ -1,10 +1,18 @@
 // The autograd function of Linear / LayerNormLinear: forward (norm + FP8 casts + fprop GEMM) and
 // backward (grad_output cast with the eager bias gradient, dgrad GEMM, norm backward, and the
 // weight gradient computed now or queued for backward_dw). Only this file sees autograd headers.
+//
+// C14: every activation backward needs goes through ctx->save_for_backward, so saved-tensor hooks
+// see it: activation checkpointing drops it after forward and recomputes it in backward, and
+// save_on_cpu offloads it. The context's capsule keeps only what is no activation: settings, the
+// parameters themselves (whose .grad backward_dw writes, so they must stay the very objects) and
+// main_grad (the fused GEMM's destination: packing it would accumulate into a copy).
 #include "modules/linear_autograd.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <array>
 
@@ -18,24 +26,38 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// What backward needs, kept in one object (held in the autograd context as a capsule).
+// The slots of ctx->save_for_backward, always all of them (undefined where absent), so that a
+// recompute saves the same list as the forward it repeats.
+enum Saved : size_t {
+  // wgrad operand b: FP8 xᵀ [in, tokens] + scale_inv, or the high-precision GEMM input [tokens, in]
+  kInT,
+  kInScaleInv,
+  kInHp,
+  // dgrad operand b: FP8 Wᵀ [in, out] + scale_inv, or the high-precision weight [out, in]
+  kWT,
+  kWScaleInv,
+  kWHp,
+  // LayerNormLinear: the norm's input and statistics, and its weight
+  kX2d,
+  kMu,
+  kRsigma,
+  kLnWeight,
+  kNumSaved
+};
+
+// What backward needs besides the saved activations (held in the autograd context as a capsule).
 struct LinearCtx : torch::CustomClassHolder {
   std::shared_ptr<LinearCore> core;
   AutocastState ac;
-  std::optional<bool> first;
   std::vector<int64_t> x_shape;
   at::ScalarType act_dtype = at::kFloat;
-  // wgrad operand b: FP8 xᵀ [in, tokens] + scale_inv, or the high-precision GEMM input [tokens, in]
-  at::Tensor in_t, in_scale_inv, in_hp;
-  // dgrad operand b: FP8 Wᵀ [in, out] + scale_inv, or the high-precision weight [out, in]
-  at::Tensor w_t, w_scale_inv, w_hp;
-  at::Tensor weight, bias, main_grad;
+  at::Tensor weight, bias, main_grad;  // parameters (identity, not activations) and main_grad
   // DistributedDataParallel's gradient sink when the module is bound to one (linear_core.h).
   std::shared_ptr<GradSink> sink;
   int64_t sink_weight = -1, sink_bias = -1;
   int64_t microbatch = -1;  // the sink's micro-batch at forward (the ledger's attribution)
-  // LayerNormLinear: the norm's input and statistics
-  at::Tensor x2d, mu, rsigma, ln_weight;
+  // Whether the forward told the ledger what this use will deliver (see announce()).
+  bool announced = false;
   bool has_ln_bias = false;
   bool released = false;
   // Autograd numbers only the inputs that are defined: edge[i] of input i (x, weight, bias,
@@ -46,16 +68,37 @@ struct LinearCtx : torch::CustomClassHolder {
     return edge[input] >= 0 && ctx->needs_input_grad(static_cast<size_t>(edge[input]));
   }
 
+  // The ledger learns what this use will deliver to the sink itself (the rest, through autograd,
+  // DDP's forward announces from the graph): the weight gradient when fused or delayed, the bias
+  // gradient when the deferred GEMM makes it (delayed, not FP8).
+  void announce(const LinearConfig& cfg) {
+    if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute) sink->announce(sink_weight);
+    if (cfg.delay_wgrad_compute && !ac.enabled && bias.defined() && bias.requires_grad() &&
+        sink_bias >= 0)
+      sink->announce(sink_bias);
+    announced = true;
+  }
+
   void release() {
-    for (at::Tensor* t : {&in_t, &in_scale_inv, &in_hp, &w_t, &w_scale_inv, &w_hp, &weight, &bias,
-                          &main_grad, &x2d, &mu, &rsigma, &ln_weight}) {
-      *t = at::Tensor();
-    }
+    for (at::Tensor* t : {&weight, &bias, &main_grad}) *t = at::Tensor();
     core.reset();
     sink.reset();
     released = true;
   }
 };
+
+// True when autograd hands the weight's gradient back to the caller instead of accumulating it
+// (torch.autograd.grad(..., inputs=weight)): its AccumulateGrad node is in the graph task as a
+// capture only, not to be executed. A plain backward() has no exec_info at all; backward(inputs=)
+// marks the node as needed.
+bool gradient_captured(const at::Tensor& param) {
+  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  if (exec == nullptr || exec->empty()) return false;
+  const auto acc = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!acc) return false;  // not a leaf: nothing accumulates it here
+  const auto it = exec->find(acc.get());
+  return it != exec->end() && !it->second.needed_;
+}
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor weight,
@@ -76,11 +119,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     }
     c->core = core;
     c->ac = ac;
-    c->first = first;
     c->x_shape = x.sizes().vec();
     c->act_dtype = x.scalar_type();
     const bool fp8 = ac.enabled;
     const at::Tensor x2d = x.reshape({-1, cfg.in_features});
+    variable_list saved(kNumSaved);
 
     at::Tensor gemm_in, ln_out;
     Quantized qin;
@@ -108,10 +151,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
         }
       }
       ln_out = nf.out;
-      c->x2d = x2d;
-      c->mu = nf.mu;
-      c->rsigma = nf.rsigma;
-      c->ln_weight = ln_weight.detach();
+      saved[kX2d] = x2d;
+      saved[kMu] = nf.mu;
+      saved[kRsigma] = nf.rsigma;
+      saved[kLnWeight] = ln_weight.detach();
       c->has_ln_bias = ln_bias.defined();
     } else if (fp8) {
       qin = core->cast(x2d, Role::kInput, ac, in_opts);
@@ -129,15 +172,17 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       g.a_scale_inv = qin.scale_inv;
       g.b = qw.data;
       g.b_scale_inv = qw.scale_inv;
-      c->in_t = qin.data_t;
-      c->in_scale_inv = qin.scale_inv;
-      c->w_t = qw.data_t;
-      c->w_scale_inv = qw.scale_inv;
+      saved[kInT] = qin.data_t;
+      saved[kInScaleInv] = qin.scale_inv;
+      // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
+      // reference (no copy), and a checkpoint's recompute gets the same cache back.
+      saved[kWT] = qw.data_t;
+      saved[kWScaleInv] = qw.scale_inv;
     } else {
       g.a = gemm_in.contiguous();
       g.b = weight.detach().contiguous();
-      if (need_wgrad) c->in_hp = g.a;
-      c->w_hp = g.b;
+      if (need_wgrad) saved[kInHp] = g.a;
+      saved[kWHp] = g.b;
     }
     std::vector<int64_t> y_shape = c->x_shape;
     y_shape.back() = cfg.out_features;
@@ -149,16 +194,15 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       c->sink_weight = core->sink_weight();
       c->sink_bias = core->sink_bias();
       c->microbatch = c->sink->microbatch();
-      // The ledger learns here what this use will deliver to the sink itself (the rest, through
-      // autograd, DDP's forward announces from the graph): the weight gradient when fused or
-      // delayed, the bias gradient when the deferred GEMM makes it (delayed, not FP8).
-      if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute) c->sink->announce(c->sink_weight);
-      if (cfg.delay_wgrad_compute && !fp8 && bias.defined() && bias.requires_grad() &&
-          c->sink_bias >= 0)
-        c->sink->announce(c->sink_bias);
+      // A forward inside a backward is a recompute (activation checkpointing). Non-reentrant:
+      // its backward never runs (only its saved tensors are used, by the node of the forward
+      // that announced already). Reentrant: the original forward ran without grad and announced
+      // nothing, and this node's backward announces when it delivers. Either way: once per use.
+      if (!in_backward_pass()) c->announce(cfg);
     }
     if (need_wgrad && cfg.fuse_wgrad_accumulation)
       c->main_grad = c->sink ? c->sink->main_grad(c->sink_weight) : core->main_grad_for(weight);
+    ctx->save_for_backward(std::move(saved));
     ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
     if (cfg.return_layernorm_output) return {y, ln_out.view(x.sizes())};
     return {y};
@@ -182,13 +226,41 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                need_b = c->needs_grad(ctx, 2);
     const bool need_ln = c->needs_grad(ctx, 3) || c->needs_grad(ctx, 4);
     const bool need_dgrad = need_x || need_ln;
+    // C14: torch.autograd.grad(loss, weight) wants the gradient back, as nn.Linear gives it, and
+    // nothing accumulated: fusion into main_grad and deferral to backward_dw() apply only to a
+    // gradient that autograd accumulates. So a captured one is computed now and returned, and
+    // main_grad, the wgrad queue and the sink are left alone.
+    const bool captured = need_w && gradient_captured(c->weight);
+    const bool fused = cfg.fuse_wgrad_accumulation && !captured;
+    const bool delayed = cfg.delay_wgrad_compute && !captured;
+    // A tensor hook on the weight (weight.register_hook) must see, and may replace, the gradient
+    // that accumulates. The fused and the delayed routes never hand it to autograd, so the hook
+    // would be skipped or fed a stand-in: refuse, before the grad_output cast records its amax
+    // and before anything reaches main_grad or the queue. The same for the bias when its gradient
+    // is deferred with the weight's (delayed, FP8 off: C4).
+    FP8DP_CHECK(!(need_w && (fused || delayed) && core.has_tensor_hooks(c->weight)), cfg.name,
+                ": parameter 'weight' has a tensor hook (weight.register_hook), but with ",
+                fused ? "fuse_wgrad_accumulation=True" : "delay_wgrad_compute=True",
+                " its gradient never passes through autograd, so the hook would not see it; "
+                "remove the hook, use register_wgrad_accumulation_and_reduce_hooks (runs after "
+                "backward_dw) or read main_grad, or build the layer without ",
+                fused ? "fuse_wgrad_accumulation" : "delay_wgrad_compute");
+    FP8DP_CHECK(!(need_w && need_b && delayed && !c->ac.enabled && core.has_tensor_hooks(c->bias)),
+                cfg.name,
+                ": parameter 'bias' has a tensor hook (bias.register_hook), but with "
+                "delay_wgrad_compute=True and FP8 off its gradient is computed by backward_dw() "
+                "and never passes through autograd, so the hook would not see it; remove the hook "
+                "or build the layer without delay_wgrad_compute");
+    // Unpacking runs the saved-tensor hooks: a non-reentrant checkpoint recomputes its region
+    // here, with the grad mode it chooses.
+    const variable_list saved = ctx->get_saved_variables();
     const at::Tensor dy = grads[0].reshape({-1, cfg.out_features}).contiguous();
 
     WgradTask task;
     task.weight = c->weight;
     task.bias = c->bias;
-    task.main_grad = c->main_grad;
-    const bool bound = c->sink != nullptr;
+    if (fused) task.main_grad = c->main_grad;
+    const bool bound = c->sink != nullptr && !captured;
     at::Tensor dgrad, dbias;
     GemmArgs g;
     g.out_dtype = c->act_dtype;
@@ -204,26 +276,26 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       if (need_dgrad) {
         g.a = q.data;
         g.a_scale_inv = q.scale_inv;
-        g.b = c->w_t;
-        g.b_scale_inv = c->w_scale_inv;
+        g.b = saved[kWT];
+        g.b_scale_inv = saved[kWScaleInv];
         dgrad = gemm(g);
       }
       if (need_b) dbias = q.dbias;
       task.a = q.data_t;
       task.a_scale_inv = q.scale_inv;
-      task.b = c->in_t;
-      task.b_scale_inv = c->in_scale_inv;
+      task.b = saved[kInT];
+      task.b_scale_inv = saved[kInScaleInv];
     } else {
       // Without FP8 the GEMMs take transpose views (column-major operands, gemm.h): a strided
       // transpose copy of dy, x or W would cost more than the GEMM's own memory traffic.
       if (need_dgrad) {
         g.a = dy;
-        g.b = c->w_hp.t();
+        g.b = saved[kWHp].t();
         dgrad = gemm(g);
       }
       if (need_w) {
         task.a = dy.t();
-        task.b = c->in_hp.t();
+        task.b = saved[kInHp].t();
         // Without FP8 the bias gradient travels with the weight gradient (deferred with it).
         if (need_b) task.dy = dy;
       } else if (need_b) {
@@ -236,7 +308,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       // Bound to DistributedDataParallel: what this module computes itself goes to the sink, and
       // autograd gets only real gradients (none for the weight when fused or delayed), so the DDP
       // hook adds exactly the other uses' gradients (C8).
-      if (cfg.delay_wgrad_compute) {
+      if ((fused || delayed) && !c->announced) c->announce(cfg);  // a reentrant recompute's node
+      if (delayed) {
         task.sink = c->sink;
         task.sink_weight = c->sink_weight;
         task.sink_bias = c->sink_bias;
@@ -246,7 +319,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
         core.enqueue(std::move(task));  // C3: backward_dw() runs it and delivers
       } else {
         const WgradResult r = run_wgrad(task);
-        if (cfg.fuse_wgrad_accumulation) {
+        if (fused) {
           c->sink->deliver(c->sink_weight, at::Tensor(), Route::kFused,
                            GradSink::Token{c->microbatch, -1, {}});
         } else {
@@ -257,30 +330,31 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     } else if (need_w) {
       // C2 (b): the flag is set here, before the GEMM (and before a deferred one), so any consumer
       // that sees the dummy gradient knows that it must not add it.
-      if (cfg.fuse_wgrad_accumulation) core.mark_grad_added_to_main_grad();
-      if (cfg.delay_wgrad_compute) {
+      if (fused) core.mark_grad_added_to_main_grad();
+      if (delayed) {
         core.enqueue(std::move(task));  // C3: backward_dw() runs it
       } else {
         const WgradResult r = run_wgrad(task);
         dweight = r.dweight;
         if (r.dbias.defined()) dbias = r.dbias;
       }
-      if (cfg.fuse_wgrad_accumulation) dweight = core.dummy_wgrad(c->weight);
+      if (fused) dweight = core.dummy_wgrad(c->weight);
     }
 
     at::Tensor dx, dln_w, dln_b;
     if (cfg.layernorm && need_dgrad) {
       at::Tensor dz = dgrad;
       if (cfg.return_layernorm_output) dz = dz + grads[1].reshape({-1, cfg.in_features});
-      const NormGrads ng =
-          norm_backward(dz, c->x2d, c->mu, c->rsigma, c->ln_weight, c->has_ln_bias, cfg.norm);
+      const NormGrads ng = norm_backward(dz, saved[kX2d], saved[kMu], saved[kRsigma],
+                                         saved[kLnWeight], c->has_ln_bias, cfg.norm);
       dx = ng.dx.view(c->x_shape);
       dln_w = ng.dgamma;
       dln_b = ng.dbeta;
     } else if (need_x) {
       dx = dgrad.view(c->x_shape);
     }
-    // Free what forward kept; the queued task holds its own references.
+    // Drop the parameter references and the core; autograd frees the saved tensors (the queued
+    // task holds its own references to its operands).
     c->release();
     return {dx,           dweight,      dbias,        dln_w,       dln_b,
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -288,6 +362,12 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 };
 
 }  // namespace
+
+bool in_backward_pass() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+bool has_tensor_pre_hooks(const at::Tensor& t) {
+  return t.defined() && t.requires_grad() && !torch::autograd::impl::hooks(t).empty();
+}
 
 std::vector<at::Tensor> apply_linear_function(const at::Tensor& x, const at::Tensor& weight,
                                               const at::Tensor& bias, const at::Tensor& ln_weight,

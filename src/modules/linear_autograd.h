@@ -25,4 +25,12 @@ std::vector<at::Tensor> apply_linear_function(const at::Tensor& x, const at::Ten
                                               std::optional<bool> is_first_microbatch,
                                               const AutocastState& ac, bool need_wgrad);
 
+// True while this thread runs a backward pass (a forward then is a recompute by activation
+// checkpointing, C14).
+bool in_backward_pass();
+
+// True when t has tensor pre-hooks (t.register_hook) in autograd; one whose hooks were all removed
+// may still count (the bindings ask Python to tell, WeightAttrs::tensor_hooks).
+bool has_tensor_pre_hooks(const at::Tensor& t);
+
 }  // namespace fp8dp

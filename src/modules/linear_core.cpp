@@ -50,6 +50,7 @@ void LinearCore::set_weight_attrs(WeightAttrs attrs) {
   if (!attrs.main_grad) attrs.main_grad = [] { return at::Tensor(); };
   if (!attrs.zero_out_wgrad) attrs.zero_out_wgrad = [] { return false; };
   if (!attrs.mark_grad_added_to_main_grad) attrs.mark_grad_added_to_main_grad = [] {};
+  if (!attrs.tensor_hooks) attrs.tensor_hooks = [](const at::Tensor&) { return true; };
   attrs_ = std::move(attrs);
 }
 
@@ -116,6 +117,11 @@ at::Tensor LinearCore::dummy_wgrad(const at::Tensor& weight) {
 }
 
 void LinearCore::mark_grad_added_to_main_grad() { attrs_.mark_grad_added_to_main_grad(); }
+
+bool LinearCore::has_tensor_hooks(const at::Tensor& param) {
+  // Autograd's own list first: almost always empty, and then no call into Python.
+  return has_tensor_pre_hooks(param) && attrs_.tensor_hooks(param);
+}
 
 bool LinearCore::need_backward_dw() {
   drop_stale_wgrads();
@@ -200,7 +206,15 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
   FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
                   " but the parameters are on ", weight.device());
 
-  const AutocastState ac = autocast_current();
+  // C14: activation checkpointing runs this forward again inside backward, where the
+  // fp8_autocast that was open at the original forward usually is not (backward runs outside it,
+  // and torch's checkpoint restores only torch's own autocast). The recompute must repeat the
+  // forward as it ran, or it saves other tensors (high precision instead of FP8) and backward
+  // computes other gradients: it takes the state of this layer's latest forward outside backward,
+  // which within one iteration is the one it repeats.
+  const bool recompute = in_backward_pass();
+  const AutocastState ac = recompute && forward_autocast_ ? *forward_autocast_ : autocast_current();
+  if (!recompute && !c10::InferenceMode::is_enabled()) forward_autocast_ = ac;
   const bool need_wgrad = at::GradMode::is_enabled() && weight.requires_grad();
   if (need_wgrad) {
     if (const auto sink = grad_sink()) {

@@ -36,6 +36,10 @@ struct WeightAttrs {
   std::function<at::Tensor()> main_grad;  // undefined tensor when the attribute is missing
   std::function<bool()> zero_out_wgrad;   // weight.zero_out_wgrad, default False
   std::function<void()> mark_grad_added_to_main_grad;  // weight.grad_added_to_main_grad = True
+  // Whether a parameter that has autograd pre-hooks has a live tensor hook (p.register_hook):
+  // Python keeps one pre-hook per tensor and empties its dict when the hooks are removed.
+  // Default: every pre-hook counts.
+  std::function<bool(const at::Tensor&)> tensor_hooks;
 };
 
 class LinearCore : public std::enable_shared_from_this<LinearCore> {
@@ -88,6 +92,8 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   at::Tensor main_grad_for(const at::Tensor& weight);
   at::Tensor dummy_wgrad(const at::Tensor& weight);
   void mark_grad_added_to_main_grad();
+  // A live tensor hook (param.register_hook) on the weight or the bias (WeightAttrs::tensor_hooks).
+  bool has_tensor_hooks(const at::Tensor& param);
   void enqueue(WgradTask task) { store_.push(std::move(task)); }
 
  private:
@@ -101,6 +107,9 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   at::Tensor dummy_;  // the cached dummy weight gradient of the fused route (C2 b)
   bool dummy_zeroed_ = false;
   WeightGradStore store_;
+  // The fp8_autocast state of the latest forward outside backward, which a recompute by activation
+  // checkpointing repeats (forward()).
+  std::optional<AutocastState> forward_autocast_;
   std::vector<std::function<void()>> hooks_;
   std::weak_ptr<GradSink> sink_;
   int64_t sink_weight_ = -1, sink_bias_ = -1;

@@ -138,6 +138,12 @@ void bind_modules(py::module_& m) {
             a.main_grad = [mg] { return mg.call_as<at::Tensor>(at::Tensor()); };
             a.zero_out_wgrad = [zo] { return zo.call_as<bool>(false); };
             a.mark_grad_added_to_main_grad = [mark] { mark.call(); };
+            // Tensor.register_hook keeps the hooks in the tensor's _backward_hooks dict.
+            a.tensor_hooks = [](const at::Tensor& w) {
+              py::gil_scoped_acquire gil;
+              const py::object hooks = py::getattr(py::cast(w), "_backward_hooks", py::none());
+              return !hooks.is_none() && py::len(hooks) > 0;
+            };
             core.set_weight_attrs(std::move(a));
           },
           py::arg("main_grad"), py::arg("zero_out_wgrad"), py::arg("mark_grad_added_to_main_grad"))

@@ -1,7 +1,9 @@
 // C++ pieces of src/modules: the fused norm + FP8 cast kernel, the WeightGradStore FIFO, the
-// delayed-scaling first-cast rule and registry update, and the CPU GEMM.
+// delayed-scaling first-cast rule and registry update, the CPU GEMM, and the autograd function's
+// routing of a captured weight gradient (C14).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
 #include <limits>
@@ -12,6 +14,8 @@
 #include "fp8/cast.h"
 #include "fp8/scaling_state.h"
 #include "gemm/gemm.h"
+#include "modules/linear_autograd.h"
+#include "modules/linear_core.h"
 #include "modules/wgrad_store.h"
 #include "norm/norm.h"
 
@@ -149,6 +153,56 @@ TEST(GemmCpu, Fp8NeedsMultiplesOf16) {
         << e.what();
   }
 }
+
+// ---- LinearCore under autograd (C14) ---------------------------------------------------------
+// A fused and delayed Linear whose main_grad (7s) is the callable's tensor, as the bindings set it.
+struct FusedLinear {
+  std::shared_ptr<LinearCore> core;
+  at::Tensor weight = at::randn({16, 32}).set_requires_grad(true);
+  at::Tensor main_grad = at::full({16, 32}, 7.0f);
+  explicit FusedLinear(bool delay) {
+    LinearConfig c;
+    c.name = "Linear(in_features=32, out_features=16)";
+    c.in_features = 32;
+    c.out_features = 16;
+    c.fuse_wgrad_accumulation = true;
+    c.delay_wgrad_compute = delay;
+    core = std::make_shared<LinearCore>(c);
+    WeightAttrs a;
+    a.main_grad = [mg = main_grad] { return mg; };
+    core->set_weight_attrs(a);
+  }
+};
+
+// torch::autograd::grad(loss, weight) gets dW = dyᵀ x back, as for a plain linear layer, and
+// nothing is fused or queued. With the capture check removed (`captured` always false), the
+// returned gradient is the fused route's undefined one (or a stand-in) and main_grad has changed.
+TEST(LinearAutograd, CapturedWeightGradientIsReturnedNotFused) {
+  for (bool delay : {false, true}) {
+    FusedLinear m(delay);
+    const at::Tensor x = at::randn({32, 32}).set_requires_grad(true);
+    const at::Tensor dy = at::randn({32, 16});
+    const at::Tensor y = m.core->forward(x, m.weight, {}, {}, {}, std::nullopt)[0];
+    const auto g = torch::autograd::grad({(y * dy).sum()}, {m.weight});
+    ASSERT_TRUE(g[0].defined());
+    // FP32 GEMM over 32 tokens of O(1) values against float64: 32 2^-24 relative to the magnitude
+    // sum (< 32 * 9), so 1e-4 absolute is loose.
+    const at::Tensor ref = at::mm(dy.to(at::kDouble).t(), x.detach().to(at::kDouble));
+    EXPECT_TRUE(at::allclose(g[0].to(at::kDouble), ref, 0, 1e-4)) << "delay=" << delay;
+    EXPECT_TRUE(at::equal(m.main_grad, at::full({16, 32}, 7.0f))) << "delay=" << delay;
+    EXPECT_EQ(m.core->queued_wgrads(), 0);
+    EXPECT_FALSE(m.weight.grad().defined());
+    // A plain backward of the same layer takes the fused (and delayed) route again.
+    m.core->forward(x, m.weight, {}, {}, {}, std::nullopt)[0].mul(dy).sum().backward();
+    if (delay) {
+      EXPECT_EQ(m.core->queued_wgrads(), 1);
+      m.core->backward_dw();
+    }
+    EXPECT_TRUE(at::allclose(m.main_grad.to(at::kDouble), 7 + ref, 0, 1e-4)) << "delay=" << delay;
+  }
+}
+
+TEST(LinearAutograd, ForwardOutsideBackwardIsNoRecompute) { EXPECT_FALSE(in_backward_pass()); }
 
 }  // namespace
 }  // namespace fp8dp
