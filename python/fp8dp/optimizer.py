@@ -106,6 +106,7 @@ class DistributedOptimizer:
         moved = {i for i, a, b in zip(self._watched, now, self._versions) if a != b}
         self._copy_params_to_masters(moved)
 
+    @torch.no_grad()
     def _copy_params_to_masters(self, moved) -> None:
         """The masters of the shards of the parameters in `moved` (all when None) from the
         parameters. For `moved`, only the elements whose parameter value differs from the master
