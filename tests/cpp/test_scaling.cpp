@@ -267,8 +267,11 @@ TEST(UpdateScalingCases, OneNonFiniteStepDoesNotPinTheScale) {
   // Issue 28 section 6: a NaN or Inf amax in the first step (a row 0 of NaN / Inf, the history
   // empty) kept the scale at its first value for L = 4 steps, since NaN / Inf won the max as long
   // as it stayed in the window. The next finite step's amax must set the scale at once.
-  // Mutation (2026-12-03): finite_max in scaling.h back to "NaN or larger wins" (the old nan_max):
-  // scale stays 5 at steps 1..3 for the NaN column (want 224, 112, 112); the Inf column likewise.
+  // Mutation (2026-12-03): update_scaling_cpu's max back to "NaN or larger wins" (the old nan_max)
+  // and its roll copying entries as they are: the scale stays 5 at steps 1..3 (want 224, 112,
+  // 112), for NaN and Inf alike. Either half alone still keeps the scale right here (the other
+  // half keeps the NaN out of the max); MatchesReferenceOverSteps, EachSlotAsAlone and
+  // NonFiniteAmaxIsNoObservation catch each half alone.
   for (float bad : {kNaN, kInf}) {
     SCOPED_TRACE(bad);
     State s = make_state({{bad}, {0.0f}, {0.0f}, {0.0f}}, 5.0f);

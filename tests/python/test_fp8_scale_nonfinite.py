@@ -20,16 +20,21 @@ NaN check (check_for_nan_in_grad) still reports the non-finite gradient.
 
 Mutations tried (2026-12-03, CPU, then restored):
 1. prepare_scale: `initialized_[r] = true` again (a zero / NaN / Inf first cast sets the scale):
-   test_scale_follows_finite_observations fails for every first-step poison (e.g. [max-grad-nan-
-   step0] "step 1 grad_output: scale 1.0, reference 20971.52"), test_error_matches_clean_run
-   fails for all six ("error exceeds the clean run's FP8 bound"), and the DDP test alike.
-2. finite_max in scaling.h back to "NaN or larger wins" (the old nan_max; Inf then wins as a
-   larger value): test_scale_follows_finite_observations fails for [max-*-nan/inf-step3] (the
-   scale stays at the step-3 value for amax_history_len steps) and for [max-*-nan/inf-step0]
-   (the first finite scale is kept instead of following the window); test_scaling.cpp's
-   OneNonFiniteStepDoesNotPinTheScale and NonFiniteAmaxIsNoObservation fail too.
-3. The CPU roll copying entries as they are (no finite_or_zero): test_scaling.cpp's
-   NonFiniteAmaxIsNoObservation fails on the rolled history ({0, 0, 1} expected in row 1).
+   22 of the 34 CPU tests fail: test_scale_follows_finite_observations for all 12 first-step
+   poisons (e.g. [max-grad-nan-step0] "step 1 grad_output: scale 1.0, reference 31250.49"),
+   test_error_matches_clean_run for all 6 ([grad-zero] "step 1 input grad (poisoned run,
+   grad-zero): error exceeds the clean run's FP8 bound by 3.65e-06 (scales [458752.0,
+   2534.67, 1.0])"), and the 4 DDP tests.
+2. The history rule of the old code in update_scaling_cpu (the max lets NaN or a larger value
+   win, and the roll copies entries as they are): test_scale_follows_finite_observations fails
+   for the 8 [max-*-nan/inf-step0/step3] cases (the scale stays where it was while the NaN / Inf
+   is in the window) and the 3 non-finite DDP tests; test_scaling.cpp's
+   OneNonFiniteStepDoesNotPinTheScale, NonFiniteAmaxIsNoObservation and EachSlotAsAlone too.
+   Each half alone is caught by test_scaling.cpp only (the other half still keeps a new NaN out
+   of the scale): the old max alone fails MatchesReferenceOverSteps (max, L > 1: NaN / Inf in
+   older rows), EachSlotAsAlone and NonFiniteAmaxIsNoObservation; the plain roll alone fails
+   MatchesReferenceOverSteps, EachSlotAsAlone and NonFiniteAmaxIsNoObservation (the rolled
+   history still holds the NaN).
 """
 
 import math
