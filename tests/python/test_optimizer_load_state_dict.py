@@ -16,6 +16,19 @@ Evidence that the tests catch a missing check (2026-12-01, then restored):
                      (torch's own check, after the masters were already overwritten)
 2. The whole of optimizer.py as it was before (git show 1a0ce06:python/fp8dp/optimizer.py): the
    same 20 fail; world_size and rank only on the wording, they were checked before.
+
+Issue 28 section 3 (CASES_28): another optimizer's state (SGD's into AdamW) was accepted, replaced
+the settings and failed at the next step() with KeyError: 'betas'; BF16 masters and BF16 state
+were accepted (torch casts state to the master's dtype on load, silently). Mutations (2026-12-03,
+each restored):
+3. the 'optimizer_class' check off: [other-optimizer] (the settings check answers instead, with
+   another message) and [class] (DID NOT RAISE) fail;
+4. the group-settings check off (`if missing:`): [other-optimizer-no-class-key] and
+   [group-no-betas] fail (the probe's "step() fails with the saved settings" answers instead);
+5. the probe off (`probes[gi] = None`): [exp_avg-bf16], [state-no-step], [state-extra-key],
+   [step-vector] (DID NOT RAISE) and [group-bad-betas] fail;
+6. masters checked with is_floating_point() again: [master-bf16] DID NOT RAISE;
+7. the per-element check without `v.dim() != 1`: [exp_avg-2d] DID NOT RAISE.
 """
 
 import copy
