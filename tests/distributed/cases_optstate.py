@@ -16,19 +16,20 @@ terms reduced in another order than the reference, relative 2^-24 each), which A
 normalised update passes on undamped (update = lr m / (sqrt(v) + eps), so a relative error e of
 the gradient moves it by <= lr e); the parameters' own FP32 rounding adds 2^-24 relative.
 
-Mutations tried (2026-12-03, 2 and 3 ranks, each caught, then restored):
-1. DistributedOptimizer.step() without `self._refresh_moved_masters()`: every case but `reload`
-   fails, e.g. [how=load,steps_before=0,lr=0.0] "rank 0: parameter 0 is not the new weight after
-   step() at lr=0 (max |diff| 0.56)", [how=broadcast,...,lr=0.01] "Tensor-likes are not close"
-   (the step went from the old weights).
-2. reload_model_params() as `pass`: [how=reload,...] fail alike (a write through .data is
-   invisible to version counters, by torch's design).
+Mutations tried (2026-12-03, 2 ranks, each caught, then restored):
+1. DistributedOptimizer.step() without `self._refresh_moved_masters()`: the 20
+   masters_follow_params cases of load, broadcast and copy_ fail (the 4 of reload pass: it
+   refreshes by itself), e.g. [how=load,steps_before=0,lr=0.0,...] "rank 0: parameter 0 is not
+   the new weight after step() at lr=0 (max |diff| 0.519)", [how=load,...,lr=0.01,...]
+   "Tensor-likes are not close!" (the step went from the old weights).
+2. reload_model_params() as `pass`: the [how=reload,...] cases fail alike (a write through .data
+   is invisible to version counters, by torch's design).
 3. `self._versions = self._param_versions()` moved above copy_shards in step() (the optimizer's
-   own bump then looks like an outside write): masters_survive_own_writes fails, "the
-   optimizer's own writes were taken for outside ones".
+   own bump then looks like an outside write): masters_survive_own_writes fails for both dtypes,
+   "the optimizer's own writes were taken for outside ones: [{0, 1, 2, 3, 4, 5}, ...]".
 4. _copy_params_to_masters copying whole shards (no torch.where): masters_survive_own_writes
-   [bfloat16] "writing the same weights again changed a master", and
-   bf16_changed_elements_take_the_new_value "an unchanged element lost its master".
+   [bfloat16] "writing the same weights again changed a master", and both
+   bf16_changed_elements_take_the_new_value cases "an unchanged element lost its master".
 """
 
 import copy
