@@ -477,7 +477,10 @@ at::Tensor registry_amaxes() {
   std::vector<at::Tensor> parts;
   for (ScalingState* st : collect(reg)) parts.push_back(st->current_amax());
   if (parts.empty()) return at::empty({0}, at::kFloat);
-  return at::cat(parts);
+  // A NaN or Inf amax is no observation (C7, scaling.h): it becomes 0 before the cross-rank MAX,
+  // where it would otherwise hide the other ranks' finite amaxes of the step (a NaN wins or loses
+  // depending on the order the collective reduces in).
+  return at::cat(parts).nan_to_num_(0.0, 0.0, 0.0);
 }
 
 void registry_update_local() {

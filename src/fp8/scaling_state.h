@@ -138,8 +138,9 @@ at::Tensor current_scale(const at::Tensor& amax, Format format, float margin);
 // cast recorded an amax (or a checkpoint brought a step's amaxes) since the last update.
 // registry_descriptions(): the describe() strings in that order (for the error on a mismatch).
 // registry_amaxes() concatenates row 0 of every state, in that order, into one flat float32
-// tensor; registry_update(reduced) writes the (cross-rank MAX-reduced) values back and runs
-// update_scaling on every state: new scales from the history, history rolled once.
+// tensor, NaN and Inf as 0 (no observation); registry_update(reduced) writes the (cross-rank
+// MAX-reduced) values back and runs update_scaling on every state: new scales from the history,
+// history rolled once.
 struct RegistrySignature {
   int64_t hash = 0;  // in [0, 2^62): h and -h both fit an int64 for the cross-rank MAX check
   bool observed = false;
