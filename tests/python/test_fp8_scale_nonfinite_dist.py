@@ -8,9 +8,9 @@ rank's grad_output scale after step 0 must be 57344 / (rank 0's finite amax), bi
 same FP32 division), and the ranks' scales equal after every step.
 
 Mutation tried (2026-12-03, then restored): registry_amaxes without `.nan_to_num_(0, 0, 0)`:
-[nan] fails, "rank 0: grad_output scale after step 0 is 1.0, want 18724.3" (gloo's MAX let the
-NaN win, so neither rank kept rank 0's observation; the first-scale rule then cast step 1 with
-its own amax). [inf] fails alike (Inf wins the MAX outright).
+both cases fail, "rank 1: grad_output scale after step 0 is 1.0, want 15393.948" (the MAX let
+the NaN / Inf win, the update counted it as no observation, and rank 1, whose own first cast saw
+only the poison, kept scale 1 while rank 0 kept its own first scale: the ranks disagree).
 """
 
 import os
