@@ -135,8 +135,8 @@ def load_cases() -> dict:
     """Every registered case (importing the case modules registers them)."""
     import cases_ddp  # noqa: F401
     import cases_nccl  # noqa: F401
-    import cases_wire  # noqa: F401
     import cases_optstate  # noqa: F401
+    import cases_wire  # noqa: F401
 
     return CASES
 
