@@ -2,7 +2,10 @@
 // Torch-free: src/fp8/scaling_update.h checks tensors and passes pointers down.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
+
+#include "fp8/format.h"  // FP8DP_HD
 
 namespace fp8dp {
 
@@ -12,9 +15,12 @@ enum class AmaxAlgo : int { kMax = 0, kMostRecent = 1 };
 //   amax_history [L, n]  row 0 collects the current step's amax (max over every cast of the step)
 //   scale, scale_inv [n]
 //   fp8_max [n]          the format maximum of each tensor (HYBRID mixes 448 and 57344)
-// update: amax = max over the L rows (kMax) or row 0 (kMostRecent); when amax is finite and > 0,
-// scale = fp8_max / amax / 2^margin (an infinite result clamps to FLT_MAX), else the scale is kept;
-// scale_inv = 1 / scale. Then the history rolls once: row i takes row i-1 and row 0 becomes 0.
+// update: amax = max over the finite entries of the L rows (kMax) or of row 0 (kMostRecent), 0 when
+// there are none; when amax > 0, scale = fp8_max / amax / 2^margin (an infinite result clamps to
+// FLT_MAX), else the scale is kept; scale_inv = 1 / scale. Then the history rolls once: row i
+// takes row i-1 (a NaN or Inf entry becomes 0) and row 0 becomes 0.
+// A non-finite amax (an Inf or NaN in a cast tensor) is no observation (C7): it neither wins the
+// max nor stays in the history, so one bad step cannot pin the scale for L steps.
 struct ScalingUpdateParams {
   float* amax_history = nullptr;
   float* scale = nullptr;
@@ -27,6 +33,15 @@ struct ScalingUpdateParams {
 };
 
 void update_scaling_cpu(const ScalingUpdateParams& p);
+
+// The two element rules of the update, shared by the CPU and CUDA kernels so they agree bit for
+// bit: a history entry takes part in the max only when finite, and the roll stores it as 0 when
+// not. (Written with comparisons only, no library call: the same expression on host and device.)
+FP8DP_HD bool finite_amax(float a) {
+  return a <= FLT_MAX && a >= -FLT_MAX;  // false for NaN (every comparison is) and for +-Inf
+}
+FP8DP_HD float finite_max(float m, float a) { return (finite_amax(a) && a > m) ? a : m; }
+FP8DP_HD float finite_or_zero(float a) { return finite_amax(a) ? a : 0.0f; }
 
 // One state of a batched update: update_scaling's buffers for one [history_len, n] history, and
 // row0, the n values that row 0 takes before the update (a step's cross-rank reduced amaxes; null

@@ -25,22 +25,22 @@ void update_scaling_cpu(const ScalingUpdateParams& p) {
   FP8DP_CHECK(p.history_len >= 1, "update_scaling: history_len must be >= 1, got ", p.history_len);
   FP8DP_CHECK(p.n >= 0, "update_scaling: n must be >= 0, got ", p.n);
   const int64_t n = p.n, L = p.history_len;
+  float* h = p.amax_history;
   for (int64_t t = 0; t < n; ++t) {
-    float amax = p.amax_history[t];
+    // The max over the finite entries only: a NaN or Inf amax (one overflowed cast) is no
+    // observation, and letting it win would keep the scale for the L steps it stays in the window.
+    float amax = finite_max(0.0f, h[t]);
     if (p.algo == AmaxAlgo::kMax) {
-      for (int64_t i = 1; i < L; ++i) {
-        const float a = p.amax_history[i * n + t];
-        amax = (std::isnan(a) || a > amax) ? a : amax;
-        if (std::isnan(amax)) break;
-      }
+      for (int64_t i = 1; i < L; ++i) amax = finite_max(amax, h[i * n + t]);
     }
     p.scale[t] = compute_scale(amax, p.fp8_max[t], p.margin, p.scale[t]);
     p.scale_inv[t] = 1.0f / p.scale[t];
   }
+  // The roll writes non-finite entries as 0 (no observation), so none enters the history.
   for (int64_t i = L - 1; i >= 1; --i) {
-    for (int64_t t = 0; t < n; ++t) p.amax_history[i * n + t] = p.amax_history[(i - 1) * n + t];
+    for (int64_t t = 0; t < n; ++t) h[i * n + t] = finite_or_zero(h[(i - 1) * n + t]);
   }
-  for (int64_t t = 0; t < n; ++t) p.amax_history[t] = 0.0f;
+  for (int64_t t = 0; t < n; ++t) h[t] = 0.0f;
 }
 
 void update_scaling_batched_cpu(const ScalingSlot* slots, int64_t count) {

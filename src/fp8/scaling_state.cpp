@@ -219,13 +219,17 @@ at::Tensor ScalingState::prepare_scale(Role role, const Recipe& recipe,
   }
   allocate(recipe, device_like.device());
   // C9: an empty cast is not an amax observation, so it cannot choose the first scale either
-  // (it would fix the scale at 1 until the next update).
+  // (it would fix the scale at 1 until the next update). Nor can a cast whose amax is 0 (an
+  // all-zero first gradient) or NaN / Inf (C7): it is cast with scale 1 (compute_scale keeps the
+  // 1 it is given) and the role stays without a scale, so that its next non-empty cast, or an
+  // update from another rank's finite amax (note_reduced), chooses it. Marking the role as set here
+  // cast the next step with scale 1 (and, with a NaN in the history, the next amax_history_len).
   if (!has_scale(r) && device_like.numel() > 0) {
     const float a = first_amax().item<float>();
     const float s = compute_scale(a, fp8_max(role_format(role, recipe)), recipe.margin, 1.0f);
     scale_[r].fill_(s);
     scale_inv_[r].fill_(1.0f / s);
-    initialized_[r] = true;
+    initialized_[r] = a > 0.0f && std::isfinite(a);
   }
   return role_views().scale_r[r];
 }
@@ -247,8 +251,9 @@ at::Tensor ScalingState::amax_slot(Role role, int64_t numel) {
   // C9: an empty cast says nothing about the range; an inference cast changes no training state.
   if (numel == 0 || c10::InferenceMode::is_enabled()) return at::Tensor();
   registry().observed.store(true);
-  // Row 0 is the max over every cast of this role in the step (NaN propagates, and keeps the
-  // previous scale at the update, C7). Row-major [L, roles]: the slot is one contiguous float.
+  // Row 0 is the max over every cast of this role in the step (NaN propagates; the update counts a
+  // non-finite row 0 as no observation, C7). Row-major [L, roles]: the slot is one contiguous
+  // float.
   return role_views().amax_r[static_cast<int>(role)];
 }
 
@@ -472,7 +477,10 @@ at::Tensor registry_amaxes() {
   std::vector<at::Tensor> parts;
   for (ScalingState* st : collect(reg)) parts.push_back(st->current_amax());
   if (parts.empty()) return at::empty({0}, at::kFloat);
-  return at::cat(parts);
+  // A NaN or Inf amax is no observation (C7, scaling.h): it becomes 0 before the cross-rank MAX,
+  // where it would otherwise hide the other ranks' finite amaxes of the step (a NaN wins or loses
+  // depending on the order the collective reduces in).
+  return at::cat(parts).nan_to_num_(0.0, 0.0, 0.0);
 }
 
 void registry_update_local() {

@@ -25,7 +25,9 @@ const char* role_name(Role r);
 //   scale, scale_inv, fp8_max [3]
 // First scale: a role whose scale was never set takes, on its very first non-empty cast, the scale
 // that its own amax gives (current scaling once), so step 0 is not cast with an arbitrary scale
-// of 1. After that the scale only changes in update_fp8_scales(), from the history.
+// of 1. A cast whose amax is 0 or NaN / Inf is no observation (C7): it is cast with scale 1 and
+// the role's next cast chooses again. After that the scale only changes in update_fp8_scales(),
+// from the history (whose max skips non-finite amaxes, scaling.h).
 // Empty casts (0 elements, e.g. a 0-token micro-batch) are not amax observations (C9): they join
 // the registry (the module took part in the step) but record no amax and set no first scale.
 // Inference (torch.inference_mode()) never changes this state: see prepare_scale.
@@ -136,8 +138,9 @@ at::Tensor current_scale(const at::Tensor& amax, Format format, float margin);
 // cast recorded an amax (or a checkpoint brought a step's amaxes) since the last update.
 // registry_descriptions(): the describe() strings in that order (for the error on a mismatch).
 // registry_amaxes() concatenates row 0 of every state, in that order, into one flat float32
-// tensor; registry_update(reduced) writes the (cross-rank MAX-reduced) values back and runs
-// update_scaling on every state: new scales from the history, history rolled once.
+// tensor, NaN and Inf as 0 (no observation); registry_update(reduced) writes the (cross-rank
+// MAX-reduced) values back and runs update_scaling on every state: new scales from the history,
+// history rolled once.
 struct RegistrySignature {
   int64_t hash = 0;  // in [0, 2^62): h and -h both fit an int64 for the cross-rank MAX check
   bool observed = false;

@@ -47,30 +47,29 @@ TEST(ComputeScale, OverflowingScaleClampsToFltMax) {
 
 // ---- update_scaling against a reference model over random histories ----
 
-// The update rule written out plainly (C7), on an [L, n] row-major history.
+// The update rule written out plainly (C7), on an [L, n] row-major history: the max over the finite
+// entries (a NaN or Inf amax is no observation), and a roll that stores non-finite entries as 0.
 void reference_update(std::vector<float>& hist, std::vector<float>& scale,
                       std::vector<float>& scale_inv, const std::vector<float>& fp8_max, int64_t L,
                       int64_t n, AmaxAlgo algo, float margin) {
   for (int64_t t = 0; t < n; ++t) {
-    float amax = hist[t];
-    if (algo == AmaxAlgo::kMax) {
-      for (int64_t i = 1; i < L; ++i) {
-        const float a = hist[i * n + t];
-        if (std::isnan(amax) || std::isnan(a)) {
-          amax = kNaN;
-        } else {
-          amax = std::max(amax, a);
-        }
-      }
+    float amax = 0.0f;
+    const int64_t rows = algo == AmaxAlgo::kMax ? L : 1;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float a = hist[i * n + t];
+      if (std::isfinite(a)) amax = std::max(amax, a);
     }
-    if (amax > 0.0f && std::isfinite(amax)) {
+    if (amax > 0.0f) {
       float s = fp8_max[t] / amax / std::exp2(margin);
       scale[t] = std::isinf(s) ? FLT_MAX : s;
     }
     scale_inv[t] = 1.0f / scale[t];
   }
   for (int64_t i = L - 1; i >= 1; --i) {
-    for (int64_t t = 0; t < n; ++t) hist[i * n + t] = hist[(i - 1) * n + t];
+    for (int64_t t = 0; t < n; ++t) {
+      const float a = hist[(i - 1) * n + t];
+      hist[i * n + t] = std::isfinite(a) ? a : 0.0f;
+    }
   }
   for (int64_t t = 0; t < n; ++t) hist[t] = 0.0f;
 }
@@ -146,11 +145,13 @@ TEST(UpdateScalingBatched, EachSlotAsAlone) {
   std::vector<ScalingSlot> slots;
   for (const Case& c : cases) {
     hist.push_back(at::rand({c.L, c.n}) * 100);
-    hist.back()[c.L - 1][0] = kNaN;  // NaN in the oldest row: reaches the max only with kMax
+    hist.back()[c.L - 1][0] =
+        kNaN;  // NaN in the oldest row: skipped by the max, dropped by the roll
     scale.push_back(at::rand({c.n}) + 0.5);
     scale_inv.push_back(1.0 / scale.back());
     fp8_max.push_back(at::full({c.n}, 448.0f));
     row0.push_back(at::rand({c.n}) * 1000);
+    if (c.n > 1) row0.back()[1] = kInf;  // a reduced row 0 with an Inf: never enters the history
     h.push_back(to_vec(hist.back()));
     s.push_back(to_vec(scale.back()));
     si.push_back(to_vec(scale_inv.back()));
@@ -246,13 +247,45 @@ TEST(UpdateScalingCases, HistoryLengthOne) {
   EXPECT_TRUE(at::equal(s.hist, at::zeros({1, 2})));
 }
 
-TEST(UpdateScalingCases, NonFiniteAmaxKeepsScale) {
+TEST(UpdateScalingCases, NonFiniteAmaxIsNoObservation) {
+  // rows: newest (row 0) first. A NaN or Inf entry neither wins the max nor stays in the history.
   State s = make_state({{kNaN, kInf, 1.0f}, {1.0f, 1.0f, kNaN}}, 3.0f);
   update_scaling(s.hist, s.scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, 0.0f);
-  EXPECT_TRUE(at::equal(s.scale, at::full({3}, 3.0f)));  // NaN or Inf anywhere in the window
+  EXPECT_TRUE(at::equal(s.scale, at::full({3}, 448.0f)));  // 448 / 1, the finite entry of each
+  EXPECT_TRUE(at::equal(s.hist.flatten(), at::tensor({0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f})));
   State r = make_state({{kNaN, kInf, 1.0f}, {1.0f, 1.0f, kNaN}}, 3.0f);
   update_scaling(r.hist, r.scale, r.scale_inv, r.fp8_max, AmaxAlgo::kMostRecent, 0.0f);
   EXPECT_TRUE(at::equal(r.scale, at::tensor({3.0f, 3.0f, 448.0f})));  // only row 0 counts
+  // No finite entry at all: amax 0, the scale is kept.
+  State k = make_state({{kNaN, kInf, -kInf}, {kInf, kNaN, 0.0f}}, 3.0f);
+  update_scaling(k.hist, k.scale, k.scale_inv, k.fp8_max, AmaxAlgo::kMax, 0.0f);
+  EXPECT_TRUE(at::equal(k.scale, at::full({3}, 3.0f)));
+  EXPECT_TRUE(at::equal(k.hist, at::zeros({2, 3})));
+}
+
+TEST(UpdateScalingCases, OneNonFiniteStepDoesNotPinTheScale) {
+  // Issue 28 section 6: a NaN or Inf amax in the first step (a row 0 of NaN / Inf, the history
+  // empty) kept the scale at its first value for L = 4 steps, since NaN / Inf won the max as long
+  // as it stayed in the window. The next finite step's amax must set the scale at once.
+  // Mutation (2026-12-03): update_scaling_cpu's max back to "NaN or larger wins" (the old nan_max)
+  // and its roll copying entries as they are: the scale stays 5 at steps 1..3 (want 224, 112,
+  // 112), for NaN and Inf alike. Either half alone still keeps the scale right here (the other
+  // half keeps the NaN out of the max); MatchesReferenceOverSteps, EachSlotAsAlone and
+  // NonFiniteAmaxIsNoObservation catch each half alone.
+  for (float bad : {kNaN, kInf}) {
+    SCOPED_TRACE(bad);
+    State s = make_state({{bad}, {0.0f}, {0.0f}, {0.0f}}, 5.0f);
+    update_scaling(s.hist, s.scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, 0.0f);
+    EXPECT_EQ(s.scale.item<float>(), 5.0f);  // no observation yet: the scale is kept
+    const float amaxes[] = {2.0f, 4.0f, 1.0f};
+    const float want[] = {224.0f, 112.0f, 112.0f};  // 448 / max of the finite amaxes so far
+    for (int step = 0; step < 3; ++step) {
+      s.hist[0][0] = amaxes[step];
+      update_scaling(s.hist, s.scale, s.scale_inv, s.fp8_max, AmaxAlgo::kMax, 0.0f);
+      EXPECT_EQ(s.scale.item<float>(), want[step]) << "step " << step + 1;
+    }
+    EXPECT_TRUE(at::equal(s.hist.flatten(), at::tensor({0.0f, 1.0f, 4.0f, 2.0f})));
+  }
 }
 
 TEST(UpdateScalingCases, BadArgumentsNameTheArgument) {

@@ -136,6 +136,7 @@ def load_cases() -> dict:
     import cases_agreement  # noqa: F401
     import cases_ddp  # noqa: F401
     import cases_nccl  # noqa: F401
+    import cases_optstate  # noqa: F401
     import cases_phases  # noqa: F401
     import cases_wire  # noqa: F401
 

@@ -16,6 +16,19 @@ Evidence that the tests catch a missing check (2026-12-01, then restored):
                      (torch's own check, after the masters were already overwritten)
 2. The whole of optimizer.py as it was before (git show 1a0ce06:python/fp8dp/optimizer.py): the
    same 20 fail; world_size and rank only on the wording, they were checked before.
+
+Issue 28 section 3 (CASES_28): another optimizer's state (SGD's into AdamW) was accepted, replaced
+the settings and failed at the next step() with KeyError: 'betas'; BF16 masters and BF16 state
+were accepted (torch casts state to the master's dtype on load, silently). Mutations (2026-12-03,
+each restored):
+3. the 'optimizer_class' check off: [other-optimizer] (the settings check answers instead, with
+   another message) and [class] (DID NOT RAISE) fail;
+4. the group-settings check off (`if missing:`): [other-optimizer-no-class-key] and
+   [group-no-betas] fail (the probe's "step() fails with the saved settings" answers instead);
+5. the probe off (`probes[gi] = None`): [exp_avg-bf16], [state-no-step], [state-extra-key],
+   [step-vector] (DID NOT RAISE) and [group-bad-betas] fail;
+6. masters checked with is_floating_point() again: [master-bf16] DID NOT RAISE;
+7. the per-element check without `v.dim() != 1`: [exp_avg-2d] DID NOT RAISE.
 """
 
 import copy
@@ -27,16 +40,16 @@ import torch
 import fp8dp
 
 
-def _trained(group, steps=1):
+def _trained(group, steps=1, optimizer=torch.optim.AdamW, **kwargs):
     """Two Linear layers (4 shards at world size 1, in bucket order: 8, 128, 16, 256 elements),
-    AdamW, `steps` steps so the inner optimizer has state."""
+    AdamW (lr 1e-2) unless told otherwise, `steps` steps so the inner optimizer has state."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(fp8dp.Linear(16, 16), fp8dp.Linear(16, 8))
     cfg = fp8dp.DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=False
     )
     ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
-    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
+    opt = fp8dp.DistributedOptimizer(optimizer, ddp, **(kwargs or {"lr": 1e-2}))
     for _ in range(steps):
         _step(opt)
     return model, opt
@@ -168,6 +181,125 @@ CASES = {
         r"256 elements \(the master's\) or a scalar, got 1",
     ),
 }
+
+
+def _sgd_state(group):
+    """The state_dict of the same model under SGD with momentum (another optimizer class)."""
+    return _trained(group, optimizer=torch.optim.SGD, lr=0.1, momentum=0.9)[1].state_dict()
+
+
+def _other_optimizer(keep_class_key):
+    def f(sd, group):
+        other = _sgd_state(group)
+        if not keep_class_key:  # a state_dict saved before the class was recorded
+            del other["optimizer_class"]
+        return other
+
+    return f
+
+
+# Issue 28 section 3: another optimizer's state, dtypes and the class's own state keys. These take
+# the process group (another model is built for the SGD state).
+CASES_28 = {
+    "other-optimizer": (
+        _other_optimizer(keep_class_key=True),
+        r"^state_dict\['optimizer_class'\]: expected 'torch.optim.adamw.AdamW' \(this optimizer's "
+        r"inner class\), got 'torch.optim.sgd.SGD': another optimizer's state cannot be loaded",
+    ),
+    "other-optimizer-no-class-key": (
+        _other_optimizer(keep_class_key=False),
+        r"^state_dict\['optimizer'\]\['param_groups'\]\[0\]: expected the settings of AdamW "
+        r"\[.*\], got \[.*'momentum'.*\] \(missing \['amsgrad', 'betas', .*\]\): the state "
+        r"of another optimizer class\?",
+    ),
+    "class": (
+        lambda sd, g: _set("optimizer_class", "torch.optim.adam.Adam")(sd),
+        r"^state_dict\['optimizer_class'\]: expected 'torch.optim.adamw.AdamW' .*, got "
+        r"'torch.optim.adam.Adam'",
+    ),
+    "master-bf16": (
+        lambda sd, g: _edit(lambda sd: sd["masters"].__setitem__(3, sd["masters"][3].bfloat16()))(
+            sd
+        ),
+        r"^state_dict\['masters'\]\[3\]: expected 256 elements \(float32\), got 256 "
+        r"\(bfloat16, shape \[256\]\)$",
+    ),
+    "exp_avg-bf16": (
+        lambda sd, g: _edit(
+            lambda sd: sd["optimizer"]["state"][3].__setitem__(
+                "exp_avg", sd["optimizer"]["state"][3]["exp_avg"].bfloat16()
+            )
+        )(sd),
+        r"^state_dict\['optimizer'\]\['state'\]\[3\]\['exp_avg'\]: expected float32 "
+        r"\(AdamW's\), got bfloat16$",
+    ),
+    "exp_avg-2d": (
+        lambda sd, g: _edit(
+            lambda sd: sd["optimizer"]["state"][3].__setitem__("exp_avg", torch.zeros(16, 16))
+        )(sd),
+        r"^state_dict\['optimizer'\]\['state'\]\[3\]\['exp_avg'\]: expected 256 elements "
+        r"\(the master's\) or a scalar, got 256 \(shape \[16, 16\]\)$",
+    ),
+    "state-no-step": (
+        lambda sd, g: _edit(lambda sd: sd["optimizer"]["state"][1].pop("step"))(sd),
+        r"^state_dict\['optimizer'\]\['state'\]\[1\]: expected the keys \['exp_avg', "
+        r"'exp_avg_sq', 'step'\] \(AdamW's state with the saved settings\), got \['exp_avg', "
+        r"'exp_avg_sq'\] \(missing \['step'\], unexpected \[\]\)$",
+    ),
+    "state-extra-key": (
+        lambda sd, g: _edit(
+            lambda sd: sd["optimizer"]["state"][0].__setitem__("momentum_buffer", torch.zeros(8))
+        )(sd),
+        r"^state_dict\['optimizer'\]\['state'\]\[0\]: expected the keys .* unexpected "
+        r"\['momentum_buffer'\]\)$",
+    ),
+    "step-vector": (
+        lambda sd, g: _edit(
+            lambda sd: sd["optimizer"]["state"][0].__setitem__("step", torch.ones(8))
+        )(sd),
+        r"^state_dict\['optimizer'\]\['state'\]\[0\]\['step'\]: expected a scalar "
+        r"\(AdamW's\), got 8 elements$",
+    ),
+    "group-no-betas": (
+        lambda sd, g: _edit(lambda sd: sd["optimizer"]["param_groups"][0].pop("betas"))(sd),
+        r"^state_dict\['optimizer'\]\['param_groups'\]\[0\]: expected the settings of AdamW "
+        r".*\(missing \['betas'\]\)",
+    ),
+    "group-bad-betas": (
+        lambda sd, g: _edit(
+            lambda sd: sd["optimizer"]["param_groups"][0].__setitem__("betas", "0.9")
+        )(sd),
+        r"^state_dict\['optimizer'\]\['param_groups'\]\[0\]: AdamW.step\(\) fails with the "
+        r"saved settings \(ValueError: ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_28))
+def test_bad_state_dict_28_is_refused_and_changes_nothing(group, case):
+    """Issue 28 section 3: each of these was accepted before (or failed only after the settings
+    were replaced) and is refused now, leaving the masters, the parameters and the inner
+    optimizer bit-identical."""
+    model, opt = _trained(group)
+    saved = opt.state_dict()
+    _step(opt)
+    before = _snapshot(model, opt)
+    mutate, message = CASES_28[case]
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(mutate(copy.deepcopy(saved), group))
+    _assert_same(before, _snapshot(model, opt))
+    _step(opt)  # and the optimizer still steps
+
+
+def test_state_dict_without_class_key_still_loads(group):
+    """A state_dict saved before 'optimizer_class' was recorded restores as before."""
+    model, opt = _trained(group)
+    saved = copy.deepcopy(opt.state_dict())
+    at_save = _snapshot(model, opt)
+    del saved["optimizer_class"]
+    _step(opt)
+    opt.load_state_dict(saved)
+    _assert_same(at_save, _snapshot(model, opt))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -22,8 +22,6 @@ constexpr int kRows = 8;
 constexpr int kPerThread = 8;
 constexpr int kStep = kRows * kPerThread;
 
-__device__ __forceinline__ float nan_max(float m, float a) { return (a != a || a > m) ? a : m; }
-
 // Same rule as compute_scale() in scaling_cpu.cpp. exp2f of an integer margin is exact on host and
 // device alike, so the scales match bit for bit; a fractional margin may differ in the last ulp.
 __device__ __forceinline__ float device_scale(float amax, float fp8_max, float margin, float prev) {
@@ -39,13 +37,14 @@ __global__ void __launch_bounds__(kCols* kRows)
   __shared__ float red[kRows][kCols];
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kCols + threadIdx.x;
   const bool active = t < n;
-  // amax over rows 0..L-1 (kMax) or row 0 (kMostRecent); NaN wins.
+  // amax over the finite entries of rows 0..L-1 (kMax) or row 0 (kMostRecent): a NaN or Inf
+  // amax is no observation (scaling.h), as in update_scaling_cpu.
   float m = 0.0f;
   if (active) {
     if (use_max) {
-      for (int64_t i = threadIdx.y; i < L; i += kRows) m = nan_max(m, hist[i * n + t]);
+      for (int64_t i = threadIdx.y; i < L; i += kRows) m = finite_max(m, hist[i * n + t]);
     } else if (threadIdx.y == 0) {
-      m = hist[t];
+      m = finite_max(0.0f, hist[t]);
     }
   }
   red[threadIdx.y][threadIdx.x] = m;
@@ -58,7 +57,7 @@ __global__ void __launch_bounds__(kCols* kRows)
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t dst = b + threadIdx.y * kPerThread + j;
-      v[j] = (active && dst >= 1 && dst < L) ? hist[(dst - 1) * n + t] : 0.0f;
+      v[j] = (active && dst >= 1 && dst < L) ? finite_or_zero(hist[(dst - 1) * n + t]) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
@@ -71,7 +70,7 @@ __global__ void __launch_bounds__(kCols* kRows)
   if (active && threadIdx.y == 0) {
     float amax = red[0][threadIdx.x];
 #pragma unroll
-    for (int r = 1; r < kRows; ++r) amax = nan_max(amax, red[r][threadIdx.x]);
+    for (int r = 1; r < kRows; ++r) amax = finite_max(amax, red[r][threadIdx.x]);
     const float s = device_scale(amax, fp8_max[t], margin, scale[t]);
     scale[t] = s;
     scale_inv[t] = 1.0f / s;
@@ -109,16 +108,16 @@ __global__ void __launch_bounds__(kBatchThreads)
   float m = 0.0f;
   if (lane < lanes) {
     if (p.algo == AmaxAlgo::kMax) {
-      for (int64_t r = lane; r < L; r += lanes) m = nan_max(m, hist[r * n + col]);
+      for (int64_t r = lane; r < L; r += lanes) m = finite_max(m, hist[r * n + col]);
     } else if (lane == 0) {
-      m = hist[col];
+      m = finite_max(0.0f, hist[col]);
     }
   }
   red[tid] = m;
   __syncthreads();  // every read of the old history for the max is done before the roll writes
   if (tid < n) {
     float amax = red[tid];
-    for (int64_t l = 1; l < lanes; ++l) amax = nan_max(amax, red[l * n + tid]);
+    for (int64_t l = 1; l < lanes; ++l) amax = finite_max(amax, red[l * n + tid]);
     const float s = device_scale(amax, p.fp8_max[tid], p.margin, p.scale[tid]);
     p.scale[tid] = s;
     p.scale_inv[tid] = 1.0f / s;
@@ -129,7 +128,7 @@ __global__ void __launch_bounds__(kBatchThreads)
 #pragma unroll
     for (int j = 0; j < kRollPerThread; ++j) {
       const int64_t dst = base + j * kBatchThreads + tid;
-      v[j] = (dst >= n && dst < total) ? hist[dst - n] : 0.0f;
+      v[j] = (dst >= n && dst < total) ? finite_or_zero(hist[dst - n]) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
