@@ -15,6 +15,18 @@
 //   the gathered fingerprints: the same 4 tests failed: no ValueError, but the fake world's
 //   "all_gather sizes differ between ranks" (gloo would abort or hang there).
 #include "comm/agreement.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
 #include "common/check.h"
 
 namespace fp8dp {
