@@ -338,7 +338,9 @@ class DataSection:
         if not isinstance(self.packages, list) or not all(
             isinstance(p, str) and p for p in self.packages
         ):
-            raise ValueError(f"data.packages: expected a list of package names, got {self.packages!r}")
+            raise ValueError(
+                f"data.packages: expected a list of package names, got {self.packages!r}"
+            )
         if not isinstance(self.cache_dir, str) or not self.cache_dir:
             raise ValueError(f"data.cache_dir: expected a directory path, got {self.cache_dir!r}")
 

@@ -77,12 +77,14 @@ def _listing_key(files, val_fraction: float) -> str:
     return h.hexdigest()[:20]
 
 
-def build(packages, val_fraction: float, cache_dir: str) -> str:
+def build(packages, val_fraction: float, cache_dir: str, roots=None) -> str:
     """The cache directory of this corpus, built if missing; returns its path. Concurrent builders
-    each write a private temporary directory and rename it into place: the result is whole."""
-    files = list_files(source_roots(packages))
+    each write a private temporary directory and rename it into place: the result is whole.
+    roots: [(label, directory)] instead of source_roots(packages) (tests)."""
+    roots = source_roots(packages) if roots is None else roots
+    files = list_files(roots)
     if not files:
-        raise ValueError(f"data.corpus: python: no .py files found under {source_roots(packages)}")
+        raise ValueError(f"data.corpus: python: no .py files found under {roots}")
     out = os.path.join(cache_dir, f"python-{_listing_key(files, val_fraction)}")
     if os.path.exists(os.path.join(out, "manifest.json")):
         return out
@@ -91,9 +93,10 @@ def build(packages, val_fraction: float, cache_dir: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     entries, sizes = [], {"train": 0, "val": 0}
-    with open(os.path.join(tmp, "train.bin"), "wb") as ft, open(
-        os.path.join(tmp, "val.bin"), "wb"
-    ) as fv:
+    with (
+        open(os.path.join(tmp, "train.bin"), "wb") as ft,
+        open(os.path.join(tmp, "val.bin"), "wb") as fv,
+    ):
         for name, path in files:
             with open(path, "rb") as f:
                 data = f.read()
@@ -106,7 +109,7 @@ def build(packages, val_fraction: float, cache_dir: str) -> str:
         "format": FORMAT,
         "corpus": "python",
         "packages": list(packages),
-        "roots": [[label, root] for label, root in source_roots(packages)],
+        "roots": [[label, root] for label, root in roots],
         "val_fraction": val_fraction,
         "files": len(entries),
         "bytes": sizes,
@@ -114,7 +117,7 @@ def build(packages, val_fraction: float, cache_dir: str) -> str:
         "entries": entries,  # [name, split, bytes, sha256 of the file]
     }
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=0)
+        json.dump(manifest, f)
     try:
         os.replace(tmp, out)
     except OSError:  # another builder was first; its copy is the same corpus

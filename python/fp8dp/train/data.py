@@ -6,7 +6,7 @@ CPU tests), and "python", the Python sources of this interpreter (corpus.py), sp
 read through np.memmap. The batch for (step, rank, micro-batch) is drawn from a generator seeded
 by those numbers alone: the data position of a run is just its step, which makes a resumed run
 read exactly the batches the uninterrupted one would have read, and runs with the same seed (FP8
-or not) read the same batches.
+or not) read the same batches. Validation batches are the same for every seed.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class _Sampler:
     def batch(self, split: str, seed: int, step: int, rank: int, micro: int, batch_size: int):
         """(inputs, targets), each [seq_len, batch_size] (sequence-first, as Megatron passes)."""
         data = self.train if split == "train" else self.val
+        # The validation windows do not depend on the seed: runs of different seeds are measured
+        # on the same bytes, so their spread is the training's, not the sampling of the val set's.
+        seed = seed if split == "train" else 0
         g = torch.Generator().manual_seed(_mix(seed, step, rank, micro, split == "val"))
         starts = torch.randint(0, len(data) - self.seq_len - 1, (batch_size,), generator=g)
         window = self._windows(data, starts)

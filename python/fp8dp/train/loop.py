@@ -205,7 +205,7 @@ def train(
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "corpus.json"), "w") as f:
-            json.dump(corpus.meta, f, indent=0)
+            json.dump(corpus.meta, f)
     torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
     d = cfg.ddp
     model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)

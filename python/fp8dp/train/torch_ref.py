@@ -163,7 +163,9 @@ def train_torch(cfg: TrainConfig, run_dir: str, *, rank, world_size, device, ste
             loss_sum += loss.item()
         rec = {"step": step + 1, "lr": lr}
         if t.clip_grad > 0:
-            rec["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad).item()
+            rec["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), t.clip_grad
+            ).item()
         opt.step()
         rec["train_loss"] = _all_mean(loss_sum / n_micro, device)
         dt = time.perf_counter() - t0
