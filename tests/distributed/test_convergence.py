@@ -1,36 +1,45 @@
 """Issue 30 at CI size: the convergence runs of configs/gpt350m.yaml, shrunk to
 configs/ci_convergence.yaml (2 layers x 64 on the standard library's Python sources, 2 gloo ranks,
 150 steps), trained by the same tooling the GPU runs use (fp8dp.train.runs: FP8 delayed, FP8
-current, FP8 off, and 20 steps of the plain-torch DDP baseline), compared by fp8dp.train.compare;
-and bit-exact resume on that corpus through --stop-at and --time-budget.
+current, FP8 off, and 20 steps of the plain-torch DDP baseline) and compared by
+fp8dp.train.compare; and bit-exact resume on that corpus through --stop-at and --time-budget.
 
-Tolerances (derived; numbers measured on this CPU build, 2026-12-03, see TOLERANCES below):
-- FP8 against FP8 off. The CPU emulation quantises exactly as the GPU kernels do (C7), so the gap
-  is FP8's own. The yardstick is the seed spread of FP8 off: its final validation loss over
-  seeds {SEEDS} (same validation bytes for every seed, data.py) has a sample standard deviation
-  SIGMA_SEED (relative to the mean). A run whose loss is inside 2 sigma of FP8 off is
-  indistinguishable from FP8 off re-run with another seed: FINAL_TOL = 2 * SIGMA_SEED. Every
-  evaluation after step 50 (a third of the run, as 200 is of the GPU run's 2,000 steps... the
-  early steps, where the loss falls by nats per 25 steps, are compared by the final value only)
-  gets CURVE_TOL = 2 * the largest relative seed spread (max - min) / mean over those steps.
-- FP8 off against torch.nn + torch DDP, FP32 parameters: the same arithmetic up to summation
-  order (GEMM blocking, the reduce-scatter against torch's all-reduce, the norm kernels): per
-  step the loss differs by a few FP32 ulps (the largest relative gap measured over 20 steps was
-  TORCH_MEASURED); TORCH_TOL = 1e-5 is 100 ulps of a loss near 4 (ulp 4.8e-7) and still 300x below
-  what a step without gradient clipping does to the loss (below).
+Tolerances, derived (numbers measured on this CPU build, 2026-12-03):
+- FP8 against FP8 off. The yardstick is the seed spread of FP8 off (OFF_VAL_BY_SEED: validation
+  loss at the steps after 50 for seeds 1234, 1, 2, 3, each run as the test runs seed 1234; the
+  validation bytes are the same for every seed, data.py). A run within 2 standard deviations of
+  FP8 off cannot be told from FP8 off re-run with another seed, so FINAL_TOL = 2 sd / mean at
+  step 150 (1.20%) and CURVE_TOL = 2 x the largest sd / mean over steps 75..150 (the same 1.20%;
+  steps before 50, where the loss falls by nats, are not compared). Measured FP8 gaps (relative,
+  steps 75..150): delayed +0.96/+0.30/+0.28/+0.46% (seed 1234), +0.08/+0.26/+0.27/+0.17% (seed 1);
+  current +0.77/+0.59/+0.43/+0.42% (1234), -1.01/-0.13/-0.12/-0.27% (1): FP8 at this size is
+  inside the seed noise, which is all a 150-step CPU run can resolve (the 0.25% of issue 30 is the
+  GPU run's target, where 2,000 steps at 342M parameters shrink the seed spread).
+- FP8 off against torch.nn + torch DDP, FP32 parameters: the same arithmetic up to summation order
+  (GEMM blocking, the reduce-scatter against torch's all-reduce, the norm kernels). Measured: the
+  losses agree to 1-2 FP32 ulps over 20 steps (largest relative gap 4.9e-8 in the demo config,
+  see TORCH_TOL's comment); TORCH_TOL = 1e-5 is ~80 ulps of a loss near 4 (ulp 4.8e-7) and still
+  860x below what a step without gradient clipping does (below).
 
 Mutations tried (each made the named test fail, then was restored):
+- compute_scale (src/fp8/scaling_cpu.cpp) returning 16x the right scale (saturating): both
+  recipes diverged, final validation loss 24.5 (delayed) and 25.8 (current) against 2.35:
+  test_fp8_converges_like_fp8_off failed.
+- compute_scale returning 2x the right scale (the top half of each tensor's range saturates):
+  see MUTATION_2X in the report of this test's commit.
 - the delayed-scaling update removed from DistributedOptimizer.step (scales stay at the first
-  cast's): test_fp8_converges_like_fp8_off, see MUTATIONS.
-- a wrong scale, 2^-8 of the right one (make_recipe with margin + 8: most E4M3 values become
-  subnormal or zero): test_fp8_converges_like_fp8_off, see MUTATIONS.
-- clip_grad_norm in loop.py computing the norm but not scaling: test_fp8_off_follows_torch_ddp
-  (train-loss gap 1e-2 at step 2: torch clipped, fp8dp did not).
-- the NUL separator and the sorted listing (tests/python/test_train_corpus.py has those).
+  cast's): see MUTATION_NO_UPDATE.
+- a scale 2^-8 of the right one (make_recipe with margin + 8) is NOT caught, and should not be:
+  the final validation loss moved by < 0.1% (2.3562 -> 2.3562 delayed, 2.3553 -> 2.3537 current):
+  E4M3 keeps 3 mantissa bits down to 2^-6, so only values below 1% of the amax lose precision.
+- clip_grad_norm in loop.py computing the norm but not scaling the gradients:
+  test_fp8_off_follows_torch_ddp failed (train-loss gap 6.9e-5 at step 3, 8.6e-3 at step 20).
+- the NUL separator, the sorted listing, the split by name: tests/python/test_train_corpus.py.
 """
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +54,23 @@ from fp8dp.train.compare import compare, load_runs
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ci_convergence.yaml"
 
-# Measured with `python -m fp8dp.train.runs --config configs/ci_convergence.yaml --device cpu
-# --nproc 2 --set train.seed=S` (see the module docstring).
-SEEDS = (1234, 1, 2, 3)
-SIGMA_SEED = None
-FINAL_TOL = None
-CURVE_TOL = None
+# FP8 off's validation loss after step 50, seeds 1234, 1, 2, 3 (`python -m fp8dp.train.runs
+# --config configs/ci_convergence.yaml --device cpu --nproc 2 --only off --set train.seed=S`).
+OFF_VAL_BY_SEED = {
+    75: (2.4781, 2.4725, 2.4722, 2.4983),
+    100: (2.4120, 2.4016, 2.4212, 2.4220),
+    125: (2.3787, 2.3606, 2.3872, 2.3835),
+    150: (2.3455, 2.3422, 2.3706, 2.3654),
+}
+
+
+def _rel_sd(values) -> float:
+    return statistics.stdev(values) / statistics.mean(values)
+
+
+FINAL_TOL = 2 * _rel_sd(OFF_VAL_BY_SEED[150])  # 0.0121
+CURVE_TOL = 2 * max(_rel_sd(v) for v in OFF_VAL_BY_SEED.values())  # 0.0121
+# FP32 summation order only: measured 1-2 ulps (<= 4.9e-8 relative) over 20 steps.
 TORCH_TOL = 1e-5
 
 

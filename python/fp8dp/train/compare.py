@@ -246,8 +246,9 @@ def main(argv=None) -> int:
     t = res["runs"].get("torch", {})
     if t.get("train_gap_to_off") is not None:
         print(
-            f"torch: FP8 off vs torch.nn + DDP over {t['compared_steps']} steps: max train-loss "
-            f"gap {100 * t['train_gap_to_off']:.4f}%, val {_fmt(t['val_gap_to_off'], '.2e')}"
+            f"torch: FP8 off vs torch.nn + DDP over {t['compared_steps']} steps: largest "
+            f"relative gap of the train loss {t['train_gap_to_off']:.2e}, of the validation loss "
+            f"{_fmt(t['val_gap_to_off'], '.2e')}"
         )
     print(f"plot {png}")
     for line in bad:
