@@ -10,6 +10,11 @@ in plain torch.nn + torch DDP (torch_ref.py). Each fp8dp run continues from its 
 --budget seconds are spent; run the same command again until it prints "all runs complete" (exit
 status 0; 3 = run again). Then it compares them (compare.py: table, gaps, plot).
 
+--resume-check N trains N steps of the FP8 run (config as given) straight through and again as
+N/2 steps, --stop-at, then --resume to N, and says whether every logged loss, gradient norm and
+both ranks' checkpoints (model with FP8 state, optimizer shards) are bit-identical: bit-exact
+resume shown at the config's own size (out: <out>/resume_check).
+
 Budget: each launch gets the seconds left minus --launch-slack (start-up, checkpoint load and the
 final checkpoint are outside the training loop's own estimate); a run is not started with less
 than --min-chunk seconds left.
@@ -75,6 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="delayed,current,off,torch", help="runs to train")
     p.add_argument("--after", type=int, default=200, help="compare: curve gap after this step")
     p.add_argument("--png", help="compare: plot path (default <out>/compare.png)")
+    p.add_argument("--resume-check", type=int, metavar="N", help="see the module docstring")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     cfg = load_config(args.config, args.set)  # a bad config fails here, before any launch
@@ -91,6 +97,9 @@ def main(argv=None) -> int:
 
     def left() -> float:
         return args.budget - (time.monotonic() - t0)
+
+    if args.resume_check:
+        return resume_check(args, common, os.path.join(base, "resume_check"), left)
 
     for name, overrides in VARIANTS.items():
         if name not in only:
@@ -135,6 +144,58 @@ def main(argv=None) -> int:
     cmp_args = [base, "--after", str(args.after)] + (["--png", args.png] if args.png else [])
     cmp.main(cmp_args)
     return 0
+
+
+def resume_check(args, common: list, out: str, left) -> int:
+    """--resume-check: N steps straight against N/2 + N/2 through --stop-at and --resume."""
+    import torch
+
+    n = args.resume_check
+    if n < 2:
+        print(f"[runs] error: --resume-check: expected a step count >= 2, got {n}", file=sys.stderr)
+        return 2
+    full, part = os.path.join(out, "full"), os.path.join(out, "part")
+    launches = [
+        (full, ["--stop-at", str(n)]),
+        (part, ["--stop-at", str(n // 2)]),
+        (part, ["--stop-at", str(n), "--resume", os.path.join(part, "ckpt")]),
+    ]
+    for d, extra in launches:
+        run = common + ["--no-progress", "--save", os.path.join(d, "ckpt"), "--set", f"out.dir={d}"]
+        rc = _torchrun(args.nproc, "fp8dp.train", run + extra, timeout=max(1.0, left()))
+        if rc != 0:
+            print(f"[runs] resume check: exit status {rc}", file=sys.stderr)
+            return 1
+    sub = "fp8" if load_config(args.config, args.set).fp8.enabled else "nofp8"
+    keys = ("step", "train_loss", "grad_norm", "val_loss", "lr")
+
+    def metrics(d):
+        recs = cmp.read_metrics(os.path.join(d, sub, "metrics.jsonl"))
+        return [{k: r.get(k) for k in keys} for r in recs]
+
+    diffs = [] if metrics(full) == metrics(part) else ["metrics.jsonl"]
+    ranks = sorted(f for f in os.listdir(os.path.join(full, "ckpt")) if f.endswith(".pt"))
+    for f in ranks:
+        a = torch.load(os.path.join(full, "ckpt", f), weights_only=False)
+        b = torch.load(os.path.join(part, "ckpt", f), weights_only=False)
+        for key in ("model", "optimizer"):
+            if not _identical(a[key], b[key]):
+                diffs.append(f"{f}:{key}")
+    verdict = "bit-identical" if not diffs else f"DIFFERENT: {', '.join(diffs)}"
+    print(f"[runs] resume check, {n} steps straight vs {n // 2} + {n - n // 2}: {verdict}")
+    return 0 if not diffs else 1
+
+
+def _identical(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 if __name__ == "__main__":
