@@ -185,7 +185,11 @@ def _train(out, *args):
 
 def test_resume_on_the_corpus_is_bit_exact_through_stop_at_and_time_budget(tmp_path):
     """Full 10 steps, against: --stop-at 4, then --resume with a budget that ends it after one
-    more step (5), then --resume to the end. Losses, validation and checkpoints bit-identical."""
+    more step (5), then --resume to the end. Losses, validation and checkpoints bit-identical.
+
+    Mutation tried: the early stop's checkpoint labelled with train.steps instead of the step
+    reached (loop.train's final save as it was before --stop-at): failed, the second launch found
+    the checkpoint "at step 10 = train.steps, nothing to train" instead of stopping after step 5."""
     cache = ["--set", f"data.cache_dir={tmp_path / 'corpus'}"]
     full, part = tmp_path / "full", tmp_path / "part"
     _train(full, *cache, "--save", str(full / "ckpt"))
