@@ -15,6 +15,7 @@ import sys
 import torch.distributed as dist
 
 from .config import load_config
+from .flops import flops_per_token, param_counts
 from .loop import setup_distributed, train
 from .metrics import plot_losses
 
@@ -58,6 +59,20 @@ def parse_args(argv=None):
         help="torch.distributed backend (run.backend; overrides the config and --set): auto "
         "(the default) is nccl on cuda, gloo on cpu",
     )
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        metavar="STEP",
+        help="stop after this step (with --save: checkpoint there; --resume continues bit-exactly "
+        "on the same schedule, which train.steps decides)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop at the last step boundary that leaves room for the checkpoint within SECONDS "
+        "of training (with --save; for GPU commands of limited length)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -78,6 +93,24 @@ def main(argv=None) -> int:
                 f"runs), got {'--save' if args.save else '--resume'}"
             )
         )
+    for flag, value, ok, expected in (
+        ("--stop-at", args.stop_at, args.stop_at is None or args.stop_at >= 1, "a step >= 1"),
+        (
+            "--time-budget",
+            args.time_budget,
+            args.time_budget is None or args.time_budget > 0,
+            "seconds > 0",
+        ),
+    ):
+        if not ok:
+            return _fail(ValueError(f"{flag}: expected {expected}, got {value}"))
+        if value is not None and not args.save:
+            return _fail(
+                ValueError(
+                    f"{flag}: expected --save DIR too (a run that stops early continues from its "
+                    "checkpoint with --resume DIR), got no --save"
+                )
+            )
     # --device / --backend are run.device / run.backend, applied after --set: the flag wins.
     flags = [f"run.{k}={getattr(args, k)}" for k in ("device", "backend") if getattr(args, k)]
     try:
@@ -105,9 +138,12 @@ def main(argv=None) -> int:
                     if par.pipeline_parallel_size > 1
                     else ""
                 )
+                n = param_counts(run_cfg.model)
                 print(
                     f"[fp8dp.train] {name}: {world} rank(s), {backend}{layout}, "
                     f"{run_cfg.model.n_layer} layers x {run_cfg.model.d_model}, "
+                    f"{n['total'] / 1e6:.1f}M parameters ({n['gemm'] / 1e6:.1f}M in GEMMs, "
+                    f"{flops_per_token(run_cfg.model) / 1e9:.3g} GFLOP/token), "
                     f"{run_cfg.train.steps} steps",
                     flush=True,
                 )
@@ -120,12 +156,20 @@ def main(argv=None) -> int:
                 save=args.save,
                 resume=args.resume,
                 progress=not args.no_progress,
+                stop_at=args.stop_at,
+                time_budget_s=args.time_budget,
             )
             if rank == 0 and summary["start_step"] == summary["steps"]:
                 print(
                     f"[fp8dp.train] {name}: the checkpoint in {args.resume} is at step "
                     f"{summary['steps']} = train.steps, nothing to train (continue with "
                     f"--set train.steps=N)",
+                    flush=True,
+                )
+            elif rank == 0 and not summary["complete"]:
+                print(
+                    f"[fp8dp.train] {name}: stopped after step {summary['stopped_at']} of "
+                    f"{summary['steps']}; continue with --resume {args.save}",
                     flush=True,
                 )
             elif rank == 0:

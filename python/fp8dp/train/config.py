@@ -154,8 +154,21 @@ class TrainSection:
     final checkpoint (into DIR)."""
     seed: int = 1234
     """Seed of the initial weights and of the data order. Default 1234."""
+    # -- what a run of a real model needs (issue 30) --
+    clip_grad: float = 0.0
+    """Clip the global gradient norm (over all ranks' shards, after the reduction) to this before
+    the optimizer step; 0 = no clipping. Default 0 (the demo's small runs need none; 1.0 is usual
+    for large models)."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device, for the model FLOPs utilisation in the metrics (fp8dp/
+    train/flops.py says how FLOPs are counted); null = no MFU. E.g. 989 for an H200's BF16."""
 
     def __post_init__(self):
+        self.clip_grad = _as_float(self.clip_grad)
+        _num("train.clip_grad", self.clip_grad, 0.0)
+        if self.peak_tflops is not None:
+            self.peak_tflops = _as_float(self.peak_tflops)
+            _num("train.peak_tflops", self.peak_tflops, 0.0, lo_open=True)
         for k in ("steps", "global_batch_size", "micro_batch_size", "eval_every", "eval_batches"):
             _int(f"train.{k}", getattr(self, k))
         _int("train.warmup_steps", self.warmup_steps, lo=0)
@@ -308,11 +321,34 @@ class DataSection:
     val_fraction: float = 0.1
     """Last fraction of the file held out for the validation loss. Default 0.1."""
 
+    # -- the corpus (issue 30): which one, and where the Python-source corpus is cached --
+    corpus: str = "text"
+    """"text": data.path, its last val_fraction held out (default: small, for CPU tests).
+    "python": the Python sources of this interpreter's standard library (+ data.packages), byte
+    level, split by file (val_fraction of the files), cached as uint8 .bin files and memory-mapped
+    (fp8dp/train/corpus.py). The manifest (files, splits, SHA-256) goes into the run's
+    corpus.json."""
+    packages: list = field(default_factory=list)
+    """corpus python: installed packages whose .py files join the standard library's, e.g.
+    [torch] (about 46 MB more). Default none: the standard library alone (about 31 MB)."""
+    cache_dir: str = "runs/corpus"
+    """corpus python: where the concatenated .bin files are built, once per listing of files.
+    Default runs/corpus, shared by every run started from the same directory."""
+
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"data.path: expected a file path, got {self.path!r}")
         self.val_fraction = _as_float(self.val_fraction)
         _num("data.val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
+        _choice("data.corpus", self.corpus, ("text", "python"))
+        if not isinstance(self.packages, list) or not all(
+            isinstance(p, str) and p for p in self.packages
+        ):
+            raise ValueError(
+                f"data.packages: expected a list of package names, got {self.packages!r}"
+            )
+        if not isinstance(self.cache_dir, str) or not self.cache_dir:
+            raise ValueError(f"data.cache_dir: expected a directory path, got {self.cache_dir!r}")
 
 
 @dataclass

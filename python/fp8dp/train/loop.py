@@ -21,8 +21,9 @@ import fp8dp
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import RunSection, TrainConfig
-from .data import VOCAB_SIZE, ByteCorpus
+from .data import VOCAB_SIZE, load_corpus
 from .device import choose_device, local_world_size
+from .flops import mfu
 from .metrics import MetricsWriter
 from .model import GPT
 
@@ -84,7 +85,7 @@ def _all_mean(value: float, device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, device) -> float:
+def evaluate(model, corpus, cfg: TrainConfig, rank: int, device) -> float:
     """Mean validation loss over eval_batches micro-batches per rank (a fixed set every time).
 
     Runs with FP8 off: the weights' own quality, and no FP8 cast records an amax, so the training
@@ -97,9 +98,31 @@ def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, device) -> 
     return _all_mean(total / cfg.train.eval_batches, device)
 
 
-def _dp_step(cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device) -> float:
+def clip_grad_norm(ddp, max_norm: float, device) -> float:
+    """Scale the reduced gradients so that their global L2 norm is at most max_norm, as
+    torch.nn.utils.clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6), clamped at 1);
+    returns the norm before clipping.
+
+    After finish_grad_sync each rank holds the reduced gradient of the shards it owns (ZeRO-1:
+    chunk `rank` of every bucket; bucket padding is zero), so the squared norm is the sum over
+    ranks of each rank's shards' squares: one all-reduce of one number over the DDP group. The
+    gradients are scaled in place in the grad buffer, before the optimizer reads them."""
+    grads = [ddp.grad_shard(s) for s in ddp.owned_shards()]
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:  # each shard's norm in FP32 (as torch's per-tensor norms), summed in FP64
+        sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+    dist.all_reduce(sq, group=ddp.process_group)
+    norm = sq.sqrt().item()
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def _dp_step(cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device) -> tuple:
     """One data-parallel optimizer step (the module docstring's); returns the mean training
-    loss over all ranks."""
+    loss over all ranks and the gradient norm before clipping (None without train.clip_grad)."""
     t = cfg.train
     ddp.zero_grad_buffer()
     loss_sum = 0.0
@@ -117,8 +140,34 @@ def _dp_step(cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, 
                 m.backward_dw()
         loss_sum += loss.item()
     ddp.finish_grad_sync()
+    grad_norm = clip_grad_norm(ddp, t.clip_grad, device) if t.clip_grad > 0 else None
     opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
-    return _all_mean(loss_sum / n_micro, device)
+    return _all_mean(loss_sum / n_micro, device), grad_norm
+
+
+def peak_memory_gib(device) -> float:
+    """CUDA: the peak of memory allocated by tensors on the device; CPU: the process's peak
+    resident set (ru_maxrss, KiB on Linux), which includes the interpreter and libraries."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _stop_now(done, cfg, stop_at, time_budget_s, t_enter, longest, device) -> bool:
+    """Whether to stop after step `done` (before train.steps): at stop_at, or when two more of the
+    longest iterations so far (step + evaluation) would not fit in time_budget_s from train()'s
+    start (the margin leaves the final checkpoint time). Rank 0 decides for all (clocks differ)."""
+    if done >= cfg.train.steps or (stop_at is None and time_budget_s is None):
+        return False
+    stop = stop_at is not None and done >= stop_at
+    if time_budget_s is not None:
+        stop = stop or time.perf_counter() - t_enter + 2 * longest > time_budget_s
+        flag = torch.tensor([int(stop)], device=device)
+        dist.broadcast(flag, 0)
+        stop = bool(flag.item())
+    return stop
 
 
 def train(
@@ -131,11 +180,32 @@ def train(
     save: str = None,
     resume: str = None,
     progress: bool = True,
+    stop_at: int = None,
+    time_budget_s: float = None,
 ) -> dict:
     """Train one run (FP8 per cfg.fp8.enabled) writing <run_dir>/metrics.jsonl on rank 0; returns
-    a summary dict (first/last validation loss, steps, time)."""
+    a summary dict (first/last validation loss, steps, time, and "complete").
+
+    stop_at / time_budget_s end the run early at a step boundary (at that step, or before the
+    seconds since this call would run out), checkpointing into `save`; --resume from there
+    continues bit-exactly. summary["complete"] says whether train.steps was reached."""
+    t_enter = time.perf_counter()
     n_micro = cfg.check_world_size(world_size)
-    corpus = ByteCorpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    if (stop_at is not None or time_budget_s is not None) and not save:
+        raise ValueError(
+            "--stop-at / --time-budget: expected --save DIR too (a run that stops early continues "
+            "from its checkpoint), got no --save"
+        )
+    if cfg.train.clip_grad > 0 and cfg.parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "train.clip_grad: expected 0 with parallel.pipeline_parallel_size > 1 (the global "
+            f"norm over pipeline stages is not implemented), got {cfg.train.clip_grad}"
+        )
+    corpus = load_corpus(cfg.data, cfg.model.seq_len, rank=rank, barrier=dist.barrier)
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "corpus.json"), "w") as f:
+            json.dump(corpus.meta, f)
     torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
     d = cfg.ddp
     model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)
@@ -203,6 +273,7 @@ def train(
                 "fp8": cfg.fp8.enabled,
                 "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
                 "train_time_s": 0.0,
+                "complete": True,
             }
     writer = (
         MetricsWriter(
@@ -224,6 +295,8 @@ def train(
             desc="fp8" if cfg.fp8.enabled else "no-fp8",
         )
     first_val = last_val = None
+    longest = 0.0  # the longest iteration (step + evaluation) so far, for time_budget_s
+    done = start
     if start == 0:
         first_val = last_val = (
             pipe.evaluate() if pipe else evaluate(model, corpus, cfg, rank, device)
@@ -236,10 +309,11 @@ def train(
         lr = lr_at(cfg, step)
         for group in opt.param_groups:
             group["lr"] = lr
+        grad_norm = None
         if pipe:
             train_loss = pipe.step(step, recipe)
         else:
-            train_loss = _dp_step(
+            train_loss, grad_norm = _dp_step(
                 cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device
             )
         dt = time.perf_counter() - t0
@@ -249,7 +323,12 @@ def train(
             "lr": lr,
             "tokens_per_s": tokens_per_step / dt,
             "step_time_s": dt,
+            "peak_mem_gib": peak_memory_gib(device),
         }
+        if grad_norm is not None:
+            rec["grad_norm"] = grad_norm
+        if t.peak_tflops:
+            rec["mfu"] = mfu(cfg.model, tokens_per_step / dt, world_size, t.peak_tflops)
         done = step + 1
         if done % t.eval_every == 0 or done == t.steps:
             rec["val_loss"] = last_val = (
@@ -263,6 +342,9 @@ def train(
                 post["val"] = f"{rec['val_loss']:.3f}"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
+        longest = max(longest, time.perf_counter() - t0)
+        if _stop_now(done, cfg, stop_at, time_budget_s, t_enter, longest, device):
+            break
         if save and t.save_every and done % t.save_every == 0 and done != t.steps:
             save_checkpoint(
                 os.path.join(save, f"step_{done:06d}"),
@@ -279,7 +361,7 @@ def train(
     if save:
         save_checkpoint(
             save,
-            step=t.steps,
+            step=done,
             model=state_model,
             optimizer=opt,
             config=config_dict,
@@ -296,6 +378,10 @@ def train(
         "fp8": cfg.fp8.enabled,
         "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
         "train_time_s": time.perf_counter() - t_start,
+        "complete": done == t.steps,
+        "stopped_at": done,
+        "peak_mem_gib": peak_memory_gib(device),
+        "corpus_sha256": corpus.meta.get("sha256"),
     }
     if writer:
         writer.close()
