@@ -171,7 +171,12 @@ class GradSync : public GradSink {
   // Refuses a gradient of p (`what`) that would land in a launched or reduced bucket.
   void check_accepting_locked(int64_t p, Route route, const char* what);
   std::string describe_undelivered() const;
-  std::string local_errors();
+  // What finish_grad_sync() must refuse (undelivered queued gradients, a partial iteration, the
+  // ledger), "" when nothing; changes nothing.
+  std::string local_errors() const;
+  // Raises msg. When no bucket collective of this iteration was launched nothing changes (the
+  // caller may fix the cause and call again); else the iteration is abandoned: phase failed.
+  [[noreturn]] void refuse_finish_locked(const std::string& msg, bool launched);
   // Raises if a queued weight gradient was never delivered; forgets them and starts a new
   // iteration either way (mu_ held).
   std::string undelivered_locked();
