@@ -66,8 +66,8 @@ def check(ddp, ref):
 
 
 def wrap(model, group, **kw):
-    kw = {"bucket_size": 100, **kw}
-    cfg = fp8dp.DistributedDataParallelConfig(overlap_grad_reduce=True, **kw)
+    kw = {"bucket_size": 100, "overlap_grad_reduce": True, **kw}
+    cfg = fp8dp.DistributedDataParallelConfig(**kw)
     return fp8dp.DistributedDataParallel(model, cfg, process_group=group)
 
 
@@ -250,3 +250,183 @@ def test_fp8_switch_keeps_readiness_exact(group, fp8_states_released, order, rou
             torch.testing.assert_close(
                 p.main_grad, r.grad.float(), **TOL, msg=lambda m, n=name, i=it: f"{i} {n}: {m}"
             )
+
+
+# ---- finish_grad_sync(): what is partial, and what a refusal may change (H1b) ------------------
+def delayed_model():
+    """Two delayed-wgrad Linears (FP8 off: high-precision GEMMs, so the float64 reference of
+    reference() holds with TOL); their weight and bias gradients come from backward_dw()."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        fp8dp.Linear(12, 24, delay_wgrad_compute=True),
+        nn.Tanh(),
+        fp8dp.Linear(24, 5, delay_wgrad_compute=True),
+    )
+
+
+def plain_twin(model):
+    """The same weights in nn.Linear (fp8dp.Linear computes x W^T + b), for reference()."""
+    twin = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 5))
+    with torch.no_grad():
+        for i in (0, 2):
+            twin[i].weight.copy_(model[i].weight)
+            twin[i].bias.copy_(model[i].bias)
+    return twin
+
+
+def microbatch(ddp, x, y, no_sync, dw=(0, 2)):
+    """One micro-batch; backward_dw() right after its backward for the layers in dw."""
+    with ddp.no_sync() if no_sync else contextlib.nullcontext():
+        loss_of(ddp(x), y).backward()
+        for i in dw:
+            ddp.module[i].backward_dw()
+
+
+def state(ddp):
+    """What a refusal must leave as it was: main_grad, the phase, the delayed-wgrad queues."""
+    return (
+        [p.main_grad.clone() for p in ddp._params],
+        ddp.phase,
+        [m._core.queued_wgrads for m in ddp.module if isinstance(m, fp8dp.Linear)],
+    )
+
+
+def assert_same_state(before, after):
+    assert after[1] == before[1], f"phase changed: {before[1]!r} -> {after[1]!r}"
+    assert after[2] == before[2], f"delayed-wgrad queues changed: {before[2]} -> {after[2]}"
+    for a, b in zip(before[0], after[0]):
+        assert torch.equal(a, b), "main_grad changed"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("kind", ["all_no_sync", "none"])
+def test_iteration_without_reports_is_reduced(group, overlap, kind):
+    """An iteration with no readiness report (every micro-batch inside no_sync(), or none at all)
+    is not a partial one: finish_grad_sync() reduces what was accumulated, in every iteration as
+    in the first (and as Megatron's finish_grad_sync without overlap). Stateful finding 3: it was
+    accepted in iteration 1 and refused later ("bucket(s) still incomplete ... a skipped
+    backward_dw()?"), and the refusal left the phase 'failed'.
+
+    Mutation (run 2026-12-03): the any_reported() condition removed from local_errors() -> every
+    case fails in finish_grad_sync() with RuntimeError "bucket(s) still incomplete, these
+    parameters were not reported ready as often as in the first iteration: '0.weight' (ready 0
+    of 1) ...".
+    """
+    model = mlp()
+    ddp = wrap(model, group, overlap_grad_reduce=overlap)
+    x, y = batch(5)
+    for _ in range(2):  # the first iteration learns the counts; the second has them
+        iteration(ddp, x, y)
+    check(ddp, reference(model, x, y, range(N_MB)))
+    ddp.zero_grad_buffer()
+    mbs = range(N_MB) if kind == "all_no_sync" else []
+    for k in mbs:
+        with ddp.no_sync():
+            loss_of(ddp(x[k]), y[k]).backward()
+    ddp.finish_grad_sync()
+    assert ddp.phase == "finished"
+    if mbs:
+        check(ddp, reference(model, x, y, mbs))
+    else:
+        assert all(not p.main_grad.count_nonzero() for p in ddp._params)  # exact: nothing added
+    iteration(ddp, x, y)  # and the next iteration is a normal one
+    check(ddp, reference(model, x, y, range(N_MB)))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_refused_finish_before_any_launch_changes_nothing(group, overlap):
+    """finish_grad_sync() with a backward_dw() still pending is refused; no bucket collective
+    had run (overlap off, or the one bucket still waiting for that gradient), so the refusal
+    leaves main_grad, the queue and the phase as they were, and the caller recovers by running
+    the backward_dw() and finishing again (stateful finding 1: the queue went 1 -> 0 and the phase
+    to 'failed').
+
+    Mutations (run 2026-12-03): local_errors() clearing the queue as before (undelivered_locked())
+    -> "delayed-wgrad queues changed: [1, 0] -> [0, 0]"; refuse_finish_locked() abandoning the
+    iteration whatever was launched -> "phase changed: 'accumulating' -> 'failed'".
+    """
+    model = delayed_model()
+    twin = plain_twin(model)
+    ddp = wrap(model, group, overlap_grad_reduce=overlap, bucket_size=10**6)
+    x, y = batch(6)
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        microbatch(ddp, x[0], y[0], no_sync=True)
+        microbatch(ddp, x[1], y[1], no_sync=False)
+        ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    microbatch(ddp, x[0], y[0], no_sync=True)
+    microbatch(ddp, x[1], y[1], no_sync=False, dw=(2,))  # layer 0's backward_dw() forgotten
+    before = state(ddp)
+    assert before[1:] == ("accumulating", [1, 0])
+    with pytest.raises(RuntimeError, match=r"(?s)never computed by backward_dw\(\): '0.weight'.*nothing changed"):
+        ddp.finish_grad_sync()
+    assert_same_state(before, state(ddp))
+    model[0].backward_dw()
+    ddp.finish_grad_sync()
+    assert ddp.phase == "finished"
+    check(ddp, reference(twin, x, y, [0, 1]))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_partial_iteration_is_refused(group, overlap):
+    """A PARTIAL iteration (a backward outside no_sync() that reached only the last layer, via
+    backward(inputs=...)) is an error naming the parameters not reported. Overlap off: nothing
+    launched, so nothing changes. Overlap on: the last layer's bucket completed and launched its
+    collective, so main_grad is partly reduced: phase 'failed', and the message says
+    zero_grad_buffer() and redo the iteration; after that the next iteration is exact.
+
+    Mutation (run 2026-12-03): refuse_finish_locked() never abandoning -> overlap on fails with
+    "phase is 'sync_started', expected 'failed'"; always abandoning -> overlap off fails with
+    "phase changed: 'accumulating' -> 'failed'".
+    """
+    model = mlp()
+    ddp = wrap(model, group, overlap_grad_reduce=overlap)
+    x, y = batch(7)
+    iteration(ddp, x, y)
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        loss_of(ddp(x[0]), y[0]).backward()
+    loss_of(ddp(x[1]), y[1]).backward(inputs=[model[2].weight, model[2].bias])
+    before = state(ddp)
+    assert before[1] == ("sync_started" if overlap else "accumulating")
+    with pytest.raises(RuntimeError, match=r"(?s)still incomplete.*'0.weight' \(ready 0 of 1\)"):
+        ddp.finish_grad_sync()
+    if overlap:
+        assert ddp.phase == "failed", f"phase is {ddp.phase!r}, expected 'failed'"
+        with pytest.raises(RuntimeError, match=r"phase 'failed'.*zero_grad_buffer\(\)"):
+            ddp.finish_grad_sync()
+    else:
+        assert_same_state(before, state(ddp))
+    iteration(ddp, x, y)
+    check(ddp, reference(model, x, y, range(N_MB)))
+
+
+def test_second_microbatch_outside_no_sync_is_refused_at_its_forward(group):
+    """Overlap off: nothing launches during backward, so a second micro-batch outside no_sync()
+    passed the phase check and was refused by readiness inside its backward ("reported ready 2
+    times"), after backward had queued its weight gradients (stateful finding 8). Its forward is
+    refused instead, before anything changes; evaluation under no_grad() stays allowed, and
+    finishing gives the first micro-batch's gradient alone.
+
+    Mutation (run 2026-12-03): the first_at_golden() check removed from begin_microbatch() ->
+    "DID NOT RAISE" at the forward (the backward then raises "'2.bias' was reported ready 2
+    times" with the queue at [1, 1]).
+    """
+    model = delayed_model()
+    twin = plain_twin(model)
+    ddp = wrap(model, group, overlap_grad_reduce=False)
+    x, y = batch(8)
+    ddp.zero_grad_buffer()
+    microbatch(ddp, x[0], y[0], no_sync=False)
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    microbatch(ddp, x[0], y[0], no_sync=False)
+    before = state(ddp)
+    with pytest.raises(RuntimeError, match=r"outside no_sync\(\) after the iteration's last"):
+        ddp(x[1])
+    assert_same_state(before, state(ddp))
+    with torch.no_grad():
+        ddp(x[1])
+    ddp.finish_grad_sync()
+    check(ddp, reference(twin, x, y, [0]))
