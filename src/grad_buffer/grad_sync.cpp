@@ -382,12 +382,19 @@ void GradSync::begin_microbatch(bool grad_enabled) {
 bool GradSync::enter_no_sync() {
   std::lock_guard<std::mutex> lock(mu_);
   const Phase ph = phase_locked();
-  FP8DP_CHECK(ph == Phase::kAccumulating, "no_sync() in phase '", phase_name(ph),
+  // While some groups are launched (sync_started), no_sync() is what a deferred backward_dw() of
+  // an earlier micro-batch runs in (its own micro-batch's context, as after a pipeline schedule's
+  // last B step); it delivers into a group that is still waiting for it. Nothing can reach a
+  // launched bucket from inside either: a forward with grad is refused (begin_microbatch) and so
+  // is any gradient for a launched group (check_accepting_locked). Once the iteration is reduced
+  // no micro-batch of it is left to run: refused here, the earliest place.
+  FP8DP_CHECK(ph == Phase::kAccumulating || ph == Phase::kSyncStarted, "no_sync() in phase '",
+              phase_name(ph),
               "': a micro-batch under no_sync() must come before the last one of the iteration, "
-              "while nothing is launched or reduced; its gradients would land on ",
-              ph == Phase::kSyncStarted ? "buckets being reduced" : "reduced buckets",
-              ". Only the LAST micro-batch runs outside no_sync(); call zero_grad_buffer() to "
-              "start the next iteration");
+              "and this iteration's gradients are ",
+              ph == Phase::kFailed ? "not reduced (finish_grad_sync() failed)" : "reduced",
+              "; its gradients would land on reduced buckets. Call zero_grad_buffer() to start the "
+              "next iteration");
   const bool previous = sync_enabled_;
   sync_enabled_ = false;
   return previous;

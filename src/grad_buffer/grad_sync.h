@@ -103,8 +103,10 @@ class GradSync : public GradSink {
   // toggles it between B and W steps).
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
   bool sync_enabled() const { return sync_enabled_; }
-  // DDP's no_sync(): refused outside the accumulating phase (a micro-batch after the sync started
-  // would add to launched or reduced buckets); disables sync and returns the previous setting.
+  // DDP's no_sync(): disables sync and returns the previous setting. Refused once the iteration is
+  // finished, stepped or failed (no micro-batch of it is left); allowed while groups are launched
+  // (sync_started), where a deferred backward_dw() of an earlier micro-batch runs in it, and where
+  // a forward with grad is refused anyway.
   bool enter_no_sync();
   // Where the iteration stands (Phase), and its name for Python and messages.
   Phase phase() const;
