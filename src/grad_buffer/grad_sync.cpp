@@ -366,9 +366,11 @@ void GradSync::begin_microbatch(bool grad_enabled) {
   // state), with overlap off as well, where nothing has launched yet: refuse its forward instead.
   if (grad_enabled && sync_enabled_) {
     const int64_t p = readiness_->first_at_golden();
-    FP8DP_CHECK(p < 0, "forward with grad enabled outside no_sync() after the iteration's last "
-                "micro-batch: parameter '", names_[p], "' was already reported ready ",
-                readiness_->count(p), " time(s) in this iteration, as often as in the first one, "
+    FP8DP_CHECK(p < 0,
+                "forward with grad enabled outside no_sync() after the iteration's last "
+                "micro-batch: parameter '",
+                names_[p], "' was already reported ready ", readiness_->count(p),
+                " time(s) in this iteration, as often as in the first one, "
                 "so this micro-batch's backward would report it once more. Run every micro-batch "
                 "but the LAST under no_sync(), then finish_grad_sync() (or the optimizer step) "
                 "and zero_grad_buffer() before the next iteration's forward. (A forward under "

@@ -359,7 +359,9 @@ def test_refused_finish_before_any_launch_changes_nothing(group, overlap):
     microbatch(ddp, x[1], y[1], no_sync=False, dw=(2,))  # layer 0's backward_dw() forgotten
     before = state(ddp)
     assert before[1:] == ("accumulating", [1, 0])
-    with pytest.raises(RuntimeError, match=r"(?s)never computed by backward_dw\(\): '0.weight'.*nothing changed"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)never computed by backward_dw\(\): '0.weight'.*nothing changed"
+    ):
         ddp.finish_grad_sync()
     assert_same_state(before, state(ddp))
     model[0].backward_dw()
@@ -461,3 +463,37 @@ def test_earlier_backward_dw_in_its_no_sync_context_after_a_launch(group):
         model[2].backward_dw()  # micro-batch 1's: completes layer 2's bucket
         ddp.finish_grad_sync()
         check(ddp, reference(twin, x, y, [0, 1]))
+
+
+def test_scale_gradients_before_any_launch(group):
+    """scale_gradients() between backward and finish_grad_sync(), overlap off (nothing launched)
+    and the last layer's backward_dw() still pending: main_grad *= factor at once (exact: a
+    factor of 0.5 is a power of two), and the gradient delivered afterwards is added unscaled.
+    Stateful finding 7 (found at 5598b43, "main_grad left unscaled"): not reproduced on main
+    (69b1bfa) nor here; this pins it.
+
+    Mutation (run 2026-12-03): GradSync::scale_gradients() made a no-op for the accumulating
+    phase -> "main_grad of '0.weight' is not 0.5 x its value before".
+    """
+    model = nn.Sequential(
+        fp8dp.Linear(12, 24), nn.Tanh(), fp8dp.Linear(24, 5, delay_wgrad_compute=True)
+    )
+    twin = plain_twin(model)
+    ddp = wrap(model, group, overlap_grad_reduce=False)
+    x, y = batch(10)
+    for _ in range(2):  # the second iteration with the counts learnt
+        ddp.zero_grad_buffer()
+        microbatch(ddp, x[0], y[0], no_sync=False, dw=())
+        assert ddp.phase == "accumulating"
+        before = [p.main_grad.clone() for p in ddp._params]
+        ddp.scale_gradients(0.5)
+        for n, p, b in zip(ddp._names, ddp._params, before):
+            assert torch.equal(
+                p.main_grad, 0.5 * b
+            ), f"main_grad of '{n}' is not 0.5 x its value before"
+        model[2].backward_dw()
+        ddp.finish_grad_sync()
+    ref = reference(twin, x, y, [0])
+    for i, n in enumerate(ddp._names):
+        ref[i] = ref[i] * (0.5 if n.startswith("0.") else 1.0)
+    check(ddp, ref)
