@@ -16,11 +16,20 @@ Mechanism removed:
   sequence in a scratch script): every delay=True case fails, "bucket(s) still incomplete ...
   '0.bias' (ready 1 of 2)" for off->on and "'2.bias' was reported ready 2 times ... but 1" for
   on->off; plain and fused pass there (their counts do not depend on FP8).
-- NOT yet run one by one (the build on the shared 2-core machine took ~40 min): the forward
-  refusal removed should make the no_sync / start_grad_sync / forgotten-zero tests fail with
-  "DID NOT RAISE"; enter_no_sync() without its check, the no_sync one; the stale-.grad slot
-  ignored, test_stale_grad_at_wrap_is_refused; zero_grad_buffer() not clearing .grad,
-  test_zero_grad_clears_grad (its 1000.0 .grad would be added by the first hook).
+- Run one by one on 2026-12-03 (H1b; each guard disabled by an environment switch in a scratch
+  build that was not committed): the forward refusal (begin_microbatch's phase check) removed ->
+  the no_sync / start_grad_sync / forgotten-zero tests fail with "DID NOT RAISE RuntimeError";
+  the stale-.grad slot ignored -> test_stale_grad_at_wrap_is_refused "DID NOT RAISE ValueError";
+  zero_grad_buffer() not clearing .grad -> both test_zero_grad_clears_grad cases fail at
+  "all(p.grad is None ...)"; copy_shards() not marking the step -> the forgotten-zero test gets
+  "forward with grad enabled in phase 'finished'" where 'stepped' is expected; start_grad_sync()
+  without its finished early return -> test_start_grad_sync_before_the_last_microbatch_is_refused
+  fails at its last phase assertion ('sync_started', a second launch; with dp = 1 the values alone
+  cannot show the second reduction); readiness's exact counting of queued gradients replaced by
+  learned marks -> the four delay=True FP8-switch cases fail ("a gradient of parameter '2.bias'
+  arrived in phase 'sync_started'" or "assert 'accumulating' == 'sync_started'"). enter_no_sync()
+  without its check is caught by tests/cpp/test_grad_sync.cpp only (no_sync() after the finish).
+  The H1b tests at the end name their own mutations.
 """
 
 import contextlib
@@ -141,6 +150,7 @@ def test_start_grad_sync_before_the_last_microbatch_is_refused(group):
     ddp.finish_grad_sync()
     check(ddp, reference(model, x, y, [0]))
     ddp.start_grad_sync()  # after the finish: a no-op, not a second reduction
+    assert ddp.phase == "finished"  # (with dp = 1 a second reduction would not change values)
     check(ddp, reference(model, x, y, [0]))
 
 
@@ -307,10 +317,10 @@ def test_iteration_without_reports_is_reduced(group, overlap, kind):
     accepted in iteration 1 and refused later ("bucket(s) still incomplete ... a skipped
     backward_dw()?"), and the refusal left the phase 'failed'.
 
-    Mutation (run 2026-12-03): the any_reported() condition removed from local_errors() -> every
-    case fails in finish_grad_sync() with RuntimeError "bucket(s) still incomplete, these
+    Mutation (run 2026-12-03): the any_reported() condition removed from local_errors() -> all 4
+    cases fail in finish_grad_sync() with RuntimeError "bucket(s) still incomplete, these
     parameters were not reported ready as often as in the first iteration: '0.weight' (ready 0
-    of 1) ...".
+    of 1) ..." (and, with this branch's refusal, "nothing changed": the phase stays).
     """
     model = mlp()
     ddp = wrap(model, group, overlap_grad_reduce=overlap)
@@ -341,9 +351,11 @@ def test_refused_finish_before_any_launch_changes_nothing(group, overlap):
     the backward_dw() and finishing again (stateful finding 1: the queue went 1 -> 0 and the phase
     to 'failed').
 
-    Mutations (run 2026-12-03): local_errors() clearing the queue as before (undelivered_locked())
-    -> "delayed-wgrad queues changed: [1, 0] -> [0, 0]"; refuse_finish_locked() abandoning the
-    iteration whatever was launched -> "phase changed: 'accumulating' -> 'failed'".
+    Mutations (run 2026-12-03, both cases): the queue cleared on refusal as before
+    (undelivered_locked() after local_errors()) -> "delayed-wgrad queues changed: [1, 0] -> [0,
+    0]"; refuse_finish_locked() abandoning the iteration whatever was launched -> the message
+    says "had already launched ... (phase 'failed')" instead of "nothing changed" (regex
+    mismatch).
     """
     model = delayed_model()
     twin = plain_twin(model)
@@ -378,8 +390,8 @@ def test_partial_iteration_is_refused(group, overlap):
     collective, so main_grad is partly reduced: phase 'failed', and the message says
     zero_grad_buffer() and redo the iteration; after that the next iteration is exact.
 
-    Mutation (run 2026-12-03): refuse_finish_locked() never abandoning -> overlap on fails with
-    "phase is 'sync_started', expected 'failed'"; always abandoning -> overlap off fails with
+    Mutations (run 2026-12-03): refuse_finish_locked() never abandoning -> overlap on fails with
+    "phase is 'accumulating', expected 'failed'"; always abandoning -> overlap off fails with
     "phase changed: 'accumulating' -> 'failed'".
     """
     model = mlp()
@@ -412,8 +424,9 @@ def test_second_microbatch_outside_no_sync_is_refused_at_its_forward(group):
     finishing gives the first micro-batch's gradient alone.
 
     Mutation (run 2026-12-03): the first_at_golden() check removed from begin_microbatch() ->
-    "DID NOT RAISE" at the forward (the backward then raises "'2.bias' was reported ready 2
-    times" with the queue at [1, 1]).
+    "DID NOT RAISE RuntimeError" at the forward. (On main, 69b1bfa, the backward then raises
+    "'2.weight' was reported ready 2 times" and leaves a queued entry behind: queue 0 -> 1, so
+    the next finish_grad_sync() is refused too.)
     """
     model = delayed_model()
     twin = plain_twin(model)
@@ -443,7 +456,8 @@ def test_earlier_backward_dw_in_its_no_sync_context_after_a_launch(group):
     sequences: no_sync() was refused in phase 'sync_started'.)
 
     Mutation (run 2026-12-03): enter_no_sync() refusing sync_started again -> RuntimeError
-    "no_sync() in phase 'sync_started'" at the with statement.
+    "no_sync() in phase 'sync_started'" at the with statement (here and in
+    test_no_sync_around_all_but_the_first_is_refused).
     """
     torch.manual_seed(0)
     model = nn.Sequential(
