@@ -28,7 +28,7 @@ Mechanism removed:
   catches it; readiness's exact counting of queued gradients replaced by
   learned marks -> the four delay=True FP8-switch cases fail ("a gradient of parameter '2.bias'
   arrived in phase 'sync_started'" or "assert 'accumulating' == 'sync_started'"). enter_no_sync()
-  without its check is caught by tests/cpp/test_grad_sync.cpp only (no_sync() after the finish).
+  without its check is caught by tests/cpp/test_grad_sync.cpp (no_sync() after the finish).
   The H1b tests at the end name their own mutations.
 """
 
