@@ -367,8 +367,10 @@ class DistributedDataParallel(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches inside only accumulate into main_grad: no readiness, no collectives.
-        Refused (RuntimeError) once the iteration's sync started: only the last micro-batch runs
-        outside no_sync()."""
+        Only the last micro-batch runs outside no_sync(): once its backward launched bucket groups
+        a forward with grad is refused (inside no_sync() too), while an earlier micro-batch's
+        deferred backward_dw() may still run in here; refused (RuntimeError) once the iteration is
+        finished or stepped."""
         previous = self._sync.enter_no_sync()
         try:
             yield

@@ -360,6 +360,22 @@ void GradSync::begin_microbatch(bool grad_enabled) {
     FP8DP_CHECK(false, "forward with grad enabled in phase '", phase_name(ph), "': ", why,
                 ". (A forward under torch.no_grad(), e.g. evaluation, is allowed in every phase.)");
   }
+  // C5: only the last micro-batch runs outside no_sync(). Once a parameter was reported ready as
+  // often as in the first iteration, another backward outside no_sync() would be refused by
+  // readiness partway through (after earlier hooks and queued backward_dw() entries changed
+  // state), with overlap off as well, where nothing has launched yet: refuse its forward instead.
+  if (grad_enabled && sync_enabled_) {
+    const int64_t p = readiness_->first_at_golden();
+    FP8DP_CHECK(p < 0,
+                "forward with grad enabled outside no_sync() after the iteration's last "
+                "micro-batch: parameter '",
+                names_[p], "' was already reported ready ", readiness_->count(p),
+                " time(s) in this iteration, as often as in the first one, "
+                "so this micro-batch's backward would report it once more. Run every micro-batch "
+                "but the LAST under no_sync(), then finish_grad_sync() (or the optimizer step) "
+                "and zero_grad_buffer() before the next iteration's forward. (A forward under "
+                "torch.no_grad(), e.g. evaluation, is allowed.)");
+  }
   // Without overlap_param_gather nothing else waits before the module reads its weights.
   if (!opts_.overlap_param_gather) finish_param_sync_locked(-1);
   ledger_->begin_microbatch();
@@ -368,12 +384,19 @@ void GradSync::begin_microbatch(bool grad_enabled) {
 bool GradSync::enter_no_sync() {
   std::lock_guard<std::mutex> lock(mu_);
   const Phase ph = phase_locked();
-  FP8DP_CHECK(ph == Phase::kAccumulating, "no_sync() in phase '", phase_name(ph),
+  // While some groups are launched (sync_started), no_sync() is what a deferred backward_dw() of
+  // an earlier micro-batch runs in (its own micro-batch's context, as after a pipeline schedule's
+  // last B step); it delivers into a group that is still waiting for it. Nothing can reach a
+  // launched bucket from inside either: a forward with grad is refused (begin_microbatch) and so
+  // is any gradient for a launched group (check_accepting_locked). Once the iteration is reduced
+  // no micro-batch of it is left to run: refused here, the earliest place.
+  FP8DP_CHECK(ph == Phase::kAccumulating || ph == Phase::kSyncStarted, "no_sync() in phase '",
+              phase_name(ph),
               "': a micro-batch under no_sync() must come before the last one of the iteration, "
-              "while nothing is launched or reduced; its gradients would land on ",
-              ph == Phase::kSyncStarted ? "buckets being reduced" : "reduced buckets",
-              ". Only the LAST micro-batch runs outside no_sync(); call zero_grad_buffer() to "
-              "start the next iteration");
+              "and this iteration's gradients are ",
+              ph == Phase::kFailed ? "not reduced (finish_grad_sync() failed)" : "reduced",
+              "; its gradients would land on reduced buckets. Call zero_grad_buffer() to start the "
+              "next iteration");
   const bool previous = sync_enabled_;
   sync_enabled_ = false;
   return previous;
@@ -424,11 +447,19 @@ std::string GradSync::undelivered_locked() {
          "delay_wgrad_compute=True, before finish_grad_sync(); the queued ones are dropped";
 }
 
-std::string GradSync::local_errors() {
+std::string GradSync::local_errors() const {
   std::ostringstream err;
-  if (!undelivered_.empty()) err << undelivered_locked();
-  // A forgotten backward_dw() also leaves its bucket incomplete: the message above says why.
-  if (err.tellp() == 0 && sync_enabled_ && readiness_->golden_known()) {
+  const std::string lost = describe_undelivered();
+  if (!lost.empty())
+    err << lost
+        << ". Call module.backward_dw() once per backward that reached a module built with "
+           "delay_wgrad_compute=True, before finish_grad_sync()";
+  // A forgotten backward_dw() also leaves its bucket incomplete: the message above says why. Only
+  // a PARTIAL iteration is an error: one without any report outside no_sync() (no micro-batch, or
+  // every one inside it) reduces what was accumulated, as the first iteration does and as
+  // Megatron's finish_grad_sync does without overlap.
+  if (err.tellp() == 0 && sync_enabled_ && readiness_->golden_known() &&
+      readiness_->any_reported()) {
     std::vector<std::string> missing;
     for (size_t g = 0; g < groups_.size(); ++g)
       if (!groups_[g].launched())
@@ -439,10 +470,32 @@ std::string GradSync::local_errors() {
           << join(missing) << " (a skipped backward_dw() or a hook that did not fire?)";
   }
   if (opts_.grad_ledger) {
-    const std::string l = ledger_->end_iteration();
+    const std::string l = ledger_->check();
     if (!l.empty()) err << (err.tellp() > 0 ? "\n" : "") << l;
   }
   return err.str();
+}
+
+void GradSync::refuse_finish_locked(const std::string& msg, bool launched) {
+  if (!launched) {
+    // Nothing was reduced: main_grad, the counts, the ledger and the queued backward_dw() entries
+    // stay, so the caller can fix the cause and call again. Only the NaN flags this check computed
+    // are dropped (no group is launched, so reset() does nothing else): a later finish computes
+    // them again from the buckets as they are then.
+    for (auto& g : groups_) g.reset();
+    FP8DP_CHECK(false, msg,
+                "\nfinish_grad_sync: no collective of this iteration was launched and nothing "
+                "changed (main_grad, the queued backward_dw() entries, phase '",
+                phase_name(phase_locked()),
+                "'): fix the cause (e.g. run the missing backward_dw()) and call "
+                "finish_grad_sync() again, or call zero_grad_buffer() to drop this iteration's "
+                "gradients");
+  }
+  abandon_iteration();
+  FP8DP_CHECK(false, msg,
+              "\nfinish_grad_sync: bucket groups of this iteration had already launched their "
+              "collectives, so main_grad is NOT reduced consistently (phase 'failed'); call "
+              "zero_grad_buffer() and redo the iteration");
 }
 
 void GradSync::abandon_iteration() {
@@ -467,6 +520,10 @@ void GradSync::finish_grad_sync() {
               "finish_grad_sync() in phase 'failed': an earlier finish_grad_sync() (or a "
               "gradient added to a launched bucket) failed and main_grad is not reduced; call "
               "zero_grad_buffer() and redo the iteration");
+  // Until a bucket collective of this iteration runs, main_grad holds exactly the accumulated
+  // local gradients and a refusal can leave everything as it was (contract C11).
+  bool launched = false;
+  for (const auto& g : groups_) launched = launched || g.launched();
   const std::string err = local_errors();
   if (opts_.grad_ledger || opts_.check_for_nan_in_grad) {
     // Agree before raising: a rank that raised alone would leave the others blocked in the next
@@ -501,15 +558,14 @@ void GradSync::finish_grad_sync() {
         msg += (msg.empty() ? "" : "\n") + std::string("check_for_nan_in_grad: rank ") +
                std::to_string(rank) + " has NaN or Inf in the local gradients of " + join(bad);
       }
-      abandon_iteration();
-      FP8DP_CHECK(false, msg.empty() ? "finish_grad_sync: rank(s) " + join(failed) +
-                                           " found errors (see their messages); main_grad is "
-                                           "not reduced"
-                                     : msg);
+      // Every rank saw the same flags and the same launches (lockstep), so all take one branch.
+      refuse_finish_locked(msg.empty() ? "finish_grad_sync: rank(s) " + join(failed) +
+                                             " found errors (see their messages)"
+                                       : msg,
+                           launched);
     }
   } else if (!err.empty()) {
-    abandon_iteration();
-    FP8DP_CHECK(false, err);
+    refuse_finish_locked(err, launched);
   }
   for (auto& g : groups_)
     if (!g.launched()) g.start_grad_sync(*comm_, settings_);
@@ -523,6 +579,7 @@ void GradSync::finish_grad_sync() {
   }
   for (auto& g : groups_) g.reset();
   readiness_->end_iteration();
+  ledger_->reset();
   finished_ = true;
 }
 

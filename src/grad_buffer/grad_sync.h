@@ -103,8 +103,10 @@ class GradSync : public GradSink {
   // toggles it between B and W steps).
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
   bool sync_enabled() const { return sync_enabled_; }
-  // DDP's no_sync(): refused outside the accumulating phase (a micro-batch after the sync started
-  // would add to launched or reduced buckets); disables sync and returns the previous setting.
+  // DDP's no_sync(): disables sync and returns the previous setting. Refused once the iteration is
+  // finished, stepped or failed (no micro-batch of it is left); allowed while groups are launched
+  // (sync_started), where a deferred backward_dw() of an earlier micro-batch runs in it, and where
+  // a forward with grad is refused anyway.
   bool enter_no_sync();
   // Where the iteration stands (Phase), and its name for Python and messages.
   Phase phase() const;
@@ -171,7 +173,12 @@ class GradSync : public GradSink {
   // Refuses a gradient of p (`what`) that would land in a launched or reduced bucket.
   void check_accepting_locked(int64_t p, Route route, const char* what);
   std::string describe_undelivered() const;
-  std::string local_errors();
+  // What finish_grad_sync() must refuse (undelivered queued gradients, a partial iteration, the
+  // ledger), "" when nothing; changes nothing.
+  std::string local_errors() const;
+  // Raises msg. When no bucket collective of this iteration was launched nothing changes (the
+  // caller may fix the cause and call again); else the iteration is abandoned: phase failed.
+  [[noreturn]] void refuse_finish_locked(const std::string& msg, bool launched);
   // Raises if a queued weight gradient was never delivered; forgets them and starts a new
   // iteration either way (mu_ held).
   std::string undelivered_locked();

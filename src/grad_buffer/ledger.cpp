@@ -73,6 +73,12 @@ int64_t Ledger::attribute(int64_t p) const {
 }
 
 std::string Ledger::end_iteration() {
+  std::string msg = check();
+  reset();
+  return msg;
+}
+
+std::string Ledger::check() const {
   std::ostringstream err;
   for (size_t p = 0; p < names_.size(); ++p) {
     const auto& want = expected_[p];
@@ -96,7 +102,6 @@ std::string Ledger::end_iteration() {
         "gradient ledger: each micro-batch's gradient must enter main_grad exactly once per use "
         "(contracts C2, C8), but (contributions received of announced):" +
         msg;
-  reset();
   return msg;
 }
 

@@ -47,6 +47,9 @@ class Ledger {
   // each micro-batch announced, else a message naming each parameter and micro-batch that got too
   // few (lost) or too many (counted twice).
   std::string end_iteration();
+  // The same check without starting the next iteration (a refused finish_grad_sync() that changed
+  // nothing keeps the counts, so the call can be repeated once the cause is fixed).
+  std::string check() const;
   void reset();
 
   int64_t microbatches() const { return microbatches_; }

@@ -45,6 +45,7 @@ bool Readiness::mark(int64_t p) {
                 "twice, or is backward_dw() called more often than backward?)");
   const bool was = done(p);
   ++count_[p];
+  any_reported_ = true;
   return update(p, was);
 }
 
@@ -53,6 +54,7 @@ void Readiness::expect_delivery(int64_t p) {
                   "param index: expected in [0, ", count_.size(), "), got ", p);
   const bool was = done(p);
   ++outstanding_[p];
+  any_reported_ = true;
   update(p, was);
 }
 
@@ -81,6 +83,13 @@ std::vector<std::string> Readiness::incomplete(int64_t g) const {
   return out;
 }
 
+int64_t Readiness::first_at_golden() const {
+  if (!golden_known_) return -1;
+  for (size_t p = 0; p < count_.size(); ++p)
+    if (golden_[p] > 0 && count_[p] >= golden_[p]) return static_cast<int64_t>(p);
+  return -1;
+}
+
 void Readiness::end_iteration() {
   if (!golden_known_) {
     bool any = false;
@@ -96,6 +105,7 @@ void Readiness::end_iteration() {
 void Readiness::reset() {
   std::fill(count_.begin(), count_.end(), 0);
   std::fill(outstanding_.begin(), outstanding_.end(), 0);
+  any_reported_ = false;
   for (size_t g = 0; g < params_of_group_.size(); ++g) {
     pending_[g] = 0;
     if (golden_known_)

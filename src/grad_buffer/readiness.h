@@ -36,6 +36,12 @@ class Readiness {
   bool mark_delivery(int64_t p);
 
   bool golden_known() const { return golden_known_; }
+  // Some report was counted in this iteration (mark() or expect_delivery(): outside no_sync()).
+  // An iteration without any (no micro-batch, or all inside no_sync()) is not a partial one.
+  bool any_reported() const { return any_reported_; }
+  // The first parameter already reported as often as in the first iteration (its next report
+  // would be refused by mark()), or -1; always -1 while the golden counts are not known.
+  int64_t first_at_golden() const;
   // Parameters of group g that are not done, as "name (ready n of m)" strings (with the number of
   // gradients still queued for backward_dw(), when any).
   std::vector<std::string> incomplete(int64_t g) const;
@@ -61,6 +67,7 @@ class Readiness {
   std::vector<int64_t> count_, golden_, outstanding_;
   std::vector<int64_t> pending_;  // per group: parameters (with golden > 0) not done
   bool golden_known_ = false;
+  bool any_reported_ = false;
 };
 
 }  // namespace fp8dp

@@ -62,9 +62,9 @@ TEST(Readiness, IncompleteListsMissingParameters) {
 // (its autograd hook) are the same whether or not the deferred GEMM makes b's gradient (FP8 off:
 // it does; FP8 on: autograd has it), so an iteration of either route completes the group, the
 // one with a queued gradient only when it is delivered.
-// Mechanism removed (expected; not run one by one): expect_delivery() a no-op and mark_delivery()
-// a learned mark(), the golden-count readiness before C11, makes the delivery an excess report
-// ("'a' was reported ready 2 times"), as the same model showed on the tree before C11.
+// Mechanism removed (run 2026-12-03, H1b): expect_delivery() a no-op and mark_delivery() a learned
+// mark(), the golden-count readiness before C11: r.mark(1) completes the group at once (true,
+// expected false), incomplete() is empty, and the delivery throws as an excess report.
 TEST(Readiness, LearnedFromOneRouteServesTheOther) {
   Readiness r = learned();  // learned without any queued gradient (the FP8-on route)
   r.expect_delivery(0);     // FP8 off: backward queues a's gradient...

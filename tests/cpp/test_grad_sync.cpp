@@ -292,9 +292,9 @@ void learn(Fixture& f) {
   f.sync->zero_grad_buffer();
 }
 
-// Mechanism removed (expected; not yet run) (check_accepting_locked() returning at once): the
-// gradient is added to the bucket in flight, so the main_grad EXPECT fails (2 instead of 1) and the
-// error text checks fail.
+// Mechanism removed (run 2026-12-03, H1b: check_accepting_locked() returning at once): the
+// gradient is added to the bucket in flight, so the main_grad EXPECT fails and the error text
+// checks fail (also "arrived in phase 'finished'").
 TEST(GradSyncPhases, GradientForALaunchedGroupIsRefusedBeforeItIsAdded) {
   Fixture f(overlap());
   learn(f);
@@ -324,9 +324,9 @@ TEST(GradSyncPhases, GradientForALaunchedGroupIsRefusedBeforeItIsAdded) {
   EXPECT_TRUE(at::equal(f.sync->main_grad(0), at::ones({4, 3})));
 }
 
-// Mechanism removed (expected failure; not yet run one by one): the grad_enabled check in
-// begin_microbatch() removed: every EXPECT_NE on the refusals fails (no error), and enter_no_sync()
-// without its check fails the last one.
+// Mechanism removed (run 2026-12-03, H1b): the grad_enabled check in begin_microbatch() removed:
+// the four EXPECT_NEs on forward refusals fail (no error); enter_no_sync() without its check: the
+// no_sync() in phase 'finished' is accepted and sync_enabled() is false (two failures).
 TEST(GradSyncPhases, ForwardWithGradAndNoSyncAreRefusedOnceTheSyncStarted) {
   Fixture f(overlap());
   learn(f);
@@ -340,20 +340,26 @@ TEST(GradSyncPhases, ForwardWithGradAndNoSyncAreRefusedOnceTheSyncStarted) {
             std::string::npos)
       << fwd;
   EXPECT_EQ(error_of([&] { f.sync->begin_microbatch(false); }), "");  // evaluation: allowed
-  EXPECT_NE(error_of([&] { f.sync->enter_no_sync(); }).find("no_sync() in phase 'sync_started'"),
+  // no_sync() is allowed while groups are launched (a deferred backward_dw() of an earlier
+  // micro-batch runs in it); a forward with grad inside it is refused all the same.
+  EXPECT_EQ(error_of([&] { EXPECT_TRUE(f.sync->enter_no_sync()); }), "");
+  EXPECT_NE(error_of([&] { f.sync->begin_microbatch(true); }).find("phase 'sync_started'"),
             std::string::npos);
-  EXPECT_TRUE(f.sync->sync_enabled());  // the refused no_sync() changed nothing
+  f.sync->set_sync_enabled(true);
   f.sync->param_ready(0, at::ones({4, 3}), false);
   f.sync->finish_grad_sync();
   EXPECT_NE(error_of([&] { f.sync->begin_microbatch(true); }).find("phase 'finished'"),
             std::string::npos);
+  EXPECT_NE(error_of([&] { f.sync->enter_no_sync(); }).find("no_sync() in phase 'finished'"),
+            std::string::npos);
+  EXPECT_TRUE(f.sync->sync_enabled());  // the refused no_sync() changed nothing
   f.sync->zero_grad_buffer();
   EXPECT_EQ(error_of([&] { f.sync->begin_microbatch(true); }), "");
   EXPECT_EQ(error_of([&] { f.sync->enter_no_sync(); }), "");
 }
 
-// Mechanism removed (expected failure; not yet run one by one): start_grad_sync() without its
-// finished early return: grad_launches becomes 4 (every group reduced a second time).
+// Mechanism removed (run 2026-12-03, H1b): start_grad_sync() without its finished early return:
+// grad_launches is 6, expected 4 (both groups reduced a second time).
 TEST(GradSyncPhases, StartAfterFinishIsANoOpAndFinishIsIdempotent) {
   Fixture f(overlap());
   learn(f);
@@ -368,9 +374,9 @@ TEST(GradSyncPhases, StartAfterFinishIsANoOpAndFinishIsIdempotent) {
 
 // The collective reads its bucket at launch and writes the result at its end (SnapshotWork): a
 // factor applied in between is lost unless scale_gradients() waits first.
-// Mechanism removed (expected failure; not yet run one by one): the wait for launched groups in
-// scale_gradients() removed: main_grad(1) is 1, not 0.5 (the factor lost on the launched group {c,
-// b}), while a (not launched) is 0.5.
+// Mechanism removed (run 2026-12-03, H1b): the wait for launched groups in scale_gradients()
+// removed: the main_grad == 0.5 EXPECT fails for the parameters of the launched group {c, b} (the
+// factor lost); tests/distributed cases_phases scale_in_flight fails all 12 cases (ws 2 and 3).
 TEST(GradSyncPhases, ScaleWaitsForLaunchedCollectives) {
   Fixture f(overlap());
   learn(f);
@@ -384,9 +390,8 @@ TEST(GradSyncPhases, ScaleWaitsForLaunchedCollectives) {
     EXPECT_TRUE(at::equal(f.sync->main_grad(p), at::full_like(f.params[p], 0.5f))) << p;
 }
 
-// Mechanism removed (expected failure; not yet run one by one): copy_shards() not marking the step:
-// the refusal of scale_gradients() and of the forward after the step do not happen (both EXPECT_NE
-// fail).
+// Mechanism removed (run 2026-12-03, H1b): copy_shards() not marking the step: the phase is
+// "finished", and the refusals of the forward and of scale_gradients() naming 'stepped' fail.
 TEST(GradSyncPhases, StepThenForgottenZeroIsRefused) {
   GradSyncOptions o = overlap();
   o.use_distributed_optimizer = true;
@@ -408,8 +413,9 @@ TEST(GradSyncPhases, StepThenForgottenZeroIsRefused) {
   EXPECT_STREQ(phase_name(f.sync->phase()), "accumulating");
 }
 
-// Mechanism removed (expected failure; not yet run one by one): begin_microbatch() without the wait
-// for param all-gathers: the waits of both gathers stay 0.
+// Mechanism removed (run 2026-12-03, H1b): begin_microbatch() without the wait for param
+// all-gathers: the waits stay 0 (expected 2) and a gather is still pending; cases_phases
+// forward_waits_for_the_gather fails on ws 2 and 3 (a gloo all_gather timeout on rank 1).
 TEST(GradSyncPhases, ForwardWaitsForEveryGatherWithoutOverlapParamGather) {
   GradSyncOptions o = overlap();
   o.use_distributed_optimizer = true;
@@ -429,9 +435,9 @@ TEST(GradSyncPhases, ForwardWaitsForEveryGatherWithoutOverlapParamGather) {
   }
 }
 
-// Mechanism removed (expected failure; not yet run one by one): the stale-.grad slot of the layout
-// check ignored: the constructor succeeds, and after zero_grad_buffer() without clearing .grad the
-// last EXPECT fails.
+// Mechanism removed (run 2026-12-03, H1b): the stale-.grad slot of the layout check ignored: the
+// "has a .grad left" EXPECT fails (the constructor succeeds); zero_grad_buffer() without clearing
+// .grad: the last EXPECT fails (.grad still defined).
 TEST(GradSyncPhases, StaleGradIsRefusedAtWrapAndZeroClearsGrad) {
   std::vector<at::Tensor> params{at::zeros({3}).requires_grad_()};
   params[0].mutable_grad() = at::ones({3});

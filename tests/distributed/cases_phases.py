@@ -145,7 +145,8 @@ def refusals_agree_on_every_rank(rank, ws, kind):
     except RuntimeError as e:
         refused = str(e)
     assert refused is not None, "the misordered forward was accepted"
-    assert ("phase 'stepped'" if opt else "no_sync() in phase 'sync_started'") in refused, refused
+    want = "phase 'stepped'" if opt else "forward with grad enabled in phase 'sync_started'"
+    assert want in refused, refused
     if opt is not None:
         opt.zero_grad()
     ref = copy.deepcopy(model)  # the parameters the next iteration runs at (stepped or not)

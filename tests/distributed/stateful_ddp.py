@@ -395,13 +395,10 @@ class DDPLifecycle:
     def expect_finish(self) -> str:
         if self.dw_pending():
             return "refuse"  # C5: an incomplete bucket at finish is an error naming it
-        if not self.it.sync_mb and not self.it.finished:
-            # An iteration without a micro-batch outside no_sync() (none at all, or all inside):
-            # Megatron's finish_grad_sync reduces what is there; fp8dp refuses it after the first
-            # iteration ("not reported ready as often as in the first iteration ... a skipped
-            # backward_dw()?") and accepts it in the first. Either passes here, if clean; the
-            # inconsistency is recorded in docs/stateful_testing.md.
-            return "may_refuse"
+        # An iteration without a micro-batch outside no_sync() (none at all, or all inside) is not
+        # a partial one: finish_grad_sync() reduces what is there, in every iteration (as
+        # Megatron's does). Was "may_refuse" while fp8dp refused it after the first iteration
+        # (docs/stateful_testing.md, finding 3; fixed by H1b).
         return "ok"
 
     def op_finish_grad_sync(self):
@@ -416,7 +413,12 @@ class DDPLifecycle:
 
     def op_scale_gradients(self, f):
         it = self.it
-        if it.finished:
+        if it.stepped and self.opt is not None:
+            # C11: after the distributed optimizer's step (copy_shards() after the finish) the
+            # factor could no longer act; refused. (A plain SGD step on main_grad is invisible to
+            # fp8dp: scaling then is the user's business and does what it says.)
+            exp = "refuse"
+        elif it.finished:
             exp = "ok"
         elif self.maybe_launched():
             exp = "may_refuse"  # wait for the collectives in flight, then scale; or refuse
@@ -553,6 +555,9 @@ class DDPLifecycle:
         tag, bad, out = self.attempt("ok", run, "copy_shards(); start_param_sync(); forward")
         if bad:
             return tag, bad
+        # copy_shards() after finish_grad_sync() is the optimizer step of those gradients
+        # (GradSync's phase 'stepped'; model finding of H1b: it was not modelled)
+        self.it.stepped = self.it.stepped or self.it.finished
         for r in range(self.ws):
             self.P[r] = {n: v + delta for n, v in self.P[r].items()}
         if not self.fp8:

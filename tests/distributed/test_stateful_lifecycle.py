@@ -20,9 +20,6 @@ from harness import HERE, torchrun
 # A family whose mechanism has not landed in main is marked here (strict=False: it passes once
 # the mechanism lands). Each reason names the mechanism and the issue 28 section.
 PENDING = {
-    "phases": "§1 / C11, the DDP phase state machine (H1): a micro-batch after finish_grad_sync() "
-    "or step() without zero_grad_buffer() is accepted; a refused finish_grad_sync() drops the "
-    "pending backward_dw() entries; copy_shards + start_param_sync + forward aborts gloo",
     "params": "§3 / C13, masters refreshed when parameters change outside step() and "
     "reload_model_params() (H3)",
     "autograd": "§4 / C14, autograd.grad on delayed / fused weights (H4): refused after queueing",

@@ -16,11 +16,20 @@ Mechanism removed:
   sequence in a scratch script): every delay=True case fails, "bucket(s) still incomplete ...
   '0.bias' (ready 1 of 2)" for off->on and "'2.bias' was reported ready 2 times ... but 1" for
   on->off; plain and fused pass there (their counts do not depend on FP8).
-- NOT yet run one by one (the build on the shared 2-core machine took ~40 min): the forward
-  refusal removed should make the no_sync / start_grad_sync / forgotten-zero tests fail with
-  "DID NOT RAISE"; enter_no_sync() without its check, the no_sync one; the stale-.grad slot
-  ignored, test_stale_grad_at_wrap_is_refused; zero_grad_buffer() not clearing .grad,
-  test_zero_grad_clears_grad (its 1000.0 .grad would be added by the first hook).
+- Run one by one on 2026-12-03 (H1b; each guard disabled by an environment switch in a scratch
+  build that was not committed): the forward refusal (begin_microbatch's phase check) removed ->
+  the no_sync / start_grad_sync / forgotten-zero tests fail with "DID NOT RAISE RuntimeError";
+  the stale-.grad slot ignored -> test_stale_grad_at_wrap_is_refused "DID NOT RAISE ValueError";
+  zero_grad_buffer() not clearing .grad -> both test_zero_grad_clears_grad cases fail at
+  "all(p.grad is None ...)"; copy_shards() not marking the step -> the forgotten-zero test gets
+  "forward with grad enabled in phase 'finished'" where 'stepped' is expected; start_grad_sync()
+  without its finished early return -> nothing here fails (with dp = 1 a second reduction is an
+  identity and the phase stays 'finished'): tests/cpp/test_grad_sync.cpp counts the launches and
+  catches it; readiness's exact counting of queued gradients replaced by
+  learned marks -> the four delay=True FP8-switch cases fail ("a gradient of parameter '2.bias'
+  arrived in phase 'sync_started'" or "assert 'accumulating' == 'sync_started'"). enter_no_sync()
+  without its check is caught by tests/cpp/test_grad_sync.cpp (no_sync() after the finish).
+  The H1b tests at the end name their own mutations.
 """
 
 import contextlib
@@ -66,8 +75,8 @@ def check(ddp, ref):
 
 
 def wrap(model, group, **kw):
-    kw = {"bucket_size": 100, **kw}
-    cfg = fp8dp.DistributedDataParallelConfig(overlap_grad_reduce=True, **kw)
+    kw = {"bucket_size": 100, "overlap_grad_reduce": True, **kw}
+    cfg = fp8dp.DistributedDataParallelConfig(**kw)
     return fp8dp.DistributedDataParallel(model, cfg, process_group=group)
 
 
@@ -112,9 +121,9 @@ def test_no_sync_around_all_but_the_first_is_refused(group):
     ddp.zero_grad_buffer()
     loss_of(ddp(x[0]), y[0]).backward()
     assert ddp.phase == "sync_started"
-    with pytest.raises(RuntimeError, match=r"no_sync\(\) in phase 'sync_started'"):
-        with ddp.no_sync():
-            pass
+    with ddp.no_sync():  # allowed (an earlier micro-batch's backward_dw() may run in it) ...
+        with pytest.raises(RuntimeError, match=r"Only the LAST micro-batch of an iteration runs"):
+            ddp(x[1])  # ... but not a micro-batch
     with pytest.raises(RuntimeError, match=r"Only the LAST micro-batch of an iteration runs"):
         ddp(x[1])
     # Nothing changed: finishing gives micro-batch 0's gradient alone.
@@ -141,6 +150,7 @@ def test_start_grad_sync_before_the_last_microbatch_is_refused(group):
     ddp.finish_grad_sync()
     check(ddp, reference(model, x, y, [0]))
     ddp.start_grad_sync()  # after the finish: a no-op, not a second reduction
+    assert ddp.phase == "finished"
     check(ddp, reference(model, x, y, [0]))
 
 
@@ -250,3 +260,254 @@ def test_fp8_switch_keeps_readiness_exact(group, fp8_states_released, order, rou
             torch.testing.assert_close(
                 p.main_grad, r.grad.float(), **TOL, msg=lambda m, n=name, i=it: f"{i} {n}: {m}"
             )
+
+
+# ---- finish_grad_sync(): what is partial, and what a refusal may change (H1b) ------------------
+def delayed_model():
+    """Two delayed-wgrad Linears (FP8 off: high-precision GEMMs, so the float64 reference of
+    reference() holds with TOL); their weight and bias gradients come from backward_dw()."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        fp8dp.Linear(12, 24, delay_wgrad_compute=True),
+        nn.Tanh(),
+        fp8dp.Linear(24, 5, delay_wgrad_compute=True),
+    )
+
+
+def plain_twin(model):
+    """The same weights in nn.Linear (fp8dp.Linear computes x W^T + b), for reference()."""
+    twin = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 5))
+    with torch.no_grad():
+        for i in (0, 2):
+            twin[i].weight.copy_(model[i].weight)
+            twin[i].bias.copy_(model[i].bias)
+    return twin
+
+
+def microbatch(ddp, x, y, no_sync, dw=(0, 2)):
+    """One micro-batch; backward_dw() right after its backward for the layers in dw."""
+    with ddp.no_sync() if no_sync else contextlib.nullcontext():
+        loss_of(ddp(x), y).backward()
+        for i in dw:
+            ddp.module[i].backward_dw()
+
+
+def state(ddp):
+    """What a refusal must leave as it was: main_grad, the phase, the delayed-wgrad queues."""
+    return (
+        [p.main_grad.clone() for p in ddp._params],
+        ddp.phase,
+        [m._core.queued_wgrads for m in ddp.module if isinstance(m, fp8dp.Linear)],
+    )
+
+
+def assert_same_state(before, after):
+    assert after[1] == before[1], f"phase changed: {before[1]!r} -> {after[1]!r}"
+    assert after[2] == before[2], f"delayed-wgrad queues changed: {before[2]} -> {after[2]}"
+    for a, b in zip(before[0], after[0]):
+        assert torch.equal(a, b), "main_grad changed"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("kind", ["all_no_sync", "none"])
+def test_iteration_without_reports_is_reduced(group, overlap, kind):
+    """An iteration with no readiness report (every micro-batch inside no_sync(), or none at all)
+    is not a partial one: finish_grad_sync() reduces what was accumulated, in every iteration as
+    in the first (and as Megatron's finish_grad_sync without overlap). Stateful finding 3: it was
+    accepted in iteration 1 and refused later ("bucket(s) still incomplete ... a skipped
+    backward_dw()?"), and the refusal left the phase 'failed'.
+
+    Mutation (run 2026-12-03): the any_reported() condition removed from local_errors() -> all 4
+    cases fail in finish_grad_sync() with RuntimeError "bucket(s) still incomplete, these
+    parameters were not reported ready as often as in the first iteration: '0.weight' (ready 0
+    of 1) ..." (and, with this branch's refusal, "nothing changed": the phase stays).
+    """
+    model = mlp()
+    ddp = wrap(model, group, overlap_grad_reduce=overlap)
+    x, y = batch(5)
+    for _ in range(2):  # the first iteration learns the counts; the second has them
+        iteration(ddp, x, y)
+    check(ddp, reference(model, x, y, range(N_MB)))
+    ddp.zero_grad_buffer()
+    mbs = range(N_MB) if kind == "all_no_sync" else []
+    for k in mbs:
+        with ddp.no_sync():
+            loss_of(ddp(x[k]), y[k]).backward()
+    ddp.finish_grad_sync()
+    assert ddp.phase == "finished"
+    if mbs:
+        check(ddp, reference(model, x, y, mbs))
+    else:
+        assert all(not p.main_grad.count_nonzero() for p in ddp._params)  # exact: nothing added
+    iteration(ddp, x, y)  # and the next iteration is a normal one
+    check(ddp, reference(model, x, y, range(N_MB)))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_refused_finish_before_any_launch_changes_nothing(group, overlap):
+    """finish_grad_sync() with a backward_dw() still pending is refused; no bucket collective
+    had run (overlap off, or the one bucket still waiting for that gradient), so the refusal
+    leaves main_grad, the queue and the phase as they were, and the caller recovers by running
+    the backward_dw() and finishing again (stateful finding 1: the queue went 1 -> 0 and the phase
+    to 'failed').
+
+    Mutations (run 2026-12-03, both cases): the queue cleared on refusal as before
+    (undelivered_locked() after local_errors()) -> "delayed-wgrad queues changed: [1, 0] -> [0,
+    0]"; refuse_finish_locked() abandoning the iteration whatever was launched -> the message
+    says "had already launched ... (phase 'failed')" instead of "nothing changed" (regex
+    mismatch).
+    """
+    model = delayed_model()
+    twin = plain_twin(model)
+    ddp = wrap(model, group, overlap_grad_reduce=overlap, bucket_size=10**6)
+    x, y = batch(6)
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        microbatch(ddp, x[0], y[0], no_sync=True)
+        microbatch(ddp, x[1], y[1], no_sync=False)
+        ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    microbatch(ddp, x[0], y[0], no_sync=True)
+    microbatch(ddp, x[1], y[1], no_sync=False, dw=(2,))  # layer 0's backward_dw() forgotten
+    before = state(ddp)
+    assert before[1:] == ("accumulating", [1, 0])
+    with pytest.raises(
+        RuntimeError, match=r"(?s)never computed by backward_dw\(\): '0.weight'.*nothing changed"
+    ):
+        ddp.finish_grad_sync()
+    assert_same_state(before, state(ddp))
+    model[0].backward_dw()
+    ddp.finish_grad_sync()
+    assert ddp.phase == "finished"
+    check(ddp, reference(twin, x, y, [0, 1]))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_partial_iteration_is_refused(group, overlap):
+    """A PARTIAL iteration (a backward outside no_sync() that reached only the last layer, via
+    backward(inputs=...)) is an error naming the parameters not reported. Overlap off: nothing
+    launched, so nothing changes. Overlap on: the last layer's bucket completed and launched its
+    collective, so main_grad is partly reduced: phase 'failed', and the message says
+    zero_grad_buffer() and redo the iteration; after that the next iteration is exact.
+
+    Mutations (run 2026-12-03): refuse_finish_locked() never abandoning -> overlap on fails with
+    "phase is 'accumulating', expected 'failed'"; always abandoning -> overlap off fails with
+    "phase changed: 'accumulating' -> 'failed'".
+    """
+    model = mlp()
+    ddp = wrap(model, group, overlap_grad_reduce=overlap)
+    x, y = batch(7)
+    iteration(ddp, x, y)
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        loss_of(ddp(x[0]), y[0]).backward()
+    loss_of(ddp(x[1]), y[1]).backward(inputs=[model[2].weight, model[2].bias])
+    before = state(ddp)
+    assert before[1] == ("sync_started" if overlap else "accumulating")
+    with pytest.raises(RuntimeError, match=r"(?s)still incomplete.*'0.weight' \(ready 0 of 1\)"):
+        ddp.finish_grad_sync()
+    if overlap:
+        assert ddp.phase == "failed", f"phase is {ddp.phase!r}, expected 'failed'"
+        with pytest.raises(RuntimeError, match=r"phase 'failed'.*zero_grad_buffer\(\)"):
+            ddp.finish_grad_sync()
+    else:
+        assert_same_state(before, state(ddp))
+    iteration(ddp, x, y)
+    check(ddp, reference(model, x, y, range(N_MB)))
+
+
+def test_second_microbatch_outside_no_sync_is_refused_at_its_forward(group):
+    """Overlap off: nothing launches during backward, so a second micro-batch outside no_sync()
+    passed the phase check and was refused by readiness inside its backward ("reported ready 2
+    times"), after backward had queued its weight gradients (stateful finding 8). Its forward is
+    refused instead, before anything changes; evaluation under no_grad() stays allowed, and
+    finishing gives the first micro-batch's gradient alone.
+
+    Mutation (run 2026-12-03): the first_at_golden() check removed from begin_microbatch() ->
+    "DID NOT RAISE RuntimeError" at the forward. (On main, 69b1bfa, the backward then raises
+    "'2.weight' was reported ready 2 times" and leaves a queued entry behind: queue 0 -> 1, so
+    the next finish_grad_sync() is refused too.)
+    """
+    model = delayed_model()
+    twin = plain_twin(model)
+    ddp = wrap(model, group, overlap_grad_reduce=False)
+    x, y = batch(8)
+    ddp.zero_grad_buffer()
+    microbatch(ddp, x[0], y[0], no_sync=False)
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    microbatch(ddp, x[0], y[0], no_sync=False)
+    before = state(ddp)
+    with pytest.raises(RuntimeError, match=r"outside no_sync\(\) after the iteration's last"):
+        ddp(x[1])
+    assert_same_state(before, state(ddp))
+    with torch.no_grad():
+        ddp(x[1])
+    ddp.finish_grad_sync()
+    check(ddp, reference(twin, x, y, [0]))
+
+
+def test_earlier_backward_dw_in_its_no_sync_context_after_a_launch(group):
+    """Overlap on: micro-batch 0 under no_sync() defers its backward_dw(); micro-batch 1's
+    backward (outside) completes and launches layer 0's bucket (phase sync_started). Micro-batch
+    0's deferred backward_dw() then runs in its own context, no_sync() (as a pipeline's W step of
+    an early micro-batch does): it delivers into layer 2's bucket, which still waits for micro-batch
+    1's, so it is accepted; the result is exact. (Stateful finding, fp8 family seed 2 after 630
+    sequences: no_sync() was refused in phase 'sync_started'.)
+
+    Mutation (run 2026-12-03): enter_no_sync() refusing sync_started again -> RuntimeError
+    "no_sync() in phase 'sync_started'" at the with statement (here and in
+    test_no_sync_around_all_but_the_first_is_refused).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(12, 24), nn.Tanh(), fp8dp.Linear(24, 5, delay_wgrad_compute=True)
+    )
+    twin = plain_twin(model)
+    ddp = wrap(model, group)
+    x, y = batch(9)
+    for it in range(2):
+        ddp.zero_grad_buffer()
+        microbatch(ddp, x[0], y[0], no_sync=True, dw=())
+        microbatch(ddp, x[1], y[1], no_sync=False, dw=())
+        if it == 1:
+            assert ddp.phase == "sync_started"  # layer 0's bucket launched
+        with ddp.no_sync():
+            model[2].backward_dw()  # micro-batch 0's entry
+        model[2].backward_dw()  # micro-batch 1's: completes layer 2's bucket
+        ddp.finish_grad_sync()
+        check(ddp, reference(twin, x, y, [0, 1]))
+
+
+def test_scale_gradients_before_any_launch(group):
+    """scale_gradients() between backward and finish_grad_sync(), overlap off (nothing launched)
+    and the last layer's backward_dw() still pending: main_grad *= factor at once (exact: a
+    factor of 0.5 is a power of two), and the gradient delivered afterwards is added unscaled.
+    Stateful finding 7 (found at 5598b43, "main_grad left unscaled"): not reproduced on main
+    (69b1bfa) nor here; this pins it.
+
+    Mutation (run 2026-12-03): GradSync::scale_gradients() made a no-op for the accumulating
+    phase -> "main_grad of '0.weight' is not 0.5 x its value before".
+    """
+    model = nn.Sequential(
+        fp8dp.Linear(12, 24), nn.Tanh(), fp8dp.Linear(24, 5, delay_wgrad_compute=True)
+    )
+    twin = plain_twin(model)
+    ddp = wrap(model, group, overlap_grad_reduce=False)
+    x, y = batch(10)
+    for _ in range(2):  # the second iteration with the counts learnt
+        ddp.zero_grad_buffer()
+        microbatch(ddp, x[0], y[0], no_sync=False, dw=())
+        assert ddp.phase == "accumulating"
+        before = [p.main_grad.clone() for p in ddp._params]
+        ddp.scale_gradients(0.5)
+        for n, p, b in zip(ddp._names, ddp._params, before):
+            assert torch.equal(
+                p.main_grad, 0.5 * b
+            ), f"main_grad of '{n}' is not 0.5 x its value before"
+        model[2].backward_dw()
+        ddp.finish_grad_sync()
+    ref = reference(twin, x, y, [0])
+    for i, n in enumerate(ddp._names):
+        ref[i] = ref[i] * (0.5 if n.startswith("0.") else 1.0)
+    check(ddp, ref)
