@@ -14,8 +14,6 @@
 // - the length of the second gather taken from this rank's own bytes instead of the longest of
 //   the gathered fingerprints: the same 4 tests failed: no ValueError, but the fake world's
 //   "all_gather sizes differ between ranks" (gloo would abort or hang there).
-#include "comm/agreement.h"
-
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -27,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/agreement.h"
 #include "common/check.h"
 
 namespace fp8dp {
