@@ -159,13 +159,12 @@ def find_shared(blocks: Sequence, ranges: Sequence, declared=None) -> list:
 def check_ranks_agree(shared: list, group=None) -> None:
     """ValueError on every rank when the ranks found different shared parameters (a model tied
     on some ranks only): the groups made next would not match and the step would hang. C12's one
-    check (agreement.py), with one field per shared parameter (a missing one is named too)."""
+    check (agreement.py), over one field: every tie this rank found."""
     agreement.check_ranks_agree(
         dist.group.WORLD if group is None else group,
         "Pipeline shared parameters (build the same model, with the same ties and "
         "shared_parameters, on every rank)",
-        lambda: [(f"shared parameter {i}", t.describe()) for i, t in enumerate(shared)]
-        or [("shared parameters", "none")],
+        lambda: [("shared parameters", "; ".join(t.describe() for t in shared) or "none")],
     )
 
 

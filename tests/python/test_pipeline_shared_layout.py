@@ -158,4 +158,8 @@ def test_ranks_that_tie_differently_fail_together():
         assert out.startswith(
             "ValueError: Pipeline shared parameters (build the same model, with the same ties"
         ), f"rank {r}: {out}"
-        assert "rank 0 [stage 0: blocks.0.weight, stage 1: blocks.1.weight]" in out, out
+        assert (
+            "disagree on shared parameters: rank 0 [stage 0: blocks.0.weight, stage 1: blocks.1"
+            in out
+        )
+        assert "rank 1 none" in out, out
