@@ -138,9 +138,10 @@ def test_two_fused_layers_share_one_weight(group, fp8, delay):
 def test_forgotten_backward_dw_is_an_error_naming_the_module(group, fuse):
     """Defect 2: backward ran, backward_dw() did not; under the default config the queue stayed one
     deep and every later step reduced a stale micro-batch. Now finish_grad_sync() names the module
-    and drops what was queued, so the next iteration is exact. Checked by disabling the
-    undelivered check in GradSync::local_errors: no error, and the next iteration's main_grad
-    held the stale micro-batch too."""
+    and, as no collective was launched, keeps the queue (C11, H1b: the caller may still run the
+    missing backward_dw()); zero_grad_buffer() drops it, naming it again, so the next iteration is
+    exact. Checked by disabling the undelivered check in GradSync::local_errors: no error, and the
+    next iteration's main_grad held the stale micro-batch too."""
     torch.manual_seed(2)
     model = torch.nn.Sequential(
         fp8dp.Linear(D, D, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=True),
@@ -159,6 +160,9 @@ def test_forgotten_backward_dw_is_an_error_naming_the_module(group, fuse):
         match=r"never computed by backward_dw\(\).*'0\.weight' \(1 queued, by module '0'\)",
     ):
         ddp.finish_grad_sync()
+    assert model[0].need_backward_dw(), "a refusal before any launch keeps the queue"
+    with pytest.raises(RuntimeError, match=r"zero_grad_buffer: weight gradients queued"):
+        ddp.zero_grad_buffer()
     assert not model[0].need_backward_dw(), "the abandoned iteration's wgrad must be dropped"
     # The next iteration is exact: nothing of the abandoned one arrives.
     ref = [p.detach().double().clone().requires_grad_() for p in model.parameters()]
