@@ -19,13 +19,7 @@ from harness import HERE, torchrun
 
 # A family whose mechanism has not landed in main is marked here (strict=False: it passes once
 # the mechanism lands). Each reason names the mechanism and the issue 28 section.
-PENDING = {
-    "params": "§3 / C13, masters refreshed when parameters change outside step() and "
-    "reload_model_params() (H3)",
-    "autograd": "§4 / C14, autograd.grad on delayed / fused weights (H4): refused after queueing",
-    "agree": "§2 / C12, the cross-rank config fingerprint at construction (H2)",
-    "pipeline": "§5 / C15, a weight shared by the first and the last stage (H5)",
-}
+PENDING: dict = {}
 
 FAMILIES = [
     ("lifecycle", 2),
