@@ -7,6 +7,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from . import _C, agreement
 from .ddp_config import DistributedDataParallelConfig
@@ -46,6 +47,43 @@ class _BackwardBegins:
             ddp._sync.set_backward_microbatch(self._mb)
 
 
+class _ReentrantRegion:
+    """Ledger (grad_ledger): announces the autograd-hook contributions of a reentrant checkpoint's
+    region for micro-batch `microbatch`. Called with the region's backward node found by the
+    forward's graph walk, it wraps the node's recompute (ctx.run_function, which the node's
+    backward calls to rebuild the region's graph): the recompute's outputs are walked like a
+    forward's, so each parameter the nested backward reaches is announced once per recompute,
+    nested regions included. Holds the DDP weakly, like _GradHook."""
+
+    def __init__(self, ddp, microbatch: int):
+        self._ddp = weakref.ref(ddp)
+        self._mb = microbatch
+
+    def __call__(self, node) -> None:
+        run = node.run_function
+        if isinstance(run, _Recompute):  # walked twice (outputs sharing the region)
+            return
+        node.run_function = _Recompute(run, self)
+
+    def announce(self, out) -> None:
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp._sync.announce_hooks(_hooked_params(out, ddp._index, self), self._mb)
+
+
+class _Recompute:
+    """A reentrant checkpoint's region function that announces what its output's graph reaches."""
+
+    def __init__(self, run, region: _ReentrantRegion):
+        self._run = run
+        self._region = region
+
+    def __call__(self, *args):
+        out = self._run(*args)
+        self._region.announce(out)
+        return out
+
+
 class _ParamGatherWait:
     """The forward / state_dict / load_state_dict pre-hook of a module that owns parameters
     (overlap_param_gather): waits for the bucket groups holding them. Holds the DDP weakly, like
@@ -62,11 +100,19 @@ class _ParamGatherWait:
                 ddp._sync.finish_param_sync(g)
 
 
-def _hooked_params(out, index: dict) -> list:
+# The backward node of torch.utils.checkpoint's reentrant mode (None if torch renames it).
+_REENTRANT_NODE = getattr(torch.utils.checkpoint.CheckpointFunction, "_backward_cls", None)
+
+
+def _hooked_params(out, index: dict, on_reentrant=None) -> list:
     """Indices (in `index`: id(parameter) -> index) of the parameters whose autograd hook a backward
     through `out` runs: the AccumulateGrad nodes of its graph, one each (autograd sums every use of
     a parameter into one call of its hook per backward). For the ledger, which announces them per
-    micro-batch; costs a walk of the graph, so only with grad_ledger."""
+    micro-batch; costs a walk of the graph, so only with grad_ledger.
+
+    A reentrant checkpoint's node hides its region: the region ran without a graph, and its
+    backward recomputes it and runs a nested backward whose hooks this walk cannot see. Each such
+    node is passed to `on_reentrant`, which announces the region when it is recomputed."""
     found, seen = [], set()
     stack = [
         t.grad_fn
@@ -83,6 +129,8 @@ def _hooked_params(out, index: dict) -> list:
             if id(var) in index:
                 found.append(index[id(var)])
             continue
+        if on_reentrant is not None and _REENTRANT_NODE is not None and type(fn) is _REENTRANT_NODE:
+            on_reentrant(fn)
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return found
 
@@ -306,8 +354,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync.begin_microbatch(torch.is_grad_enabled())
         out = self.module(*args, **kwargs)
         if self._ledger:
-            self._sync.announce_hooks(_hooked_params(out, self._index))
-            hook = _BackwardBegins(self, self._sync.ledger_microbatch())
+            mb = self._sync.ledger_microbatch()
+            self._sync.announce_hooks(_hooked_params(out, self._index, _ReentrantRegion(self, mb)))
+            hook = _BackwardBegins(self, mb)
             for t in torch.utils._pytree.tree_leaves(out):
                 # (not on a leaf, e.g. a parameter returned as is: its hooks would pile up)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:

@@ -204,10 +204,10 @@ void GradSync::announce(int64_t p) {
   if (opts_.grad_ledger) ledger_->expect(p);
 }
 
-void GradSync::announce_hooks(const std::vector<int64_t>& params) {
+void GradSync::announce_hooks(const std::vector<int64_t>& params, int64_t microbatch) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!opts_.grad_ledger) return;
-  for (int64_t p : params) ledger_->expect(p);
+  for (int64_t p : params) ledger_->expect(p, microbatch);
 }
 
 void GradSync::set_backward_microbatch(int64_t mb) {

@@ -81,8 +81,10 @@ class GradSync : public GradSink {
   void announce(int64_t p) override;
   Token expect(int64_t p, int64_t microbatch, const std::string& module) override;
   // The ledger's announcement of the autograd-hook contributions of one forward: one for each
-  // parameter whose autograd hook the forward's graph reaches (DDP's forward finds them).
-  void announce_hooks(const std::vector<int64_t>& params);
+  // parameter whose autograd hook the forward's graph reaches (DDP's forward finds them), for
+  // micro-batch `microbatch` (-1: the current one; a reentrant checkpoint's recompute runs in its
+  // micro-batch's backward, when later forwards may have begun).
+  void announce_hooks(const std::vector<int64_t>& params, int64_t microbatch = -1);
   // The backward of micro-batch mb began (DDP's hook on the forward's outputs; for the ledger,
   // which counts the autograd-hook contributions that follow against mb: ledger.h).
   void set_backward_microbatch(int64_t mb);

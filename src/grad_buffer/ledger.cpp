@@ -45,10 +45,13 @@ const char* route_name(Route r) {
   return "?";
 }
 
-void Ledger::expect(int64_t p) {
+void Ledger::expect(int64_t p, int64_t mb) {
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(names_.size()),
                   "param index: expected in [0, ", names_.size(), "), got ", p);
-  bump(expected_[p], current_microbatch());
+  FP8DP_CHECK_ARG(mb >= -1 && mb <= current_microbatch(),
+                  "micro-batch: expected -1 (the current one) or a forward's index in [0, ",
+                  current_microbatch(), "], got ", mb);
+  bump(expected_[p], mb < 0 ? current_microbatch() : mb);
 }
 
 void Ledger::record(int64_t p, Route route, int64_t microbatch) {

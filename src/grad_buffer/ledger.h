@@ -33,9 +33,10 @@ class Ledger {
   // The current micro-batch (0-based; 0 before any forward), for a deferred gradient to name its
   // own micro-batch when it arrives later.
   int64_t current_microbatch() const { return std::max<int64_t>(microbatches_, 1) - 1; }
-  // The current micro-batch will deliver one contribution of p (announced during its forward: one
-  // per backward that reaches p's autograd hook, one per fp8dp use that delivers to the sink).
-  void expect(int64_t p);
+  // Micro-batch mb (0-based; -1: the current one) will deliver one contribution of p (announced
+  // during its forward: one per backward that reaches p's autograd hook, one per fp8dp use that
+  // delivers to the sink; or during its backward, by a reentrant checkpoint's recompute).
+  void expect(int64_t p, int64_t mb = -1);
   // One contribution of p arrived. microbatch: the one it belongs to, or -1 for an autograd-hook
   // contribution: the backward's micro-batch (else the current one), as the header says.
   void record(int64_t p, Route route, int64_t microbatch = -1);

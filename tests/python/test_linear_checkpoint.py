@@ -357,24 +357,18 @@ def test_save_on_cpu_gives_the_same_gradients(wgrad, recipe, fp8_states_released
 
 
 # The reentrant checkpoint hides its region's parameters from DDP's forward: its graph walk
-# (ddp.py _hooked_params) announces the autograd-hook contributions it can reach from the
-# outputs, and a reentrant CheckpointFunctionBackward node has no edges to the parameters used
-# inside (they are reached only by the nested backward of the recompute). The ledger then counts
-# every such contribution as a duplicate, for plain torch layers as for fp8dp's. That is DDP's
-# accounting, not the layers': the gradients themselves are exact (grad_ledger=False below).
-REENTRANT_LEDGER = pytest.mark.xfail(
-    strict=True,
-    reason="DDP's ledger cannot see parameters inside a reentrant checkpoint (ddp.py "
-    "_hooked_params); use_reentrant=False works",
-)
-
-
+# (ddp.py _hooked_params) cannot reach them through a reentrant CheckpointFunctionBackward node
+# (they are reached only by the nested backward of the recompute). DDP wraps that node's recompute
+# (ddp.py _ReentrantRegion) so that the region announces what it reaches when it is recomputed,
+# for plain torch layers as for fp8dp's.
+# Mutation: not calling on_reentrant in _hooked_params -> the reentrant/ledger cases fail at
+# finish_grad_sync with "gradient ledger: ... duplicated 1" for every parameter inside the region.
 @pytest.mark.parametrize(
     "mode,ledger",
     [
         ("nonreentrant", True),
         ("nonreentrant", False),
-        pytest.param("reentrant", True, marks=REENTRANT_LEDGER),
+        ("reentrant", True),
         ("reentrant", False),
     ],
 )
