@@ -37,14 +37,37 @@ class _BackwardBegins:
     follow against it, not against the latest forward (pipelined forwards run ahead: ledger.h).
     Holds the DDP weakly, like _GradHook."""
 
-    def __init__(self, ddp, microbatch: int):
+    def __init__(self, ddp, microbatch: int, nodes: list):
         self._ddp = weakref.ref(ddp)
         self._mb = microbatch
+        self._nodes = nodes  # (index, AccumulateGrad node) the forward announced
+        self._task = None
 
     def __call__(self, _grad) -> None:
         ddp = self._ddp()
-        if ddp is not None:
-            ddp._sync.set_backward_microbatch(self._mb)
+        if ddp is None:
+            return
+        ddp._sync.set_backward_microbatch(self._mb)
+        task = torch._C._current_graph_task_id()
+        if task == self._task:  # one output of several: the backward's first call did it
+            return
+        self._task = task
+        # torch.autograd.grad(loss, inputs) captures the gradients of its inputs and runs no
+        # AccumulateGrad node: the hooks the forward announced for them will not fire, so the
+        # announcements are taken back (C14; exact for torch layers and fp8dp's alike).
+        for i, node in self._nodes:
+            if not _will_accumulate(node):
+                ddp._sync.withdraw(i, self._mb)
+
+
+def _will_accumulate(node) -> bool:
+    """Whether the running backward executes this AccumulateGrad node. torch answers for
+    backward(inputs=...) and plain backward(); for a leaf's node during autograd.grad() it raises
+    instead: autograd.grad accumulates into no leaf at all, so the answer there is no."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return False
 
 
 class _ReentrantRegion:
@@ -104,7 +127,7 @@ class _ParamGatherWait:
 _REENTRANT_NODE = getattr(torch.utils.checkpoint.CheckpointFunction, "_backward_cls", None)
 
 
-def _hooked_params(out, index: dict, on_reentrant=None) -> list:
+def _hooked_params(out, index: dict, on_reentrant=None, nodes=None) -> list:
     """Indices (in `index`: id(parameter) -> index) of the parameters whose autograd hook a backward
     through `out` runs: the AccumulateGrad nodes of its graph, one each (autograd sums every use of
     a parameter into one call of its hook per backward). For the ledger, which announces them per
@@ -112,7 +135,8 @@ def _hooked_params(out, index: dict, on_reentrant=None) -> list:
 
     A reentrant checkpoint's node hides its region: the region ran without a graph, and its
     backward recomputes it and runs a nested backward whose hooks this walk cannot see. Each such
-    node is passed to `on_reentrant`, which announces the region when it is recomputed."""
+    node is passed to `on_reentrant`, which announces the region when it is recomputed. `nodes`,
+    when given, receives (index, AccumulateGrad node) of each parameter found."""
     found, seen = [], set()
     stack = [
         t.grad_fn
@@ -128,6 +152,8 @@ def _hooked_params(out, index: dict, on_reentrant=None) -> list:
         if var is not None:
             if id(var) in index:
                 found.append(index[id(var)])
+                if nodes is not None:
+                    nodes.append((index[id(var)], fn))
             continue
         if on_reentrant is not None and _REENTRANT_NODE is not None and type(fn) is _REENTRANT_NODE:
             on_reentrant(fn)
@@ -354,9 +380,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync.begin_microbatch(torch.is_grad_enabled())
         out = self.module(*args, **kwargs)
         if self._ledger:
-            mb = self._sync.ledger_microbatch()
-            self._sync.announce_hooks(_hooked_params(out, self._index, _ReentrantRegion(self, mb)))
-            hook = _BackwardBegins(self, mb)
+            mb, nodes = self._sync.ledger_microbatch(), []
+            region = _ReentrantRegion(self, mb)
+            self._sync.announce_hooks(_hooked_params(out, self._index, region, nodes))
+            hook = _BackwardBegins(self, mb, nodes)
             for t in torch.utils._pytree.tree_leaves(out):
                 # (not on a leaf, e.g. a parameter returned as is: its hooks would pile up)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:

@@ -142,7 +142,10 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict:
         """This rank's part: its master shards, the inner optimizer's state, and where they
-        belong."""
+        belong. Parameters written outside step() since the optimizer's last write refresh their
+        masters first (C13, as step() does): the saved masters are the weights the model holds,
+        or loading the checkpoint would restore the weights from before that write."""
+        self._refresh_moved_masters()
         return {
             "optimizer_class": _class_name(type(self.optimizer)),
             "world_size": self._ddp.world_size,

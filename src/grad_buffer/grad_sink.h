@@ -35,6 +35,9 @@ class GradSink {
   // that the ledger (when on) knows what each micro-batch owes.
   virtual int64_t microbatch() const = 0;
   virtual void announce(int64_t p) = 0;
+  // Takes back one announcement of p for `microbatch`: the use's gradient was captured by
+  // torch.autograd.grad (C14) instead, so it will never be delivered.
+  virtual void withdraw(int64_t p, int64_t microbatch) = 0;
 
   // Backward queued a weight gradient of p for backward_dw() (C3). Every expected gradient must be
   // delivered before finish_grad_sync(), or it reports the parameter as never delivered. Returns
@@ -53,6 +56,13 @@ class GradSink {
   // The iteration a queued gradient must belong to; zero_grad_buffer() and a failed
   // finish_grad_sync() start a new one, so gradients queued before are stale and must be dropped.
   virtual int64_t iteration() const = 0;
+
+  // Whether a gradient of p by `route` would be accepted now (phase, C11; readiness, C5): throws
+  // the error deliver() would throw, but BEFORE a layer writes anything. The fused GEMM accumulates
+  // into main_grad before it delivers, and backward_dw() pops its queue before it delivers, so
+  // both ask first; a refusal then leaves main_grad, the queue and the counts as they were.
+  // counted_delivery: for Route::kDelayed, the token's `counted`.
+  virtual void check_accepting(int64_t p, Route route, bool counted_delivery) = 0;
 
   // One use's gradient of p arrives: `grad` is added to main_grad (undefined when the GEMM already
   // accumulated into main_grad), then p counts ready (C5). `token` is the one expect() returned for

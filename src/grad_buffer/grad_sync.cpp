@@ -204,6 +204,11 @@ void GradSync::announce(int64_t p) {
   if (opts_.grad_ledger) ledger_->expect(p);
 }
 
+void GradSync::withdraw(int64_t p, int64_t microbatch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (opts_.grad_ledger) ledger_->unexpect(p, microbatch);
+}
+
 void GradSync::announce_hooks(const std::vector<int64_t>& params, int64_t microbatch) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!opts_.grad_ledger) return;
@@ -219,7 +224,7 @@ GradSink::Token GradSync::expect(int64_t p, int64_t microbatch, const std::strin
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
-  check_accepting_locked(p, Route::kDelayed, "a weight gradient queued for backward_dw()");
+  check_accepting_locked(p, Route::kDelayed, "a weight gradient queued for backward_dw()", false);
   ++undelivered_[{p, module}];
   // Counted exactly (readiness.h): the queue of the last micro-batch, whose backward runs outside
   // no_sync(), is what completes the bucket; earlier micro-batches' queues only accumulate.
@@ -232,7 +237,7 @@ void GradSync::deliver(int64_t p, const at::Tensor& grad, Route route, Token tok
   std::lock_guard<std::mutex> lock(mu_);
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
                   "param index: expected in [0, ", params_.size(), "), got ", p);
-  check_accepting_locked(p, route, "a gradient");
+  check_accepting_locked(p, route, "a gradient", route == Route::kFused);
   if (route == Route::kDelayed) {
     FP8DP_CHECK(token.iteration == iteration_, "parameter '", names_[p],
                 "': a weight gradient queued in an earlier iteration was delivered (stale "
@@ -260,7 +265,23 @@ Phase GradSync::phase() const {
   return phase_locked();
 }
 
-void GradSync::check_accepting_locked(int64_t p, Route route, const char* what) {
+void GradSync::check_accepting(int64_t p, Route route, bool counted_delivery) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(params_.size()),
+                  "param index: expected in [0, ", params_.size(), "), got ", p);
+  check_accepting_locked(p, route,
+                         route == Route::kDelayed ? "a weight gradient from backward_dw()"
+                                                  : "a weight gradient from the fused GEMM",
+                         false);
+  // What accept_locked() would count next (it throws before adding; here before the GEMM).
+  if (route == Route::kDelayed) {
+    if (counted_delivery) readiness_->check_mark_delivery(p);
+  } else if (sync_enabled_) {
+    readiness_->check_mark(p);
+  }
+}
+
+void GradSync::check_accepting_locked(int64_t p, Route route, const char* what, bool written) {
   const Phase ph = phase_locked();
   if (ph == Phase::kAccumulating) return;
   if (ph == Phase::kSyncStarted && !groups_[group_of_param_[p]].launched()) return;
@@ -269,8 +290,8 @@ void GradSync::check_accepting_locked(int64_t p, Route route, const char* what) 
   if (ph == Phase::kSyncStarted && sync_enabled_ && route != Route::kDelayed &&
       readiness_->golden_known() && readiness_->count(p) >= readiness_->golden(p))
     return;
-  // The fused GEMM wrote into main_grad before handing over: too late to refuse cleanly.
-  const bool written = route == Route::kFused;
+  // A fused GEMM that wrote into main_grad before handing over (the layers ask first, through
+  // check_accepting(), so this is a sink user that did not): too late to refuse cleanly.
   if (written) failed_ = true;
   std::string why;
   if (ph == Phase::kSyncStarted)
@@ -298,7 +319,7 @@ void GradSync::check_accepting_locked(int64_t p, Route route, const char* what) 
 
 void GradSync::accept_locked(int64_t p, const at::Tensor& grad, Route route, int64_t microbatch,
                              bool delivery) {
-  check_accepting_locked(p, route, "a gradient");
+  check_accepting_locked(p, route, "a gradient", route == Route::kFused);
   if (opts_.grad_ledger) ledger_->record(p, route, microbatch);
   // Count first: an excess report throws before its gradient could be added a second time. A
   // delayed gradient counts by its token (readiness.h), a learned report only outside no_sync().

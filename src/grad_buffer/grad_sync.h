@@ -79,6 +79,7 @@ class GradSync : public GradSink {
   // GradSink (grad_sink.h): the fp8dp modules bound to this object deliver here directly.
   int64_t microbatch() const override;
   void announce(int64_t p) override;
+  void withdraw(int64_t p, int64_t microbatch) override;
   Token expect(int64_t p, int64_t microbatch, const std::string& module) override;
   // The ledger's announcement of the autograd-hook contributions of one forward: one for each
   // parameter whose autograd hook the forward's graph reaches (DDP's forward finds them), for
@@ -89,6 +90,7 @@ class GradSync : public GradSink {
   // which counts the autograd-hook contributions that follow against mb: ledger.h).
   void set_backward_microbatch(int64_t mb);
   int64_t iteration() const override { return iteration_; }
+  void check_accepting(int64_t p, Route route, bool counted_delivery) override;
   void deliver(int64_t p, const at::Tensor& grad, Route route, Token token) override;
 
   // A micro-batch's forward began (for the ledger). Also checks that every parameter still lives
@@ -173,7 +175,8 @@ class GradSync : public GradSink {
                      bool delivery);
   Phase phase_locked() const;
   // Refuses a gradient of p (`what`) that would land in a launched or reduced bucket.
-  void check_accepting_locked(int64_t p, Route route, const char* what);
+  // written: the gradient is already in main_grad (a fused GEMM that did not ask first).
+  void check_accepting_locked(int64_t p, Route route, const char* what, bool written);
   std::string describe_undelivered() const;
   // What finish_grad_sync() must refuse (undelivered queued gradients, a partial iteration, the
   // ledger), "" when nothing; changes nothing.

@@ -54,6 +54,13 @@ void Ledger::expect(int64_t p, int64_t mb) {
   bump(expected_[p], mb < 0 ? current_microbatch() : mb);
 }
 
+void Ledger::unexpect(int64_t p, int64_t mb) {
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(names_.size()),
+                  "param index: expected in [0, ", names_.size(), "), got ", p);
+  if (mb < 0) mb = current_microbatch();
+  if (at(expected_[p], mb) > 0) --expected_[p][mb];
+}
+
 void Ledger::record(int64_t p, Route route, int64_t microbatch) {
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(names_.size()),
                   "param index: expected in [0, ", names_.size(), "), got ", p);

@@ -37,6 +37,10 @@ class Ledger {
   // during its forward: one per backward that reaches p's autograd hook, one per fp8dp use that
   // delivers to the sink; or during its backward, by a reentrant checkpoint's recompute).
   void expect(int64_t p, int64_t mb = -1);
+  // Takes back one expect(p, mb) (mb -1: the current micro-batch): that use's gradient will not
+  // come (torch.autograd.grad captured it). A no-op when nothing was announced for it (the ledger
+  // was reset since: zero_grad_buffer() between the forward and the backward).
+  void unexpect(int64_t p, int64_t mb);
   // One contribution of p arrived. microbatch: the one it belongs to, or -1 for an autograd-hook
   // contribution: the backward's micro-batch (else the current one), as the header says.
   void record(int64_t p, Route route, int64_t microbatch = -1);

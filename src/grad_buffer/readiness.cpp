@@ -35,7 +35,7 @@ bool Readiness::update(int64_t p, bool was) {
   return --pending_[g] == 0;
 }
 
-bool Readiness::mark(int64_t p) {
+void Readiness::check_mark(int64_t p) const {
   FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(count_.size()),
                   "param index: expected in [0, ", count_.size(), "), got ", p);
   if (golden_known_)
@@ -43,6 +43,18 @@ bool Readiness::mark(int64_t p) {
                 count_[p] + 1, " times in this iteration but ", golden_[p],
                 " times in the first one: its gradient would be counted twice (is a hook firing "
                 "twice, or is backward_dw() called more often than backward?)");
+}
+
+void Readiness::check_mark_delivery(int64_t p) const {
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(count_.size()),
+                  "param index: expected in [0, ", count_.size(), "), got ", p);
+  FP8DP_CHECK(outstanding_[p] > 0, "parameter '", names_[p],
+              "': backward_dw() delivered a gradient that no backward of this iteration queued "
+              "(is backward_dw() called more often than backward?)");
+}
+
+bool Readiness::mark(int64_t p) {
+  check_mark(p);
   const bool was = done(p);
   ++count_[p];
   any_reported_ = true;
@@ -59,11 +71,7 @@ void Readiness::expect_delivery(int64_t p) {
 }
 
 bool Readiness::mark_delivery(int64_t p) {
-  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(count_.size()),
-                  "param index: expected in [0, ", count_.size(), "), got ", p);
-  FP8DP_CHECK(outstanding_[p] > 0, "parameter '", names_[p],
-              "': backward_dw() delivered a gradient that no backward of this iteration queued "
-              "(is backward_dw() called more often than backward?)");
+  check_mark_delivery(p);
   const bool was = done(p);
   --outstanding_[p];
   return update(p, was);

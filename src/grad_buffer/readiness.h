@@ -29,6 +29,10 @@ class Readiness {
   // the golden counts are known). Throws fp8dp::Error naming p when p was already reported as often
   // as in the first iteration: a gradient that would be counted twice.
   bool mark(int64_t p);
+  // Throws what mark(p) / mark_delivery(p) would throw, counting nothing (a layer asks before its
+  // GEMM writes into main_grad: GradSink::check_accepting).
+  void check_mark(int64_t p) const;
+  void check_mark_delivery(int64_t p) const;
   // Backward queued a gradient of p that backward_dw() will deliver: p is not done until it is.
   void expect_delivery(int64_t p);
   // The queued gradient of p announced by expect_delivery() arrived. Returns true when this

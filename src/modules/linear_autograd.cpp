@@ -58,6 +58,7 @@ struct LinearCtx : torch::CustomClassHolder {
   int64_t microbatch = -1;  // the sink's micro-batch at forward (the ledger's attribution)
   // Whether the forward told the ledger what this use will deliver (see announce()).
   bool announced = false;
+  bool announced_weight = false, announced_bias = false;
   bool has_ln_bias = false;
   bool released = false;
   // Autograd numbers only the inputs that are defined: edge[i] of input i (x, weight, bias,
@@ -72,11 +73,20 @@ struct LinearCtx : torch::CustomClassHolder {
   // DDP's forward announces from the graph): the weight gradient when fused or delayed, the bias
   // gradient when the deferred GEMM makes it (delayed, not FP8).
   void announce(const LinearConfig& cfg) {
-    if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute) sink->announce(sink_weight);
-    if (cfg.delay_wgrad_compute && !ac.enabled && bias.defined() && bias.requires_grad() &&
-        sink_bias >= 0)
-      sink->announce(sink_bias);
+    announced_weight = cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute;
+    announced_bias = cfg.delay_wgrad_compute && !ac.enabled && bias.defined() &&
+                     bias.requires_grad() && sink_bias >= 0;
+    if (announced_weight) sink->announce(sink_weight);
+    if (announced_bias) sink->announce(sink_bias);
     announced = true;
+  }
+
+  // Takes the announcement back: torch.autograd.grad captured the gradient (C14), so nothing of
+  // this use will be delivered (autograd.grad accumulates nothing, the bias included).
+  void withdraw() {
+    if (announced_weight) sink->withdraw(sink_weight, microbatch);
+    if (announced_bias) sink->withdraw(sink_bias, microbatch);
+    announced = announced_weight = announced_bias = false;
   }
 
   void release() {
@@ -233,6 +243,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool captured = need_w && gradient_captured(c->weight);
     const bool fused = cfg.fuse_wgrad_accumulation && !captured;
     const bool delayed = cfg.delay_wgrad_compute && !captured;
+    // What the forward announced to the sink's ledger will not be delivered (C14, ledger).
+    if (captured && c->sink != nullptr && c->announced) c->withdraw();
     // A tensor hook on the weight (weight.register_hook) must see, and may replace, the gradient
     // that accumulates. The fused and the delayed routes never hand it to autograd, so the hook
     // would be skipped or fed a stand-in: refuse, before the grad_output cast records its amax
@@ -251,6 +263,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                 "delay_wgrad_compute=True and FP8 off its gradient is computed by backward_dw() "
                 "and never passes through autograd, so the hook would not see it; remove the hook "
                 "or build the layer without delay_wgrad_compute");
+    // C11: a weight gradient this layer writes itself (fused: into main_grad during the GEMM) must
+    // be one the sink still accepts (its bucket not launched or reduced). Ask now, before the
+    // grad_output cast records its amax and before the GEMM writes: a refusal changes nothing.
+    if (need_w && (fused || delayed) && c->sink != nullptr && !captured)
+      c->sink->check_accepting(c->sink_weight, delayed ? Route::kDelayed : Route::kFused, false);
     // Unpacking runs the saved-tensor hooks: a non-reentrant checkpoint recomputes its region
     // here, with the grad mode it chooses.
     const variable_list saved = ctx->get_saved_variables();

@@ -160,6 +160,14 @@ void LinearCore::backward_dw() {
   FP8DP_CHECK(!store_.empty(), cfg_.name,
               ".backward_dw(): no weight-gradient computation is queued (call it once after each "
               "backward that reached this module)");
+  // Bound to DistributedDataParallel: ask the sink before the task leaves the queue and before a
+  // fused GEMM writes into main_grad, so that a refusal (C11: its bucket already launched or
+  // reduced) leaves the queue and main_grad as they were, and the call can be repeated.
+  if (const WgradTask& next = store_.front(); next.sink) {
+    next.sink->check_accepting(next.sink_weight, Route::kDelayed, next.weight_token.counted);
+    if (next.dy.defined() && next.bias.defined() && next.sink_bias >= 0)
+      next.sink->check_accepting(next.sink_bias, Route::kDelayed, next.bias_token.counted);
+  }
   const WgradTask task = store_.pop();
   const WgradResult r = run_wgrad(task);
   if (task.sink) {

@@ -511,3 +511,53 @@ def test_scale_gradients_before_any_launch(group):
     for i, n in enumerate(ddp._names):
         ref[i] = ref[i] * (0.5 if n.startswith("0.") else 1.0)
     check(ddp, ref)
+
+
+def fused_model(delay):
+    """Two fused-wgrad Linears (FP8 off, so reference() holds with TOL): their weight gradients are
+    accumulated into main_grad by the GEMM itself (beta = 1), in backward or in backward_dw()."""
+    torch.manual_seed(0)
+    kw = dict(fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
+    return nn.Sequential(fp8dp.Linear(12, 24, **kw), nn.Tanh(), fp8dp.Linear(24, 5, **kw))
+
+
+def test_fused_gemm_into_a_launched_bucket_is_refused_before_it_writes(group):
+    """Overlap on, fused wgrad in backward. Micro-batch 0's forward runs under no_sync(), then
+    micro-batch 1's forward and backward outside it: every bucket completes and launches. Micro-
+    batch 0's backward, run late in its own no_sync() context, would have the GEMM accumulate its
+    weight gradient into a bucket that is being reduced. The layer asks the sink first
+    (GradSink::check_accepting), so the refusal comes before the grad_output cast and the GEMM:
+    main_grad, the phase ('sync_started', not 'failed') and the queues are as they were, and
+    finish_grad_sync() reduces micro-batch 1's gradient, exact against float64.
+
+    Without the check_accepting() call in LinearFunction::backward (the tree before it), the GEMM
+    writes first and deliver() refuses after, marking the iteration failed: this test then fails
+    at assert_same_state ("phase changed: 'sync_started' -> 'failed'"). (Derived from the code
+    path, not run as a separate mutation build: the 2-core machine was saturated.) backward_dw()
+    asks the sink the same way before it pops its queue (LinearCore::backward_dw); no public call
+    order reaches that refusal today (start_grad_sync() and finish_grad_sync() refuse while
+    entries are queued, and a bucket completes only with its queued deliveries), so it is defense
+    that keeps "refused before anything changes" true by construction.
+    """
+    model = fused_model(delay=False)
+    twin = plain_twin(model)
+    ddp = wrap(model, group, bucket_size=40)
+    x, y = batch(11)
+    # The first iteration in the right order: readiness learns its counts (nothing launches
+    # during a first iteration's backward).
+    ddp.zero_grad_buffer()
+    microbatch(ddp, x[0], y[0], no_sync=True, dw=())
+    microbatch(ddp, x[1], y[1], no_sync=False, dw=())
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        loss0 = loss_of(ddp(x[0]), y[0])
+    microbatch(ddp, x[1], y[1], no_sync=False, dw=())
+    assert ddp.phase == "sync_started"
+    before = state(ddp)
+    with ddp.no_sync(), pytest.raises(RuntimeError, match=r"arrived in phase 'sync_started'"):
+        loss0.backward()
+    assert_same_state(before, state(ddp))
+    ddp.finish_grad_sync()
+    check(ddp, reference(twin, x, y, [1]))
+

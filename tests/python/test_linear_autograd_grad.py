@@ -144,6 +144,31 @@ def test_autograd_grad_under_ddp(group, wgrad, fp8_states_released):
     untouched(m, 0.0)
 
 
+@pytest.mark.parametrize("through", ["ddp", "module"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+@pytest.mark.parametrize("wgrad", list(WGRADS))
+def test_autograd_grad_keeps_the_ledger_exact(group, wgrad, fp8, through, fp8_states_released):
+    """grad_ledger on: the forward announces the weight gradient (and, delayed without FP8, the
+    bias gradient) that the layer will deliver to the sink; autograd.grad captures it instead, so
+    the layer withdraws the announcement and finish_grad_sync() finds nothing missing (through
+    DDP's forward or the bare module, as the stateful test does). Stateful finding (autograd
+    family, seed 11: "gradient ledger: ... 'layers.0.weight': micro-batch 1: 0 of 1 (missing 1)").
+
+    Without the withdrawal (LinearCtx::withdraw) every case fails at finish_grad_sync() with that
+    message (derived from the code path: nothing else removes an announcement).
+    """
+    x, dy = inputs()
+    m = make("Linear", **WGRADS[wgrad])
+    cfg = fp8dp.DistributedDataParallelConfig(
+        delay_wgrad_compute=m.delay_wgrad_compute, bucket_size=10000, grad_ledger=True
+    )
+    ddp = fp8dp.DistributedDataParallel(m, cfg, process_group=group)
+    ddp.zero_grad_buffer()
+    torch.autograd.grad(forward_loss(ddp if through == "ddp" else m, x, dy, fp8), m.weight)
+    ddp.finish_grad_sync()
+    untouched(m, 0.0)
+
+
 @pytest.mark.parametrize("wgrad", list(WGRADS))
 def test_autograd_grad_runs_the_weight_hook(wgrad, fp8_states_released):
     """As for nn.Linear: a hook on the weight sees the captured gradient and may replace it."""

@@ -333,3 +333,31 @@ def test_wrong_size_master_would_have_been_broadcast(group):
         opt.load_state_dict(sd)
     w = model[0].weight
     assert not torch.all(w == math.pi), "the weight became the broadcast constant"
+
+
+@pytest.mark.parametrize("write", ["copy_", "load_state_dict"])
+def test_state_dict_saves_weights_written_outside_step(group, write):
+    """C13 in the checkpoint: weights written after the last step() (an in-place copy_, a model
+    load_state_dict) are what state_dict() saves, so a save / load round trip restores them, not
+    the weights of before the write. Stateful finding (params family, seed 11: step, copy_ into
+    a weight, save, load -> every element back to the pre-copy value).
+
+    Mutation (run 2026-12-03): the _refresh_moved_masters() call in state_dict() removed -> both
+    cases fail with "the written weights were not restored".
+    """
+    model, opt = _trained(group, optimizer=torch.optim.SGD, lr=0.0)
+    new = [torch.full_like(p, 0.5 + i) for i, p in enumerate(model.parameters())]
+    with torch.no_grad():
+        if write == "copy_":
+            for p, v in zip(model.parameters(), new):
+                p.copy_(v)
+        else:
+            named = {n: v for (n, _), v in zip(model.named_parameters(), new)}
+            model.load_state_dict(named, strict=False)
+    sd = copy.deepcopy(opt.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt.load_state_dict(sd)
+    for p, v in zip(model.parameters(), new):
+        assert torch.equal(p, v), "the written weights were not restored"
