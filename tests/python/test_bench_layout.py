@@ -5,7 +5,18 @@ scripts/gpu_check.sh names only paths that exist. dev/ is only compiled.
 
 Evidence that these tests catch a moved or broken benchmark (2026-12-03, each reverted):
 
-MUTATIONS
+1. A reference benchmark moved (`git mv bench/gemm_cuda.py dev/`): 3 fail:
+   test_every_bench_file_is_a_reference_benchmark_or_a_helper (the listing lacks 'gemm_cuda'),
+   test_gpu_benchmark_parses_its_arguments[gemm_cuda] ("can't open file .../bench/gemm_cuda.py"),
+   test_gpu_check_runs_every_gpu_benchmark_and_names_only_existing_paths
+   (['bench/gemm_cuda.py'] == []).
+2. A helper moved (`git mv bench/linear_step.py dev/`): test_cpu_benchmark_runs[linear_cpu] and
+   test_gpu_benchmark_parses_its_arguments[linear_gpu] fail with
+   "ModuleNotFoundError: No module named 'linear_step'".
+3. gpu_check.sh building the old path bench/cast_transpose_variants.cu: the gpu_check test fails
+   (['bench/cast_transpose_variants.cu'] == []).
+4. `hasattr(ddp._sync, "check_params_in_buffers")` back in accounting_cpu.py:
+   test_benchmarks_do_not_probe_the_library_version fails (['accounting_cpu.py:136'] == []).
 """
 
 import os
