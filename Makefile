@@ -58,8 +58,12 @@ BACKEND ?= gloo
 matrix: build
 	$(PY) -m tests.distributed.matrix --backend $(BACKEND) $(if $(FULL),--full)
 
+# The CPU reference benchmarks, quick (JSON into bench/results/quick/); BENCH_ARGS="--full" for the
+# reference iteration counts (bench/results/), "--only quantize_cpu,ddp_cpu" for some. The GPU ones:
+# scripts/gpu_check.sh.
+BENCH_ARGS ?=
 bench: build
-	$(PY) bench/quantize_cpu.py
+	$(PY) bench/run_cpu.py $(BENCH_ARGS)
 
 # A regular (non-editable) install into .venv, built against the torch already there.
 install: setup

@@ -6,11 +6,10 @@ in one process on identical inputs, each its own model and DDP:
   default   the default config: the checks that are always on (parameters still in their buffers,
             queued wgrads delivered, the bound layer's weight identity, the FP8 weight's version)
   ledger    grad_ledger=True (opt-in: graph walk per forward, bookkeeping per arrival)
-  pyhooks   the default config with DDP's autograd hook in Python for every parameter (the path
-            before the C++ hook, ParamHooks: fp8dp.ddp._PYTHON_HOOKS)
 
-Run it against two builds (PYTHONPATH) to compare trees; it uses only the public API. Prints the
-median step time per variant and writes JSON:
+Then the always-on buffer check alone (GradSync.check_params_in_buffers, through DDP's GradSync
+in fp8dp._C). Run it against two builds (PYTHONPATH) to compare trees. Prints the median step
+time per variant and writes JSON:
 
     PYTHONPATH=python .venv/bin/python bench/accounting_cpu.py [--layers 24 --hidden 64]
 """
@@ -44,7 +43,7 @@ def parse():
     return ap.parse_args()
 
 
-def build(args, ledger: bool, python_hooks: bool = False):
+def build(args, ledger: bool):
     torch.manual_seed(0)
     layers = [
         fp8dp.Linear(
@@ -56,11 +55,7 @@ def build(args, ledger: bool, python_hooks: bool = False):
     kw = dict(delay_wgrad_compute=True, overlap_grad_reduce=True)
     if ledger:
         kw["grad_ledger"] = True
-    fp8dp.ddp._PYTHON_HOOKS = python_hooks
-    try:
-        ddp = fp8dp.DistributedDataParallel(model, fp8dp.DistributedDataParallelConfig(**kw))
-    finally:
-        fp8dp.ddp._PYTHON_HOOKS = False
+    ddp = fp8dp.DistributedDataParallel(model, fp8dp.DistributedDataParallelConfig(**kw))
     return ddp, layers
 
 
@@ -108,8 +103,6 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     variants = {"default": build(args, False), "ledger": build(args, True)}
-    if hasattr(fp8dp.ddp, "_PYTHON_HOOKS"):
-        variants["pyhooks"] = build(args, False, python_hooks=True)
     xs = [torch.randn(args.tokens, args.hidden) for _ in range(args.micro_batches)]
     times = {name: [] for name in variants}
     phases = {name: {p: [] for p in PHASES} for name in variants}
@@ -140,18 +133,15 @@ def main() -> None:
         )
     # The always-on buffer check alone: one call per forward.
     ddp = variants["default"][0]
-    if hasattr(ddp._sync, "check_params_in_buffers"):
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            ddp._sync.check_params_in_buffers()
-        per = (time.perf_counter() - t0) / n * 1e6
-        print(
-            f"  check_params_in_buffers: {per:.2f} us per forward "
-            f"({per * args.micro_batches / (base * 1e3) * 100:.3f}% of a step)"
-        )
-    else:
-        per = None
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ddp._sync.check_params_in_buffers()
+    per = (time.perf_counter() - t0) / n * 1e6
+    print(
+        f"  check_params_in_buffers: {per:.2f} us per forward "
+        f"({per * args.micro_batches / (base * 1e3) * 100:.3f}% of a step)"
+    )
     out = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": cpu_name(),

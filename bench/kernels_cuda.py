@@ -6,7 +6,7 @@ Bandwidth counts the fewest bytes each op must move: the input read once plus ev
 once (FP8 data, transposed data, dbias). Targets (issue 5): >= 80% of the copy bandwidth measured in
 the same run, >= 8x the naive torch quantize (amax, scale, cast as separate torch ops).
 The launch choices of the cast + transpose (+ dbias) kernel are timed against each other by
-bench/cast_transpose_variants.cu (build and run commands in its header); this script times the
+dev/cast_transpose_variants.cu (build and run commands in its header); this script times the
 library's defaults.
 """
 

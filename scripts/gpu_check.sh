@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Everything fp8dp checks on the GPU machine, in one run: build against that machine's own CUDA
 # torch, the GPU gtests (ctest), the pytest suites, the 2-GPU NCCL tests when two GPUs are visible,
-# compute-sanitizer memcheck on the kernel gtest, and the benchmarks. Each step runs even when an
-# earlier one failed (except that nothing runs without a build); a summary of exit codes comes last.
-# Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log, bench.log,
-# bench_kernels.json, bench_gemm.json, bench_gemm_accum.json, bench_gemm_energy.json, bench_linear.json, bench_gpt.json, bench_ckpt.json, and with 2 GPUs bench_reduce_scatter.json,
-# bench_ddp.json, bench_ddp_mb8.json; summary.txt. Not in the default STEPS (they take minutes): "matrix" (the full NCCL
-# test matrix: matrix.log, matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The 2-GPU parts (tests/distributed's NCCL cases, the reduce-scatter and
-# DDP benchmarks) run when two or more GPUs are visible: the NCCL tests on 2, the benchmarks on all.
+# compute-sanitizer memcheck on the kernel gtest, and the reference benchmarks (bench/). Each step runs
+# even when an earlier one failed (except that nothing runs without a build); a summary of exit codes
+# comes last. Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log,
+# bench.log, bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json, bench_ckpt.json,
+# and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt.
+# Not in the default STEPS (they take minutes): "matrix" (the full NCCL test matrix: matrix.log,
+# matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The experiments of
+# dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
+# dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
+# (profile.log, profile_gpt_SHAPE.json), dev_host_profile (dev_host_profile.json). The 2-GPU parts
+# (tests/distributed's NCCL cases, the reduce-scatter and DDP benchmarks) run when two or more GPUs
+# are visible: the NCCL tests on 2, the benchmarks on all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +38,8 @@ run_step() {  # run_step NAME LOG TIMEOUT_S CMD...
   echo "=== [$name] rc=${RC[$name]} in $((SECONDS - t0)) s" | tee -a "$log"
 }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
-# "bench" runs every benchmark; STEPS may also name single ones (bench_linear, bench_ddp, ...).
+# "bench" runs every reference benchmark; STEPS may also name single ones (bench_linear, bench_ddp,
+# ...). The experiments (dev_*) run only when named.
 wantb() { want bench || want "$1"; }
 
 {
@@ -79,37 +85,40 @@ if want distributed; then
   fi
 fi
 wantb bench_kernels && run_step bench_kernels "$OUT/bench.log" 300 "$PY" bench/kernels_cuda.py --json "$OUT/bench_kernels.json"
-if wantb bench_ct_variants; then
+if want dev_ct_variants; then
   # Cast + transpose (+ dbias) kernel variants against a copy (torch-free; prints the fastest).
-  run_step bench_ct_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
+  run_step dev_ct_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
     -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
-    -o $BUILD/ct_variants bench/cast_transpose_variants.cu && $BUILD/ct_variants"
+    -o $BUILD/ct_variants dev/cast_transpose_variants.cu && $BUILD/ct_variants"
 fi
-if wantb bench_norm_variants; then
+if want dev_norm_variants; then
   # LayerNorm forward / backward launch choices against a copy (torch-free).
-  run_step bench_norm_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
+  run_step dev_norm_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
     -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
-    -o $BUILD/norm_variants bench/norm_variants.cu src/fp8/cuda/quantize.cu && $BUILD/norm_variants"
+    -o $BUILD/norm_variants dev/norm_variants.cu src/fp8/cuda/quantize.cu && $BUILD/norm_variants"
 fi
 wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
 # GEMM_ACCUM_ARGS / GPT_ARGS add arguments (e.g. --gemms backward; --compare-qkv-index --fast-backward).
-wantb bench_gemm_accum && run_step bench_gemm_accum "$OUT/bench.log" 300 "$PY" bench/gemm_accum_choice.py \
-  ${GEMM_ACCUM_ARGS:-} --json "$OUT/bench_gemm_accum.json"
-wantb bench_gemm_energy && run_step bench_gemm_energy "$OUT/bench.log" 300 "$PY" bench/gemm_energy_candidates.py \
-  --json "$OUT/bench_gemm_energy.json"
+want dev_gemm_accum && run_step dev_gemm_accum "$OUT/bench.log" 300 "$PY" dev/gemm_accum_choice.py \
+  ${GEMM_ACCUM_ARGS:-} --json "$OUT/dev_gemm_accum.json"
+want dev_gemm_energy && run_step dev_gemm_energy "$OUT/bench.log" 300 "$PY" dev/gemm_energy_candidates.py \
+  --json "$OUT/dev_gemm_energy.json"
 wantb bench_ckpt && run_step bench_ckpt "$OUT/bench.log" 180 "$PY" bench/checkpoint_memory_gpu.py \
   --json "$OUT/bench_ckpt.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py ${GPT_ARGS:-} \
   --json "$OUT/bench_gpt.json"
-if wantb profile_gpt; then
+if want dev_profile_gpt; then
   # Kernel time and launches per step of the GPT block stack, per variant (PROFILE_SHAPES;
   # PROFILE_ARGS adds arguments, e.g. --host for the CPU time per operator).
   for s in ${PROFILE_SHAPES:-8192x2 2048x8}; do
-    run_step profile_gpt "$OUT/profile.log" 200 "$PY" bench/profile_gpt_block.py --shape "$s" ${PROFILE_ARGS:-} \
-      --json "$OUT/profile_gpt_$s.json"
+    run_step dev_profile_gpt "$OUT/profile.log" 200 "$PY" dev/profile_gpt_block.py --shape "$s" \
+      ${PROFILE_ARGS:-} --json "$OUT/profile_gpt_$s.json"
   done
 fi
+# Host time of one Linear step by Python function and operator (HOST_PROFILE_ARGS adds arguments).
+want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" dev/host_profile.py \
+  ${HOST_PROFILE_ARGS:-} --json "$OUT/dev_host_profile.json"
 if [ "$NGPU" -ge 2 ]; then
   # Every visible GPU: the same benchmarks on 4 or 8 GPUs are issue 7's run.
   TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU")
@@ -147,8 +156,9 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_ct_variants bench_norm_variants bench_gemm bench_gemm_accum bench_gemm_energy bench_linear bench_gpt profile_gpt \
-           bench_reduce_scatter bench_ddp bench_ddp_mb8 matrix demo sanitizer; do
+  for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_gpt \
+           bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
+           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_host_profile matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8

@@ -171,11 +171,6 @@ def _owners(module: torch.nn.Module) -> dict:
     return out
 
 
-# Tests and bench/accounting_cpu.py set this to run every parameter's hook in Python, the path the
-# C++ hook replaced, to compare the two.
-_PYTHON_HOOKS = False
-
-
 def _defined_in_torch(m: torch.nn.Module) -> bool:
     """Whether m's class comes from torch (nn.Linear, nn.Embedding, ...): such modules never mark a
     gradient as already added to main_grad (Megatron's protocol for modules that fuse it)."""
@@ -296,7 +291,7 @@ class DistributedDataParallel(torch.nn.Module):
             p._fp8dp_ddp = me
             if id(p) in delayed:
                 delayed[id(p)].register_wgrad_accumulation_and_reduce_hooks(_GradHook(self, i))
-            elif _PYTHON_HOOKS or id(p) in foreign:
+            elif id(p) in foreign:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(_GradHook(self, i)))
             else:
                 native.append(i)

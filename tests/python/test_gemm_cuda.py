@@ -189,7 +189,7 @@ def default_candidates():
 
 def test_algo_override_pins_each_candidate(gen, default_candidates):
     """Every heuristic candidate, pinned by index, computes the same GEMM within the split-accumulator
-    bound, and the plan reports the index it was given (bench/gemm_energy_candidates.py relies on
+    bound, and the plan reports the index it was given (dev/gemm_energy_candidates.py relies on
     both)."""
     m, n, k = 256, 192, 512
     a, a_si = fp8_operand(m, k, E4M3, gen)

@@ -3,7 +3,7 @@
 // copy of the same input, interleaved, on E4M3 output with and without dbias.
 // Build (no torch needed):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I src \
-//        -o build/ct_variants bench/cast_transpose_variants.cu
+//        -o build/ct_variants dev/cast_transpose_variants.cu
 // Run: build/ct_variants   (prints one table per shape; the library launches the winner)
 #include "fp8/cuda/quantize.cu"
 

@@ -1,6 +1,6 @@
 """Where the host time of one layer step goes: fp8dp.Linear (FP8, delayed scaling) against torch BF16.
 
-Usage: python3 bench/host_profile.py [--tokens 4096 --inp 4096 --out 4096] [--json out.json]
+Usage: python3 dev/host_profile.py [--tokens 4096 --inp 4096 --out 4096] [--json out.json]
 At Linear 4096^3 the FP8 step is host-bound on the H200 machine (bench/linear_gpu.py's "host ms"
 column): its CPU enqueue time exceeds the GPU time of the step. This prints, for each variant, the
 enqueue time per step, the Python functions by own time (cProfile over `steps` steps) and the
@@ -17,7 +17,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The shared timing helpers (and the models these experiments time) live in bench/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import device_info, host_ms, write_json  # noqa: E402
 from linear_step import make_step  # noqa: E402
 

@@ -3,7 +3,7 @@ kernels grouped by name (total ms per step, launches per step) and the launch co
 torch.profiler. The tool behind issue 14's kernel and host work: it says which kernels a variant
 runs that the torch BF16 baseline does not, and how many launches each layer costs.
 
-    python3 bench/profile_gpt_block.py [--shape 8192x2] [--variants bf16,fp8dp_off,fp8dp_delayed]
+    python3 dev/profile_gpt_block.py [--shape 8192x2] [--variants bf16,fp8dp_off,fp8dp_delayed]
                                        [--steps 3] [--top 25] [--host] [--json out.json]
 
 --host adds the host side: CPU time per step by operator (self time: the operator's own work,
@@ -19,7 +19,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The shared timing helpers (and the models these experiments time) live in bench/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import GpuSampler  # noqa: E402
 from gpt_block_gpu import BATCH, SEQ, make_model, make_step  # noqa: E402
 

@@ -1,6 +1,6 @@
 """cuBLASLt's FP8 GEMM candidates ranked by sustained time and energy per call, against the autotuned pick.
 
-Usage: python3 bench/gemm_energy_candidates.py [--max-algos 8] [--seconds 0.4] [--json out.json]
+Usage: python3 dev/gemm_energy_candidates.py [--max-algos 8] [--seconds 0.4] [--json out.json]
 fp8dp's plan cache times each heuristic candidate over a few short bursts (5 rounds of 3 calls) and
 keeps the fastest. On the H200 the FP8 layers run at the 700 W power limit, where a step's time
 follows its energy: a kernel that is fastest in a short burst at full clock may not be the one
@@ -16,7 +16,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The shared timing helpers (and the models these experiments time) live in bench/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import (  # noqa: E402
     EnergyCounter,
     device_info,
@@ -138,7 +140,7 @@ def main():
         {
             "benchmark": "gemm_energy_candidates",
             **device_info(),
-            "command": "python3 bench/gemm_energy_candidates.py " + " ".join(sys.argv[1:]),
+            "command": "python3 dev/gemm_energy_candidates.py " + " ".join(sys.argv[1:]),
             "results": results,
         },
     )

@@ -14,7 +14,7 @@
 // variant's neighbours in the timing order move it by up to ~10%, so smaller gaps are ties.
 // Build (no torch needed):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-//        -DFP8DP_WITH_CUDA=1 -I src -o build/norm_variants bench/norm_variants.cu \
+//        -DFP8DP_WITH_CUDA=1 -I src -o build/norm_variants dev/norm_variants.cu \
 //        src/fp8/cuda/quantize.cu
 // Run: build/norm_variants [--once | --dump FILE] (--once: each op's default twice per shape and
 // no tables, for ncu; --dump: every output of the defaults appended to FILE, to compare two builds

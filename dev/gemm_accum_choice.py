@@ -1,6 +1,6 @@
 """FP8 GEMMs of the layers: fast against split (FP32-promoted) accumulation, per shape.
 
-Usage: python3 bench/gemm_accum_choice.py [--gemms fprop,backward] [--json out.json]
+Usage: python3 dev/gemm_accum_choice.py [--gemms fprop,backward] [--json out.json]
 fprop: the layers' forward GEMM (E4M3 x E4M3 -> BF16 with a BF16 bias, fp8dp's autotuned cuBLASLt)
 asks for fast accumulation, as TransformerEngine's recipe does. Split accumulation is never less
 accurate; this measures whether it is ever faster, at the forward shapes of bench/linear_gpu.py and
@@ -19,7 +19,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The shared timing helpers (and the models these experiments time) live in bench/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import (  # noqa: E402
     GpuSampler,
     device_info,
