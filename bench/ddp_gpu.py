@@ -31,7 +31,7 @@ reduce-scatter and the first bucket's all-gather, the parts nothing can hide, ar
 (Megatron's gradient accumulation; in the breakdown they count as "forward"): the reduce-scatters
 still overlap only the last backward, but there is M times the compute to hide them behind.
 --profile DIR also writes a torch.profiler trace of 3 steps of each variant per rank.
-Target (issue 5): full <= 1.05x compute-only.
+Target: full <= 1.05x compute-only.
 """
 
 import argparse

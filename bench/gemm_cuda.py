@@ -2,7 +2,7 @@
 
 Usage: python3 bench/gemm_cuda.py [--json out.json]
 Both compute out[m, n] = (a * sa) · (b * sb)ᵀ in BF16 from E4M3 operands with per-tensor scales,
-once with the exact FP32 (split) accumulator and once with fast accumulation. Target (issue 5):
+once with the exact FP32 (split) accumulator and once with fast accumulation. Target:
 >= 1.0x torch._scaled_mm, aim 1.05x through per-shape algorithm selection.
 """
 

@@ -19,7 +19,7 @@ the energy per step, so the ratio of joules per step (BF16 over the variant) bou
 
     python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--json out.json]
 
-Targets (issue 14, ratios over torch BF16): 2048x8 >= 1.25, 4096x4 >= 1.55, 8192x2 >= 1.60, FP8 off
+Targets (ratios over torch BF16): 2048x8 >= 1.25, 4096x4 >= 1.55, 8192x2 >= 1.60, FP8 off
 >= 0.98 at every width.
 """
 
@@ -59,7 +59,7 @@ except Exception as e:  # noqa: BLE001  (any import failure means: no TE on this
 SEQ, BATCH, HEAD_DIM = 2048, 2, 128
 # q, k, v from the QKV output: "unbind" (its backward stacks the three gradients in one kernel) or
 # "index" (qkv[0], qkv[1], qkv[2]: each backward writes a zero-filled full-size gradient and autograd
-# adds the three; what the issue's numbers and this benchmark used until issue 14's eighth pass).
+# adds the three; what this benchmark used before 2026-12-02; docs/changelog.md).
 QKV_SPLITS = ("unbind", "index")
 TARGETS = {(2048, 8): 1.25, (4096, 4): 1.55, (8192, 2): 1.60}
 TARGET_FP8_OFF = 0.98

@@ -3,7 +3,7 @@ LayerNorm / RMSNorm (+ FP8 cast) forward and backward vs torch's layer_norm / rm
 
 Usage: python3 bench/kernels_cuda.py [--json out.json]
 Bandwidth counts the fewest bytes each op must move: the input read once plus every output written
-once (FP8 data, transposed data, dbias). Targets (issue 5): >= 80% of the copy bandwidth measured in
+once (FP8 data, transposed data, dbias). Targets: >= 80% of the copy bandwidth measured in
 the same run, >= 8x the naive torch quantize (amax, scale, cast as separate torch ops).
 The launch choices of the cast + transpose (+ dbias) kernel are timed against each other by
 dev/cast_transpose_variants.cu (build and run commands in its header); this script times the

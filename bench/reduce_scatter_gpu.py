@@ -6,7 +6,7 @@ torch.distributed.reduce_scatter_tensor on the same buffers, interleaved.
 float32 buckets of 64 MiB, 256 MiB and 1 GiB (the whole bucket is the input; each rank receives
 1/world of it). Each sample times `--batch` back-to-back collectives between two CUDA events on the
 caller's stream, so neither side pays a host round trip per call, then syncs the device; bus bandwidth as nccl-tests
-defines it for reduce-scatter: bytes_in / time * (world - 1) / world. Target (issue 5): >= 0.95x
+defines it for reduce-scatter: bytes_in / time * (world - 1) / world. Target: >= 0.95x
 torch's bus bandwidth.
 """
 

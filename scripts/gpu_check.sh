@@ -120,7 +120,7 @@ fi
 want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" dev/host_profile.py \
   ${HOST_PROFILE_ARGS:-} --json "$OUT/dev_host_profile.json"
 if [ "$NGPU" -ge 2 ]; then
-  # Every visible GPU: the same benchmarks on 4 or 8 GPUs are issue 7's run.
+  # Every visible GPU: the same benchmarks run on 4 or 8 GPUs where lent.
   TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU")
   wantb bench_reduce_scatter && run_step bench_reduce_scatter "$OUT/bench.log" 150 "${TR[@]}" bench/reduce_scatter_gpu.py \
     --json "$OUT/bench_reduce_scatter.json"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The FP8-vs-BF16 convergence runs of issue 30 (fp8dp.train.runs): FP8 delayed (HYBRID), FP8
+# The FP8-vs-BF16 convergence runs (fp8dp.train.runs): FP8 delayed (HYBRID), FP8
 # current and FP8 off on the same seed and data, then a short plain-torch DDP baseline, then the
 # comparison (table, gaps, plot). One invocation trains for at most BUDGET seconds (default 540,
 # for a 10-minute GPU command) and checkpoints; run it again until it exits 0 ("all runs

@@ -79,15 +79,15 @@ void BucketGroup::finish_grad_sync() {
   finish_wire_reduce();
 }
 
-// The low-precision reduction of one group (issue 16), in the order Megatron's reduce-scatter with
-// FP32 accumulation uses: every rank encodes its (1/dp pre-scaled) bucket as dp chunks, sends chunk
-// j to rank j (one grouped all-to-all; FP8 chunks travel with their scale_inv in the same call),
-// and rank r sums the dp chunks it received in FP32, in rank order, into chunk r of the buffer. Its
-// own chunk goes through the wire too (the all-to-all sends it to itself), so the sum is the same
-// function of the ranks' gradients whichever rank owns the chunk. Without the distributed
-// optimizer the owners then encode their sums and all-gather them; every rank, the owner included,
-// writes the decoded values, so main_grad is bit-identical on all ranks (decoding is
-// deterministic).
+// The low-precision reduction of one group (grad_reduce_wire, C6 — collectives), in the order
+// Megatron's reduce-scatter with FP32 accumulation uses: every rank encodes its (1/dp pre-scaled)
+// bucket as dp chunks, sends chunk j to rank j (one grouped all-to-all; FP8 chunks travel with
+// their scale_inv in the same call), and rank r sums the dp chunks it received in FP32, in rank
+// order, into chunk r of the buffer. Its own chunk goes through the wire too (the all-to-all sends
+// it to itself), so the sum is the same function of the ranks' gradients whichever rank owns the
+// chunk. Without the distributed optimizer the owners then encode their sums and all-gather them;
+// every rank, the owner included, writes the decoded values, so main_grad is bit-identical on all
+// ranks (decoding is deterministic).
 //
 // The FP8 scales travel with the data rather than being agreed first by a MAX all-reduce: that
 // would be a second collective, with a round trip, before any byte could be encoded, and a

@@ -1,7 +1,8 @@
-// Low-precision gradient wires (issue 16): a bucket's reduction sends its FP32 gradients as BF16 or
-// as FP8 bytes with a per-chunk scale, and the receiving rank sums the decoded chunks in FP32. This
-// header holds the encode and the decode-accumulate steps (tensor level, CPU or CUDA through the
-// FP8 cast kernels of src/fp8); BucketGroup runs the collectives around them.
+// Low-precision gradient wires (C6 — collectives, grad_reduce_wire): a bucket's reduction sends its
+// FP32 gradients as BF16 or as FP8 bytes with a per-chunk scale, and the receiving rank sums the
+// decoded chunks in FP32. This header holds the encode and the decode-accumulate steps (tensor
+// level, CPU or CUDA through the FP8 cast kernels of src/fp8); BucketGroup runs the collectives
+// around them.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -264,7 +264,7 @@ TEST(UpdateScalingCases, NonFiniteAmaxIsNoObservation) {
 }
 
 TEST(UpdateScalingCases, OneNonFiniteStepDoesNotPinTheScale) {
-  // Issue 28 section 6: a NaN or Inf amax in the first step (a row 0 of NaN / Inf, the history
+  // C7 — FP8 numerics: a NaN or Inf amax in the first step (a row 0 of NaN / Inf, the history
   // empty) kept the scale at its first value for L = 4 steps, since NaN / Inf won the max as long
   // as it stayed in the window. The next finite step's amax must set the scale at once.
   // Mutation (2026-12-03): update_scaling_cpu's max back to "NaN or larger wins" (the old nan_max)

@@ -6,10 +6,10 @@ expected message is exact: "rank 0 A, rank 1 B" at 2 ranks, "ranks 0,2 A, rank 1
 After the error every case runs one all-reduce on the world group: nothing was left half-done
 in a collective, the ranks are still in step.
 
-What each difference did before the check (issue 28 §2): average_in_collective gave a different
-wrong mean per rank, grad_reduce_wire hung until the process-group timeout, five other fields
-aborted the process inside gloo, and a per-rank n_microbatches silently consumed another rank's
-pipeline steps.
+What each difference did before the check (C12 — ranks agree): average_in_collective gave a
+different wrong mean per rank, grad_reduce_wire hung until the process-group timeout, five other
+fields aborted the process inside gloo, and a per-rank n_microbatches silently consumed another
+rank's pipeline steps.
 
 Mutations tried (each case family failed, then the call was restored), at world size 2:
 - the check_ranks_agree call removed from DistributedDataParallel.__init__: all 20

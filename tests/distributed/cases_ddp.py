@@ -709,7 +709,7 @@ def bad_input(rank, ws, kind):
         )
 
 
-# -- overlap_param_gather (issue 5): the all-gather after the step overlaps the next forward ------
+# -- overlap_param_gather: the all-gather after the step overlaps the next forward ------
 def _dist_opt_pair(overlap_param_gather_a, seed=0):
     """Two identical models, each under DistributedDataParallel + DistributedOptimizer(AdamW),
     differing only in overlap_param_gather (bucket_size=150: several bucket groups)."""

@@ -1,4 +1,4 @@
-"""The distributed optimizer's masters follow the parameters (issue 28 section 3, contract C13), on
+"""The distributed optimizer's masters follow the parameters (C13 — masters follow parameters), on
 the harness's runs (gloo at world sizes 2 and 3, nccl on 2 GPUs).
 
 Weights changed after fp8dp.DistributedOptimizer was built, in each way a training script does it

@@ -1,9 +1,9 @@
-"""The low-precision gradient wires (grad_reduce_wire, issue 16) on the harness's runs (gloo at world
-sizes 2 and 3, where 3 leaves the last chunk of an all-reduced bucket padded; nccl on 2 GPUs): the
-communicator's all-to-all, main_grad (or the owned shard) against a float64 reference within a
-bound derived from the wire format, bit-identical main_grad on every rank, a result that differs
-from the FP32 wire (so a silently ignored option fails), random gradients over a wide range with a
-printed seed, and NaN / Inf that arrive as non-finite values.
+"""The low-precision gradient wires (grad_reduce_wire, C6 — collectives) on the harness's runs (gloo
+at world sizes 2 and 3, where 3 leaves the last chunk of an all-reduced bucket padded; nccl on 2
+GPUs): the communicator's all-to-all, main_grad (or the owned shard) against a float64 reference
+within a bound derived from the wire format, bit-identical main_grad on every rank, a result that
+differs from the FP32 wire (so a silently ignored option fails), random gradients over a wide range
+with a printed seed, and NaN / Inf that arrive as non-finite values.
 
 The bound, per element, for contributions a_i = g_i / dp (g_i: rank i's local gradient) and
 T = sum_i |a_i| (wire.h has the rounding rules):

@@ -1,4 +1,4 @@
-"""The pipeline axis of the randomized gradient-accounting property test (issue 15, contract C10):
+"""The pipeline axis of the randomized gradient-accounting property test (C10 — pipelines):
 generated models run through fp8dp.pipeline.Pipeline, PP 2 x DP (world / 2), with a schedule
 drawn among those the case's block count and micro-batch count allow.
 
@@ -26,7 +26,7 @@ by backward_dw()" for one used twice); fixed in fp8dp/pipeline.py (_StageSync co
 tried since, then reverted: that runner capped at one call per module per micro-batch, 10 of 12
 cases fail (the ledger's / finish_grad_sync's "never computed"); Pipeline.step without its
 1/n_microbatches scaling, 6 of 6 fail with main_grad n_mb times the reference.
-Ties across blocks (issue 28 §5), seeds 0 and 1: they found that a delayed module's
+Ties across blocks (C15 — shared across stages), seeds 0 and 1: they found that a delayed module's
 skip_backward_post_hook mark on a shared object reached a stage without that module (case
 2735922621: "parameter 'blocks.4.g.tl.1.weight' has skip_backward_post_hook=True but its module
 Linear has no register_wgrad_accumulation_and_reduce_hooks()"; fixed by

@@ -453,7 +453,7 @@ class DDPLifecycle:
             if bool(p.main_grad.count_nonzero()):
                 return tag, f"main_grad of '{n}' not zero after zero_grad_buffer()"
             if p.grad is not None:
-                return tag, f"'{n}'.grad is not None after zero_grad_buffer() (issue 28 §1)"
+                return tag, f"'{n}'.grad is not None after zero_grad_buffer() (C11 — phases)"
         return tag, None
 
     def op_step(self):
@@ -526,10 +526,10 @@ class DDPLifecycle:
         self.P = [dict(self.P[0]) for _ in range(self.ws)]
         return tag, self.check_params("after broadcast_params(0)")
 
-    # ---- phases (§1): more of the issue's cases ---------------------------------------------------
+    # ---- phases (C11): more cases ----------------------------------------------------------------
     def op_stale_grad(self, name):
         """A .grad left on a parameter by code outside DDP; the next zero_grad_buffer() /
-        zero_grad() must clear it (issue 28 §1), so that it never reaches main_grad."""
+        zero_grad() must clear it (C11 — phases), so that it never reaches main_grad."""
         with torch.no_grad():
             self.params[name].grad = torch.full_like(self.params[name], 7.0)
         self.stale = True
@@ -537,7 +537,7 @@ class DDPLifecycle:
 
     def op_shard_update_then_forward(self, delta):
         """copy_shards(); start_param_sync(); forward with overlap_param_gather=False: the forward
-        must wait for the all-gather (the docstring's promise; issue 28 §1)."""
+        must wait for the all-gather (the docstring's promise; C11 — phases)."""
         k = self.k
         self.k += 1
         x, _ = sm.microbatch_data(self.seed, k, self.rank)
@@ -572,7 +572,7 @@ class DDPLifecycle:
                 return tag, bad
         return tag, self.check_params("after copy_shards + start_param_sync + forward")
 
-    # ---- params (§3, C13): parameters changed outside step() --------------------------------------
+    # ---- params (C13 — masters follow parameters): parameters changed outside step() -------------
     def _load_fn(self, new):
         sd = {n: new[n].float() for n in self.names}
         return lambda: self.ddp.load_state_dict(sd, strict=False)
@@ -655,7 +655,7 @@ class DDPLifecycle:
         )
         return tag, bad
 
-    # ---- autograd (§4, C14) ---------------------------------------------------------------------
+    # ---- autograd (C14 — autograd-native saving) -------------------------------------------------
     def op_autograd_grad(self, layer):
         """torch.autograd.grad(loss, weight) through the bare module: the gradient returned as
         for nn.Linear and nothing else touched (main_grad, the queues), or refused before any
@@ -685,7 +685,7 @@ class DDPLifecycle:
             f"autograd.grad of '{n}'", g, c.grad[n], sm.fp32_tol(c.mag[n], len(self.layers) + 1, 2)
         )
 
-    # ---- agree (§2, C12) ---------------------------------------------------------------------------
+    # ---- agree (C12 — ranks agree) ---------------------------------------------------------------
     DISAGREE = {
         "average_in_collective": (False, True),
         "grad_reduce_wire": ("buffer", "bf16"),

@@ -1,4 +1,4 @@
-"""The rules of the stateful lifecycle test (issue 28 §7): hypothesis's RuleBasedStateMachine
+"""The rules of the stateful lifecycle test (contracts C11-C15): hypothesis's RuleBasedStateMachine
 generates sequences of API calls; every rank runs each call and compares its state with the
 float64 model (stateful_ddp.py, stateful_pipeline.py).
 
@@ -11,19 +11,19 @@ the engine's shrinking stops at a wall-clock deadline (MAX_SHRINKING_SECONDS), s
 two ranks can choose different next calls; one leader makes the sequence identical by
 construction, and the seed (printed) and `derandomize` still make a run repeatable.
 
-Families: a family is a set of rules (a mechanism of issue 28 and the legal calls around it);
-FAMILY selects which rules the machine may draw. `lifecycle` is the legal lifecycle (micro-batches
-inside / outside no_sync, backward_dw, start / finish_grad_sync, scale_gradients, zero_grad_buffer,
-optimizer step and zero_grad, checkpoint round trips, broadcast_params, FP8 on or off per machine);
-`phases` adds calls in the wrong phase, each of which must be refused before any state changes
-(§1, C11); `fp8` switches FP8 on and off between iterations (§1 readiness per route); `params`
-changes parameters outside step() under the distributed optimizer and loads bad optimizer state
-(§3, C13); `autograd` runs micro-batches under activation checkpointing / save_on_cpu and
-autograd.grad on fused and delayed weights (§4, C14); `agree` builds DDPs whose ranks disagree
-on one config field (§2, C12); `all` draws from every DDP family at once; `pipeline` is the
-pipeline machine (stateful_pipeline.py: PP 2 x DP 2, the distributed optimizer, a weight shared
-by the first and the last stage, §5, C15).
-"""
+Families: a family is a set of rules (a contract's mechanism and the legal calls around it); FAMILY
+selects which rules the machine may draw. `lifecycle` is the legal lifecycle (micro-batches inside /
+outside no_sync, backward_dw, start / finish_grad_sync, scale_gradients, zero_grad_buffer, optimizer
+step and zero_grad, checkpoint round trips, broadcast_params, FP8 on or off per machine); `phases`
+adds calls in the wrong phase, each of which must be refused before any state changes
+(C11 — phases); `fp8` switches FP8 on and off between iterations (C11: readiness per route);
+`params` changes parameters outside step() under the distributed optimizer and loads bad optimizer
+state (C13 — masters follow parameters); `autograd` runs micro-batches under activation
+checkpointing / save_on_cpu and autograd.grad on fused and delayed weights (C14 — autograd-native
+saving); `agree` builds DDPs whose ranks disagree on one config field (C12 — ranks agree); `all`
+draws from every DDP family at once; `pipeline` is the pipeline machine (stateful_pipeline.py: PP 2
+x DP 2, the distributed optimizer, a weight shared by the first and the last stage, C15 — shared
+across stages)."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ class DDPMachine(RuleBasedStateMachine):
                 len(q) <= it.mb for q in self.L.fifo.values()
             ), "model: queue > micro-batches"
 
-    # -- phases (§1, C11): calls in the wrong phase
+    # -- phases (C11 — phases): calls in the wrong phase
     @precondition(
         lambda self: _on("phases")(self)
         and self.L.expect_microbatch() != "ok"
@@ -347,7 +347,8 @@ class DDPMachine(RuleBasedStateMachine):
     def shard_update_then_forward(self, delta):
         self.call("shard_update_then_forward", delta=delta)
 
-    # -- params (§3, C13): parameters changed outside step() (the distributed optimizer)
+    # -- params (C13 — masters follow parameters): parameters changed outside step() (the
+    # distributed optimizer)
     @precondition(lambda self: _on("params")(self) and self.L.opt is not None and self._quiet())
     @rule(per_rank=st.booleans(), k=st.integers(0, 3))
     def load_weights(self, per_rank, k):
@@ -368,7 +369,7 @@ class DDPMachine(RuleBasedStateMachine):
     def bad_optimizer_load(self, kind):
         self.call("bad_optimizer_load", kind=kind)
 
-    # -- autograd (§4, C14)
+    # -- autograd (C14 — autograd-native saving)
     @precondition(lambda self: _on("autograd")(self) and self.L.expect_microbatch() == "ok")
     @rule(
         no_sync=st.booleans(),
@@ -392,13 +393,13 @@ class DDPMachine(RuleBasedStateMachine):
     def autograd_grad(self, data):
         self.call("autograd_grad", layer=data.draw(st.integers(0, len(self.L.layers) - 1)))
 
-    # -- agree (§2, C12): ranks that disagree on one config field
+    # -- agree (C12 — ranks agree): ranks that disagree on one config field
     @precondition(lambda self: _on("agree")(self) and self._quiet())
     @rule(field=st.sampled_from(sorted(sd.DDPLifecycle.DISAGREE)))
     def build_disagreeing(self, field):
         self.call("build_disagreeing", field=field)
 
-    # -- fp8 (§1): FP8 on / off between iterations
+    # -- fp8 (C11): FP8 on / off between iterations
     @precondition(lambda self: _on("fp8")(self) and self.L.it.mb == 0 and self.L.dw_pending() == 0)
     @rule(on=st.booleans())
     def set_fp8(self, on):

@@ -1,4 +1,4 @@
-"""Issue 30 at CI size: the convergence runs of configs/gpt350m.yaml, shrunk to
+"""FP8 against FP8 off at CI size: the convergence runs of configs/gpt350m.yaml, shrunk to
 configs/ci_convergence.yaml (2 layers x 64 on the standard library's Python sources, 2 gloo ranks,
 150 steps), trained by the same tooling the GPU runs use (fp8dp.train.runs: FP8 delayed, FP8
 current, FP8 off, and 20 steps of the plain-torch DDP baseline) and compared by
@@ -13,7 +13,7 @@ Tolerances, derived (numbers measured on this CPU build, 2026-12-03):
   steps before 50, where the loss falls by nats, are not compared). Measured FP8 gaps (relative,
   steps 75..150): delayed +0.96/+0.30/+0.28/+0.46% (seed 1234), +0.08/+0.26/+0.27/+0.17% (seed 1);
   current +0.77/+0.59/+0.43/+0.42% (1234), -1.01/-0.13/-0.12/-0.27% (1): FP8 at this size is
-  inside the seed noise, which is all a 150-step CPU run can resolve (the 0.25% of issue 30 is the
+  inside the seed noise, which is all a 150-step CPU run can resolve (the 0.25% target is the
   GPU run's target, where 2,000 steps at 342M parameters shrink the seed spread).
 - FP8 off against torch.nn + torch DDP, FP32 parameters: the same arithmetic up to summation order
   (GEMM blocking, the reduce-scatter against torch's all-reduce, the norm kernels). Measured: the

@@ -1,7 +1,7 @@
-"""The randomized gradient-accounting property test (issue 12): one torchrun launch per world size
-(1, 2, 3 on gloo; harness.torchrun) runs its share of random configurations (property_worker.py);
-each rank writes one JSON line per case, and this wrapper fails with every failing case's seed,
-configuration, first mismatch and the command that reruns it alone.
+"""The randomized gradient-accounting property test (C2 — exactly once, C8 — every use counts): one
+torchrun launch per world size (1, 2, 3 on gloo; harness.torchrun) runs its share of random
+configurations (property_worker.py); each rank writes one JSON line per case, and this wrapper fails
+with every failing case's seed, configuration, first mismatch and the command that reruns it alone.
 
 Environment: FP8DP_PROPERTY_SEED (default 0) picks the sample; FP8DP_PROPERTY_CASES (default 210)
 is the total number of configurations, split over the world sizes as 35% / 35% / 30%, and at

@@ -1,4 +1,4 @@
-"""The stateful property test of the training lifecycle (issue 28 §7): hypothesis generates
+"""The stateful property test of the training lifecycle (contracts C11-C15): hypothesis generates
 sequences of API calls (stateful_rules.py) and every rank compares its state after every call with
 a float64 model of what the call must do, or checks that it was refused before anything changed.
 One torchrun launch per rule family (gloo; 2 ranks, the pipeline family 4: PP 2 x DP 2).
@@ -18,7 +18,7 @@ import pytest
 from harness import HERE, torchrun
 
 # A family whose mechanism has not landed in main is marked here (strict=False: it passes once
-# the mechanism lands). Each reason names the mechanism and the issue 28 section.
+# the mechanism lands). Each reason names the mechanism and its contract.
 PENDING: dict = {}
 
 FAMILIES = [

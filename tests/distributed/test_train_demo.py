@@ -4,7 +4,7 @@ resumed from a checkpoint continues bit-exactly like the uninterrupted run.
 Each launch says where its ranks run (--device) instead of taking what the machine has: CPU ranks
 on gloo everywhere, and the loss test once more on 2 GPUs (NCCL) where there are 2, skipped with
 the reason elsewhere. (Inheriting the machine's choice, the demo put 2 ranks on cuda:0 and cuda:1
-of the one-GPU machine: "CUDA error: invalid device ordinal", issue 29.)"""
+of the one-GPU machine: "CUDA error: invalid device ordinal".)"""
 
 import json
 import os

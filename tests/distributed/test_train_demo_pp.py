@@ -1,7 +1,7 @@
-"""The training demo under pipeline parallelism (issue 15), 4 CPU ranks on gloo under torchrun
-(--device cpu: the tests say where their ranks run; issue 29): PP 2 x DP 2 trains (finite,
-falling loss) and follows the DP 4 run of the same model, data, seed and global batch step by
-step; a PP run resumed from a checkpoint continues bit-exactly.
+"""The training demo under pipeline parallelism (C10 — pipelines), 4 CPU ranks on gloo under
+torchrun (--device cpu: the tests say where their ranks run, not the machine): PP 2 x DP 2 trains
+(finite, falling loss) and follows the DP 4 run of the same model, data, seed and global batch step
+by step; a PP run resumed from a checkpoint continues bit-exactly.
 
 Why the two layouts are comparable at all: the pipelines read exactly the DP run's global batch
 (fp8dp/train/pipeline_run.py), every rank builds the same initial GPT from the seed, and AdamW

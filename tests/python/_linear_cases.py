@@ -87,7 +87,7 @@ def run_microbatches(module, data, recipe, first_microbatch_flags=True):
     return ys, dxs
 
 
-# ---- FP8 error bounds (test groups 2 and 3) ------------------------------------------------
+# ---- FP8 error bounds (C4 and C7 tests) ----------------------------------------------------
 # One FP8 rounding of v (already multiplied by its scale s) with round-to-nearest-even:
 #   normal range:    |q(v) - v| <= u |v|,  u = 2^-(mantissa bits + 1): E4M3 2^-4, E5M2 2^-3
 #   subnormal range: |q(v) - v| <= half the subnormal spacing: E4M3 2^-10, E5M2 2^-17

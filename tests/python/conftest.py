@@ -1,6 +1,6 @@
 """Shared pytest fixtures of the single-process tests.
 
-`device`: every module test group runs once on the CPU (FP8 emulated, FP32 GEMMs) and once on
+`device`: every module test runs once on the CPU (FP8 emulated, FP32 GEMMs) and once on
 CUDA (CUDA kernels, cuBLASLt). The CUDA runs skip at once, with the reason from
 fp8dp.cuda_available(return_reason=True), where the build has no CUDA or torch sees no GPU, so CI
 on a CPU machine pays nothing for them.

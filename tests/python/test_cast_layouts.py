@@ -1,4 +1,5 @@
-"""The pieces that let a layer skip launches and copies (issue 14), on every device this build has:
+"""The pieces that let a layer skip launches and copies (the GPT stack's launch count), on every
+device this build has:
 
 - quantize(amax_into=...) max-merges the cast's amax into a running amax (a delayed-scaling
   history's row 0) inside the cast kernel: same bytes as a plain cast, and the merge is an exact

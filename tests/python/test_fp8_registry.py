@@ -1,7 +1,7 @@
-"""The FP8 scaling state in one process: empty casts (issue 12 item 8, C9), inference mode (item
-6), malformed extra state (item 9), update_fp8_scales twice in one step (item 10), and the
-identities that order the registry (item 3, C9; the cross-rank half is in
-test_fp8_registry_dist.py). Every test that casts runs on each device (conftest.py `device`).
+"""The FP8 scaling state in one process: empty casts (C9), inference mode, malformed extra state,
+update_fp8_scales twice in one step, and the identities that order the registry (C9 — one FP8
+registry; the cross-rank half is in test_fp8_registry_dist.py). Every test that casts runs on each
+device (conftest.py `device`).
 
 Evidence that these tests catch the defects (run on 2026-12-01, then restored) is in each test's
 docstring.

@@ -1,7 +1,7 @@
 """C9 across 2 processes (gloo, CPU): update_fp8_scales reduces the amaxes of the same states, in
 the same order (by identity), on every rank, and fails on every rank, naming the first differing
-state, when the ranks' FP8 states differ. Issue 12 items 3, 8 (an empty micro-batch on one rank)
-and 10 (a different recipe on one rank; update_fp8_scales twice in one step).
+state, when the ranks' FP8 states differ: identities, an empty micro-batch on one rank, a
+different recipe on one rank, update_fp8_scales twice in one step.
 
 Each rank names its modules with fp8dp.scaling.set_fp8_identities(model), as
 fp8dp.DistributedDataParallel does. The process group has a 60 s timeout, so a rank left alone in

@@ -1,4 +1,4 @@
-"""A non-finite or zero amax is no observation for delayed scaling (issue 28 section 6, C7).
+"""A non-finite or zero amax is no observation for delayed scaling (C7 — FP8 numerics).
 
 Before the fix, one Inf or NaN in the first delayed-scaling cast of a role (input or grad_output)
 pinned its scale at 1 for amax_history_len steps: the first cast marked the role as having a

@@ -1,4 +1,4 @@
-"""A NaN or Inf amax on one rank is no observation across ranks either (issue 28 section 6, C7):
+"""A NaN or Inf amax on one rank is no observation across ranks either (C7 — FP8 numerics):
 update_fp8_scales zeroes it before the cross-rank MAX (registry_amaxes), so the other rank's
 finite amax of that step sets the scale on both ranks.
 

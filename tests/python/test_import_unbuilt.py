@@ -1,4 +1,4 @@
-"""`import fp8dp` without a loadable extension says what is wrong and how to build it (issue 29 A).
+"""`import fp8dp` without a loadable extension says what is wrong and how to build it.
 
 Each test copies the Python package without its _C*.so into a temporary folder and imports it in a
 subprocess with only that folder on PYTHONPATH (the tests' own fp8dp stays untouched):

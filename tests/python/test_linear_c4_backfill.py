@@ -1,4 +1,4 @@
-"""Test group 2 (C4): the guarded bias-gradient backfill with an unconditional external consumer.
+"""C4 — backfill: the guarded bias-gradient backfill with an unconditional external consumer.
 
 DelayedScaling FP8, delay_wgrad_compute, bias. Every parameter has a post-accumulate hook that
 moves .grad into main_grad and clears .grad, with no regard for flags (an unconditional external

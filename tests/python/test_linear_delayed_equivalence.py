@@ -1,4 +1,5 @@
-"""Test group 1 (C2, C3): delayed weight gradients give bit-identical results to immediate ones.
+"""C2 — exactly once, C3 — delayed wgrad: delayed weight gradients give bit-identical results to
+immediate ones.
 
 Both modules run the same micro-batches with the same parameters; the delayed one calls
 backward_dw() after each backward. The deferred GEMM is the same function on the same operands

@@ -1,6 +1,6 @@
-"""Test group 7: every error of the modules and the GEMM front end, asserted by its message, on
-each device (conftest.py `device`) where the module or GEMM runs there; the constructor checks and
-the CPU GEMM's epilogues are device-independent or CPU-only."""
+"""Errors before state: every error of the modules and the GEMM front end, asserted by its message,
+on each device (conftest.py `device`) where the module or GEMM runs there; the constructor checks
+and the CPU GEMM's epilogues are device-independent or CPU-only."""
 
 import math
 import re
@@ -140,7 +140,7 @@ def test_second_backward_is_an_error(device):
             dict(in_features=16, out_features=16, eps=0.0),
             r"eps: expected a finite number > 0, got 0.0",
         ),
-        # eps=inf was accepted (issue 12, item 10): the norm's output, the layer's output and
+        # eps=inf was accepted before this check: the norm's output, the layer's output and
         # every gradient came out 0, silently. Evidence (2026-12-01, then restored): with the
         # line `or not math.isfinite(eps)` removed from LayerNormLinear.__init__, eps_inf fails
         # with `Failed: DID NOT RAISE ValueError` (NaN was already refused by `not eps > 0`).

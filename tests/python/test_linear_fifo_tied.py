@@ -1,6 +1,6 @@
-"""Test group 4 (C3): several backwards queued before the backward_dw() calls, popped in FIFO
-order, equal the immediate result; a weight tied between two modules accumulates both modules'
-delayed contributions."""
+"""C3 — delayed wgrad, FIFO order: several backwards queued before the backward_dw() calls, popped
+in FIFO order, equal the immediate result; a weight tied between two modules accumulates both
+modules' delayed contributions."""
 
 import pytest
 import torch

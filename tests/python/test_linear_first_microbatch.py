@@ -1,6 +1,6 @@
-"""Test group 5: is_first_microbatch — the FP8 weight cache (False reuses an unchanged weight's
-FP8 copy, True/None refresh it, a changed weight is always re-quantized) and the fused wgrad, which
-accumulates into main_grad whatever is_first_microbatch says (C2 b, C8)."""
+"""C8 — every use counts, is_first_microbatch: the FP8 weight cache (False reuses an unchanged
+weight's FP8 copy, True/None refresh it, a changed weight is always re-quantized) and the fused
+wgrad, which accumulates into main_grad whatever is_first_microbatch says (C2 b, C8)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Test group 3 (C7): FP8 forward and backward against an FP64 reference on the same inputs.
+"""C7 — FP8 numerics: FP8 forward and backward against an FP64 reference on the same inputs.
 
 Every tolerance is the elementwise worst-case bound derived in _linear_cases.product_bound from
 the formats' unit roundoff (E4M3 2^-4, E5M2 2^-3) and subnormal spacing, with the scales the cast

@@ -1,7 +1,7 @@
-"""Test group 6: the FP8 scaling state travels in state_dict() as extra state; a round trip
-restores identical FP8 outputs, and a state dict without it (torch.nn.Linear's) loads too. Every
-test runs on each device (conftest.py `device`): a checkpoint's FP8 state is saved as CPU tensors
-and must work in a module on any device."""
+"""C9 — one FP8 registry, saved: the FP8 scaling state travels in state_dict() as extra state; a
+round trip restores identical FP8 outputs, and a state dict without it (torch.nn.Linear's) loads
+too. Every test runs on each device (conftest.py `device`): a checkpoint's FP8 state is saved as CPU
+tensors and must work in a module on any device."""
 
 import io
 
@@ -103,7 +103,7 @@ def test_update_fp8_scales_rolls_history(device):
     [
         ("margin", -1.0, "'margin' must be finite, >= 0 and <= 14.8"),
         ("margin", float("nan"), "'margin' must be finite, >= 0 and <= 14.8"),
-        # Accepted before, then every forward cast underflowed to zero (issue 12, item 9).
+        # Accepted before, then every forward cast underflowed to zero (now refused at load).
         ("margin", 2000.0, "'margin' must be finite, >= 0 and <= 14.8"),
         ("amax_compute_algo", 7, "'amax_compute_algo' must be 0 (max) or 1 (most_recent), got 7"),
     ],

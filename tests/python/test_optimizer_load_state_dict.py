@@ -1,5 +1,5 @@
 """DistributedOptimizer.load_state_dict refuses a state_dict that does not fit, naming the entry,
-and changes nothing when it does (issue 12, item 5).
+and changes nothing when it does (C13 — masters follow parameters: check before change).
 
 Before the check, a master of the wrong size went to `copy_`, which broadcasts: a 1-element master
 made every element of its parameter one constant, silently; a short `masters` list restored only
@@ -17,7 +17,7 @@ Evidence that the tests catch a missing check (2026-12-01, then restored):
 2. The whole of optimizer.py as it was before (git show 1a0ce06:python/fp8dp/optimizer.py): the
    same 20 fail; world_size and rank only on the wording, they were checked before.
 
-Issue 28 section 3 (CASES_28): another optimizer's state (SGD's into AdamW) was accepted, replaced
+C13 (CASES_28): another optimizer's state (SGD's into AdamW) was accepted, replaced
 the settings and failed at the next step() with KeyError: 'betas'; BF16 masters and BF16 state
 were accepted (torch casts state to the master's dtype on load, silently). Mutations (2026-12-03,
 each restored):
@@ -198,8 +198,8 @@ def _other_optimizer(keep_class_key):
     return f
 
 
-# Issue 28 section 3: another optimizer's state, dtypes and the class's own state keys. These take
-# the process group (another model is built for the SGD state).
+# C13 — masters follow parameters: another optimizer's state, dtypes and the class's own state keys.
+# These take the process group (another model is built for the SGD state).
 CASES_28 = {
     "other-optimizer": (
         _other_optimizer(keep_class_key=True),
@@ -277,7 +277,7 @@ CASES_28 = {
 
 @pytest.mark.parametrize("case", list(CASES_28))
 def test_bad_state_dict_28_is_refused_and_changes_nothing(group, case):
-    """Issue 28 section 3: each of these was accepted before (or failed only after the settings
+    """C13: each of these was accepted before (or failed only after the settings
     were replaced) and is refused now, leaving the masters, the parameters and the inner
     optimizer bit-identical."""
     model, opt = _trained(group)

@@ -1,4 +1,4 @@
-"""A batch that does not fit the shapes a Pipeline was built with (issue 28 §5) raises the same
+"""A batch that does not fit the shapes a Pipeline was built with (C10 — pipelines) raises the same
 ValueError on every rank before anything is sent, naming what was expected and what came; the
 step changes nothing (main_grad bit-identical to before it) and the next good step runs as if
 the bad one had never been tried.

@@ -1,9 +1,9 @@
-"""A pipeline whose peer is gone ends with an error on the surviving rank, not a hang (issue 15):
-PP 2 × DP 1 on gloo, groups made with make_groups(timeout=5 s); rank 1 either dies (os._exit)
-or stays alive but never runs its step (it skips every send and receive). Rank 0's step must
-raise within the timeout plus slack. Evidence: with make_groups(2) (torch's default timeout,
-30 minutes on gloo) the "skips" case fails here, rank 0 still waiting after 45 s; the "dies" case
-passes either way (gloo sees the closed connection at once)."""
+"""A pipeline whose peer is gone ends with an error on the surviving rank, not a hang
+(C10 — pipelines): PP 2 × DP 1 on gloo, groups made with make_groups(timeout=5 s); rank 1 either
+dies (os._exit) or stays alive but never runs its step (it skips every send and receive). Rank 0's
+step must raise within the timeout plus slack. Evidence: with make_groups(2) (torch's default
+timeout, 30 minutes on gloo) the "skips" case fails here, rank 0 still waiting after 45 s; the
+"dies" case passes either way (gloo sees the closed connection at once)."""
 
 import datetime
 import os

@@ -1,6 +1,6 @@
-"""fp8dp.pipeline's layout arithmetic and its errors (issue 15): impossible layouts fail before
-any stage or group is built, with a ValueError naming the argument, what was expected and what
-was given."""
+"""fp8dp.pipeline's layout arithmetic and its errors (C10 — pipelines): impossible layouts fail
+before any stage or group is built, with a ValueError naming the argument, what was expected and
+what was given."""
 
 import os
 import tempfile

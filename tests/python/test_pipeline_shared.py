@@ -1,4 +1,4 @@
-"""Parameters shared between pipeline stages (contract C15, issue 28 §5) across gloo ranks: after
+"""Parameters shared between pipeline stages (C15 — shared across stages) across gloo ranks: after
 each torch schedule's step, every stage's copy of a shared parameter holds the gradient of the
 whole, unpipelined model (the sum of every use on every stage), compared with a float64
 single-process reference in which the parameter is one tensor; the parameters after one SGD

@@ -139,8 +139,8 @@ def test_gemm_accumulation_is_keyword_only():
 @pytest.mark.parametrize("cls", [recipe.DelayedScaling, recipe.Float8CurrentScaling])
 @pytest.mark.parametrize("margin", [2000, 128, 18.9, recipe.MAX_MARGIN + 1e-9])
 def test_margin_above_the_bound_is_refused(cls, margin):
-    """margin=2000 was accepted and failed only at the first cast (issue 12, item 9): 2**margin
-    overflows float32, the scale becomes 0 and quantize refuses it.
+    """margin=2000 was accepted and failed only at the first cast (input checks before state):
+    2**margin overflows float32, the scale becomes 0 and quantize refuses it.
 
     Evidence (2026-12-01, then restored): with `or not 0 <= value <= MAX_MARGIN` in
     recipe._check_margin put back to `or value < 0`, all 8 cases fail with

@@ -1,4 +1,4 @@
-"""Where the demo's ranks run (issue 29 A): run.device / run.backend (CLI --device / --backend)
+"""Where the demo's ranks run: run.device / run.backend (CLI --device / --backend)
 against what the machine has, decided before torch.distributed starts.
 
 The failure this fixes, on a one-GPU H200 machine: `make test` starts the demo with 2 or 4

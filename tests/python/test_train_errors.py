@@ -1,4 +1,4 @@
-"""The training demo's errors (issue 12, item 9): every bad input ends as one line
+"""The training demo's errors (input checked before any work): every bad input ends as one line
 `fp8dp.train: error: <key or file>: expected ..., got ...` and exit code 2, never a traceback; a
 resume of a finished run is a no-op that says so.
 
@@ -95,7 +95,7 @@ def run(*argv):
         ).items():
             mp.setenv(k, v)
         with redirect_stdout(out), redirect_stderr(err):
-            # --device cpu: the same gloo world of one on a GPU machine (issue 29)
+            # --device cpu: the same gloo world of one on a GPU machine (no rank beyond the GPUs)
             rc = main([str(a) for a in argv] + ["--no-progress", "--device", "cpu"])
     return rc, out.getvalue(), err.getvalue()
 

@@ -1,7 +1,7 @@
-"""model.tie_embeddings (issue 28 §5): the demo GPT's head weight IS its token embedding, every
-other initial weight as in the untied model, and the pipeline blocks carry the tie between the
-first and the last stage for fp8dp.pipeline to find (the training comparison under PP 2 x DP 2
-is tests/distributed/test_train_demo_pp.py).
+"""model.tie_embeddings (C15 — shared across stages): the demo GPT's head weight IS its token
+embedding, every other initial weight as in the untied model, and the pipeline blocks carry the tie
+between the first and the last stage for fp8dp.pipeline to find (the training comparison under PP 2
+x DP 2 is tests/distributed/test_train_demo_pp.py).
 
 Evidence (tried, then reverted): the tie line in GPT.__init__ removed, the last two tests fail
 ("assert head.weight is tok.weight"; find_shared finds nothing)."""

@@ -117,8 +117,8 @@ __host__ __device__ constexpr int tile_rows() {
 // kVec: input and out are 16-byte aligned and cols is a multiple of the vector width, so each
 // thread's kV elements of a row are either all inside the matrix or all outside.
 // kMinBlocks (resident blocks per SM the register budget must allow) and kPrefetch (issue the next
-// tile's loads before converting this one) are tuning choices; bench/cast_transpose_variants.cu
-// times them against each other and the library launches the winner (see launch_tiled).
+// tile's loads before converting this one) are tuning choices; the library launches the one that
+// was fastest (see launch_tiled and kCtMinBlocks).
 template <Format F, typename T, bool kVec, int kMinBlocks, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(const TileArgs a) {
   constexpr int kV = 16 / sizeof(T);     // elements per thread and row (one 16-byte load)
@@ -297,10 +297,9 @@ void launch_flat(const QuantizeParams& p, cudaStream_t st) {
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-// Tuning choices of the cast-transpose kernel, from bench/cast_transpose_variants.cu on the H200
-// (BENCHMARKS.md): a register budget for 5 resident blocks per SM was fastest or tied everywhere (6
-// and 8 forced spills or too few registers and lost up to 30%); prefetching the next tile lost
-// 15-70% (it costs the registers that occupancy needs).
+// Tuning choices of the cast-transpose kernel: a register budget for 5 resident blocks per SM was
+// fastest or tied everywhere, and prefetching the next tile costs the registers that occupancy
+// needs (timings: docs/changelog.md, 2026-11-30).
 constexpr int kCtMinBlocks = 5;
 constexpr bool kCtPrefetch = false;
 

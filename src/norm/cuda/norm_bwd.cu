@@ -198,7 +198,7 @@ __device__ __forceinline__ void add_parts(const BwdArgs& a) {
 
 // kNV > 0: dz and x are held in registers, at most kNV vectors per thread; 0: re-read from memory.
 // kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
-// timed by bench/norm_variants.cu).
+// timings in docs/changelog.md).
 // kStages > 0 (sm_90, kVec and kNV > 0 only): dz and x arrive through kStages shared-memory
 // stages filled by the copy engine.
 // Every block writes one partial row of dgamma / dbeta (its groups are added first, in group
@@ -465,18 +465,9 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
 // threads (fewer partial rows; 256 for short rows, see default_min_block). On sm_90, dz and x come
 // through 2 copy-engine stages with a register budget for 1 resident block (128 registers, no
 // spills); elsewhere the budget allows 2 blocks from 512 vectors per row up, 1 below.
-// bench/norm_variants.cu on the H200 (2026-12-02), LayerNorm backward of bf16, staged with 1
-// block's budget against the unstaged rule: 16384 x 8192 315 against 350 us (62% against 56% of
-// copy), 4096 x 8192 105 against 124 us, 4096 x 4096 56 against 62 us, 4096 x 2048 41 against 43
-// us; 3 stages and the 2-block budget were slower with staging. (The 2-block budget spills; its
-// staged variant was also the one that showed the missing proxy fence, see stage_announce.)
-// Prefetching the next row into registers lost 5-25%. With the word-wise conversions of
-// norm_common.cuh: 280 us at 16384 x 8192 (70% of copy), 38 issued instructions per element (ncu;
-// 47 before); with the cross-warp shuffle tree and the kept terms (kKeep): 257.9 us (76%), 29.5.
-// Adding the partial rows in a second kernel instead of the cooperative tail was slower at every
-// shape (259.4 / 93.7 / 51.2 / 38.5 against 257.9 / 91.8 / 48.4 / 35.0 us at 16384 x 8192,
-// 4096 x 8192 / 4096 / 2048). kStages: the copy-engine stages of the register kernels on an sm_90+
-// device with whole vectors.
+// Why: on the H200 the staged launch was the fastest at every measured shape, and the cooperative
+// tail beat a second column-sum kernel (docs/changelog.md, 2026-12-02). kStages: the copy-engine
+// stages of the register kernels on an sm_90+ device with whole vectors.
 template <typename T, bool kVec, int kMinBlocks, int kStages>
 void launch_nv(const NormBwdParams& p, const BwdArgs& a, int64_t per_thread, int block,
                cudaStream_t st) {
@@ -511,9 +502,7 @@ constexpr int kBwdStages = 2;
 
 // Threads per block at least, for rows of `tpr` threads: 256 for rows of up to 128 threads (two
 // resident blocks per SM then share it, so one block's row sums and barriers overlap the other's
-// work), else 512. bench/norm_variants.cu on the H200 (2026-12-02, two runs), bf16 4096 x 2048:
-// 32.7 / 33.9 us against 36.1 / 37.3 us with 512; at 4096 columns (256 threads per row, one row per
-// block) 256 was slower (65 against 55 us), at 8192 a tie.
+// work), else 512: faster for bf16 rows of 2048 columns, slower at 4096 (docs/changelog.md).
 inline int default_min_block(int tpr) { return tpr <= 128 ? kMinBlock : kMaxBlock; }
 
 // min_block (threads per block at least; 0: default_min_block), min_blocks (the register budget;

@@ -35,8 +35,7 @@ union Vec {
   T t[kV];
 };
 
-// The kernels are bound by their instruction stream (ncu on the H200, 2026-12-02: the LayerNorm
-// forward issued 41 instructions per element, the backward 47; 26.6 and 29.5 now), so the
+// The kernels are bound by their instruction stream, not by memory (ncu; docs/changelog.md), so the
 // conversions between a vector and its floats work on 32-bit words: a bf16 pair widens with one
 // shift and one mask (a 16-bit element access compiles to a byte permute and a multiply each) and
 // rounds with one paired conversion; a Vec rebuilt element by element also went through local

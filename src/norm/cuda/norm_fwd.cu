@@ -29,21 +29,9 @@ namespace {
 // Vectors of its row a thread holds in registers: kernels exist for up to 4 and up to 8; longer
 // rows are read from global memory three times (kNV = 0). The launch aims at 4 vectors per thread
 // and gives the 4-vector kernel a register budget for 2 resident 512-thread blocks per SM (64
-// registers). The kernel is not bound by memory but by its instruction stream: the LN forward +
-// FP8 cast of bf16 16384 x 8192 runs at 65% of the copy bandwidth (151.7 us, H200, 2026-12-02),
-// issuing 26.6 instructions per element (ncu; 41 before the word-wise conversions of
-// norm_common.cuh, 31 before the cross-warp shuffle tree, kShift and the unchecked full rows).
-// bench/norm_variants.cu on the H200 (2026-12-02): 4 vectors with 2 blocks' budget was fastest or
-// tied from 4096 columns up (67.2 us at 4096 x 8192, 235.5 us at 16384 x 8192). At 2048 columns
-// the standalone timing favoured 8 vectors per thread (one warp per row), but inside the GPT block
-// stack (bench/profile_gpt_block.py) that kernel took 22.7 us per call against 16.4 us for this
-// one, so the default stays. Prefetching the next row into registers lost at every shape (17-30%):
-// it costs the registers that occupancy needs. Bringing the rows in through 2 copy-engine stages
-// (norm_common.cuh) left the forward where it was (within 1-3% either way: 224 against 230 us at
-// 16384 x 8192, 17.2 against 17.7 us at 4096 x 2048, 34.6 against 33.5 us at 4096 x 4096; 3
-// stages were slower): the forward is not waiting on its loads but on its own instruction stream
-// and the two block-wide sums per row. The 8-vector kernel through the stages (kStages8) was not
-// faster either (171.2 against 166.8 us at 16384 x 8192).
+// registers). Why: the kernel is bound by its instruction stream and the two block-wide sums per
+// row, not by its loads; this launch was the fastest or tied at the GPT shapes, and prefetching, 8
+// vectors per thread or copy-engine stages did not beat it (timings: docs/changelog.md).
 constexpr int kTargetVec = 4;
 constexpr int kMinBlocks4 = 2;
 // Shared-memory stages of the copy-engine path (sm_90; 0 turns it off).
@@ -183,7 +171,7 @@ __device__ __forceinline__ void fetch_group(const FwdArgs& a, int64_t grp, int r
 // kVec: every row pointer is 16-byte aligned and cols a multiple of the vector width.
 // kNV > 0: the row is held in registers, at most kNV vectors per thread; 0: re-read from memory.
 // kMinBlocks: resident 512-thread blocks per SM the register budget must allow (a tuning choice,
-// timed by bench/norm_variants.cu).
+// timings in docs/changelog.md).
 // kStages > 0 (sm_90, kVec and kNV > 0 only): the row groups arrive through kStages shared-memory
 // stages filled by the copy engine (dynamic shared memory: kStages * rpb * cols * sizeof(T)).
 // kShift: zero-centred gamma (emit).
