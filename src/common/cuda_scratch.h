@@ -6,7 +6,7 @@
 // is 0, so every synchronisation (a training loop's loss.item() each step) hands the pool's free
 // memory back to the driver, and the next allocation maps memory again. On the H200 machine that
 // one call took 238 us of host time right after a synchronize, a quarter of the enqueue time of an
-// FP8 Linear 4096^3 step (bench/host_profile.py). A private pool leaves the process's default pool
+// FP8 Linear 4096^3 step (dev/host_profile.py). A private pool leaves the process's default pool
 // as it was. Why not one cached buffer per stream, as the cuBLASLt workspace: a buffer that had to
 // grow would be freed under a CUDA graph that captured it, while allocations from a pool made
 // during capture become the graph's own. The cost: the pool keeps the most scratch ever in flight
