@@ -96,29 +96,34 @@ def fp8_state(m):
     }
 
 
-def run(m, batches, mode, fused_path, delayed):
-    """Two iterations (delayed scaling: update_fp8_scales between them, so the second casts with
-    scales from the history, not first-cast scales); returns outputs and input gradients."""
-    ys, dxs = [], []
-    for i, (x, dy) in enumerate(batches):
-        xa = x.clone().requires_grad_(True)
-        with autocast(mode):
-            if fused_path:
-                y = m(xa, is_first_microbatch=None)
-            else:
-                y = m.fc2(fp8dp.activation(m.fc1(xa), m.activation))
-        y.backward(dy)
-        if delayed:
-            if fused_path:
-                m.backward_dw()
-            else:
-                m.fc2.backward_dw()
-                m.fc1.backward_dw()
+def step(m, x, dy, mode, fused_path, delayed):
+    """Forward + backward (+ backward_dw) of one micro-batch; returns (y, dx)."""
+    xa = x.clone().requires_grad_(True)
+    with autocast(mode):
+        if fused_path:
+            y = m(xa, is_first_microbatch=None)
+        else:
+            y = m.fc2(fp8dp.activation(m.fc1(xa), m.activation))
+    y.backward(dy)
+    if delayed:
+        if fused_path:
+            m.backward_dw()
+        else:
+            m.fc2.backward_dw()
+            m.fc1.backward_dw()
+    return y.detach(), xa.grad
+
+
+def run_both(a, b, batches, mode, delayed):
+    """Iterations of a (fused) and b (unfused), interleaved: with delayed scaling
+    update_fp8_scales() runs between iterations (it updates every state of the process, so both
+    modules see the same updates), and the second iteration casts with scales from the history."""
+    out = []
+    for x, dy in batches:
+        out.append((step(a, x, dy, mode, True, delayed), step(b, x, dy, mode, False, delayed)))
         if mode == "delayed":
             fp8dp.update_fp8_scales()
-        ys.append(y.detach())
-        dxs.append(xa.grad)
-    return ys, dxs
+    return out
 
 
 def assert_same(a, b, what):
@@ -142,15 +147,13 @@ def test_matches_unfused_composition_bytes(act, norm, mode, delayed, fused):
         attach_main_grad(a)
         attach_main_grad(b)
     batches = data(torch.bfloat16)
-    ya, dxa = run(a, batches, mode, True, delayed)
-    yb, dxb = run(b, batches, mode, False, delayed)
-    for i in range(len(batches)):
-        assert_same(ya[i], yb[i], f"y[{i}]")
-        assert_same(dxa[i], dxb[i], f"dx[{i}]")
+    for i, ((ya, dxa), (yb, dxb)) in enumerate(run_both(a, b, batches, mode, delayed)):
+        assert_same(ya, yb, f"y[{i}]")
+        assert_same(dxa, dxb, f"dx[{i}]")
     ga, gb = grads(a), grads(b)
     for k in ga:
         assert_same(ga[k], gb[k], k)
-    if mode != "off":
+    if mode == "delayed":  # current scaling keeps no state
         sa, sb = fp8_state(a), fp8_state(b)
         assert sa.keys() == sb.keys() == {"fc1", "fc2"}
         for k in sa:
