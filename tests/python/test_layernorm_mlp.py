@@ -18,8 +18,31 @@ modules (bytes), against a float64 reference (derived bounds), the C2-C4 routes 
 3. Activation math: fp8dp.activation against float64 torch within 1e-6 relative + 2e-7 absolute
    (erf's A&S 7.1.26 error 1.5e-7, exp within 2 ulp, a few float32 roundings).
 
-Mutations tried (2026-12-03, each reverted after it failed as shown):
-- see MUTATIONS at the end of this docstring block, filled from the runs.
+4. Routes: backward_dw() runs both queues once; C4 for both biases with an unconditional external
+   consumer; under fp8dp.DistributedDataParallel (1-rank gloo, grad ledger on) main_grad equals an
+   unwrapped twin's FP32 sum of two micro-batches, bit for bit, immediate / delayed x fused or not.
+
+Mutations tried (2026-12-03, CPU build, each reverted after it failed as shown):
+- M1 fused act+cast records no amax (cast_activation without amax_slot): the 16 delayed-scaling
+  byte tests fail: "fc1 amax_history: differ, max |diff| 4.21875" (fc1's grad_output role empty).
+- M3 fused route without mark_grad_added_to_main_grad (route_wgrad): the 16 fused byte tests
+  whose scaling is off/current fail on `assert p.grad_added_to_main_grad`.
+- M2 SwiGLU derivative wrong (silu'(g) := sigmoid(g) in activation_math.h; shared by the fused
+  kernel and fp8dp.activation, so the byte tests still pass - the float64 ones are what catch
+  it): test_fp32_matches_float64_reference[swiglu-*] "fc1.weight.grad: relative error 0.217",
+  test_activation_math_vs_float64[swiglu] "backward: 9.58 over the bound".
+- M4 eager FP8 fc1 bias gradient dropped (db1 not set from the dact cast's dbias): 32 FP8 byte
+  tests "fc1.bias: one side has no gradient", test_fp8_backward_normwise[*],
+  test_c4_backfill_fp8_bias_not_doubled and the FP8 DDP cases fail (NoneType .grad).
+- M5 fused immediate route does not deliver to the DDP sink: the new immediate-fused DDP cases
+  fail in finish_grad_sync: "gradient ledger: each micro-batch's gradient must enter main_grad
+  exactly once per use (contracts C2, C8) ...". (Dropping only the forward's announce() was not
+  caught: a delivery without an announcement is not something the ledger reports.)
+- M6 token multiple-of-16 check removed (LayerNormMLPCore::forward):
+  test_bad_shapes_and_dtypes_refused_before_any_state_changes fails (no ValueError).
+- P1 LayerNormMLP.backward_dw() runs only fc1's queue: test_backward_dw_runs_both_queues_once,
+  test_c4_backfill_fp8_bias_not_doubled and the delayed byte tests fail ("fc2.weight: one side has
+  no gradient").
 """
 
 import copy
@@ -426,12 +449,13 @@ def test_c4_backfill_fp8_bias_not_doubled():
 
 
 @pytest.mark.parametrize("fp8", ["off", "delayed"])
+@pytest.mark.parametrize("delayed", [False, True], ids=["immediate", "delayed"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused-wgrad", "fused-wgrad"])
-def test_ddp_backward_dw_delivers_each_weight_once(group, fp8, fused):
+def test_ddp_delivers_each_weight_once(group, fp8, delayed, fused):
     """Under fp8dp.DistributedDataParallel (1-rank gloo, ledger on): two micro-batches, each
     weight's gradient reaches main_grad exactly once per micro-batch: main_grad equals the sum of
     the two micro-batches' gradients of an unwrapped twin, bit for bit."""
-    m = make_mlp("gelu", "LayerNorm", delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    m = make_mlp("gelu", "LayerNorm", delay_wgrad_compute=delayed, fuse_wgrad_accumulation=fused)
     twin = copy.deepcopy(m)
     cfg = fp8dp.DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -448,7 +472,8 @@ def test_ddp_backward_dw_delivers_each_weight_once(group, fp8, fused):
             with autocast(fp8):
                 y = ddp(x)
             y.backward(dy)
-            m.backward_dw()
+            if delayed:
+                m.backward_dw()
     ddp.finish_grad_sync()
     # twin, no DDP: main_grad set by hand for the fused weights; every other gradient is moved
     # into an FP32 sum after each micro-batch, as DDP's hooks add it to main_grad.
@@ -458,7 +483,8 @@ def test_ddp_backward_dw_delivers_each_weight_once(group, fp8, fused):
         with autocast(fp8):
             y = twin(x)
         y.backward(dy)
-        twin.backward_dw()
+        if delayed:
+            twin.backward_dw()
         for name, p in twin.named_parameters():
             if name not in fused_w:
                 p.main_grad += p.grad.float()
