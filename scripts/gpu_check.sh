@@ -4,7 +4,8 @@
 # compute-sanitizer memcheck on the kernel gtest, and the reference benchmarks (bench/). Each step runs
 # even when an earlier one failed (except that nothing runs without a build); a summary of exit codes
 # comes last. Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log,
-# bench.log, bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json, bench_ckpt.json,
+# bench.log, bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json, bench_mlp.json,
+# bench_ckpt.json,
 # and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt.
 # Not in the default STEPS (they take minutes): "matrix" (the full NCCL test matrix: matrix.log,
 # matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The experiments of
@@ -106,6 +107,9 @@ want dev_gemm_energy && run_step dev_gemm_energy "$OUT/bench.log" 300 "$PY" dev/
 wantb bench_ckpt && run_step bench_ckpt "$OUT/bench.log" 180 "$PY" bench/checkpoint_memory_gpu.py \
   --json "$OUT/bench_ckpt.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
+# LayerNormMLP (issue 31): fused module vs the separate-module stack, torch BF16 and TE's LayerNormMLP.
+wantb bench_mlp && run_step bench_mlp "$OUT/bench.log" 420 "$PY" bench/layernorm_mlp_gpu.py \
+  --json "$OUT/bench_mlp.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py ${GPT_ARGS:-} \
   --json "$OUT/bench_gpt.json"
 if want dev_profile_gpt; then

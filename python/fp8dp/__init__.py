@@ -9,6 +9,7 @@ from . import _C, pipeline, recipe
 from .autocast import fp8_autocast, is_fp8_enabled
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig
+from .mlp import LayerNormMLP, activation
 from .modules import LayerNormLinear, Linear
 from .optimizer import DistributedOptimizer
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
@@ -42,7 +43,9 @@ __all__ = [
     "Float8CurrentScaling",
     "Format",
     "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
+    "activation",
     "build_info",
     "cuda_available",
     "fp8_autocast",

@@ -10,6 +10,7 @@ void bind_modules(pybind11::module_& m);
 void bind_gemm(pybind11::module_& m);
 void bind_gemm_cuda(pybind11::module_& m);
 void bind_norm(pybind11::module_& m);
+void bind_mlp(pybind11::module_& m);
 }  // namespace fp8dp::python
 
 PYBIND11_MODULE(_C, m) {
@@ -23,4 +24,5 @@ PYBIND11_MODULE(_C, m) {
   fp8dp::python::bind_gemm(m);
   fp8dp::python::bind_gemm_cuda(m);
   fp8dp::python::bind_norm(m);
+  fp8dp::python::bind_mlp(m);  // after bind_modules: takes LinearCores
 }

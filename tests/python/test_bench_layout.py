@@ -41,6 +41,7 @@ GPU = sorted(
         "gemm_cuda",
         "gpt_block_gpu",
         "kernels_cuda",
+        "layernorm_mlp_gpu",
         "linear_gpu",
         "reduce_scatter_gpu",
     ]

@@ -1,0 +1,486 @@
+// The autograd function of LayerNormMLP.
+//
+// Forward: norm (+ FP8 cast with fc1's input scaling) -> fc1 GEMM -> h [tokens, fc1_out] ->
+// activation fused with the FP8 cast of fc2's input (a is never written in high precision with
+// FP8 on) -> fc2 GEMM. Backward: grad_output cast (+ eager fc2 bias gradient, C4) -> fc2 dgrad da
+// -> activation derivative fused with the FP8 cast of fc1's grad_output (+ eager fc1 bias
+// gradient; dh is never written in high precision with FP8 on) -> fc1 dgrad -> norm backward.
+// Each weight gradient takes the route its LinearCore's config and binding give (C2/C3): returned,
+// fused into main_grad, or queued in that core's WeightGradStore for backward_dw(), delivered to
+// DistributedDataParallel's sink when bound, exactly as linear_autograd.cpp does for one GEMM.
+//
+// Saved for backward (C14: all through save_for_backward), FP8 on: the norm's input x and its
+// statistics, FP8 ln_outᵀ (fc1 wgrad), h in the activation dtype (the derivative needs it; the
+// unfused path saves it too: torch's GELU saves its input), FP8 aᵀ (fc2 wgrad) and the two cached
+// FP8 transposed weights. Nothing of size tokens × ffn in high precision but h. FP8 off: ln_out,
+// h and a in the activation dtype, as the unfused stack saves them.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <array>
+
+#include "common/check.h"
+#include "fp8/activation.h"
+#include "fp8/scaling_state.h"
+#include "gemm/gemm.h"
+#include "modules/layernorm_mlp.h"
+#include "modules/linear_autograd.h"
+
+namespace fp8dp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Inputs of the function, in apply order (only the defined ones get an autograd edge).
+enum Input : int { kX, kLnW, kLnB, kW1, kB1, kW2, kB2, kNumInputs };
+
+enum Saved : size_t {
+  kX2d,
+  kMu,
+  kRsigma,
+  kLnWeight,
+  kH,  // fc1's output, the activation's input
+  // fc1: wgrad operand (FP8 ln_outᵀ + scale_inv, or ln_out), dgrad operand (FP8 W1ᵀ, or W1)
+  kIn1T,
+  kIn1ScaleInv,
+  kIn1Hp,
+  kW1T,
+  kW1ScaleInv,
+  kW1Hp,
+  // fc2: the same with a = act(h)
+  kIn2T,
+  kIn2ScaleInv,
+  kIn2Hp,
+  kW2T,
+  kW2ScaleInv,
+  kW2Hp,
+  kNumSaved
+};
+
+// One GEMM's weight-gradient routing state (LinearCtx of linear_autograd.cpp, for one of two).
+struct GemmUse {
+  std::shared_ptr<LinearCore> core;
+  at::Tensor weight, bias, main_grad;
+  std::shared_ptr<GradSink> sink;
+  int64_t sink_weight = -1, sink_bias = -1;
+  int64_t microbatch = -1;
+  bool announced = false;
+
+  // Forward: bind to the core's sink and announce what this use will deliver itself (C8 ledger).
+  void bind(const AutocastState& ac, bool need_wgrad) {
+    const LinearConfig& cfg = core->config();
+    if (need_wgrad && (sink = core->grad_sink())) {
+      sink_weight = core->sink_weight();
+      sink_bias = core->sink_bias();
+      microbatch = sink->microbatch();
+      // A forward inside a backward is a recompute (activation checkpointing): see
+      // linear_autograd.cpp; either way each use announces once.
+      if (!in_backward_pass()) announce(cfg, ac);
+    }
+    if (need_wgrad && cfg.fuse_wgrad_accumulation)
+      main_grad = sink ? sink->main_grad(sink_weight) : core->main_grad_for(weight);
+  }
+
+  void announce(const LinearConfig& cfg, const AutocastState& ac) {
+    if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute) sink->announce(sink_weight);
+    if (cfg.delay_wgrad_compute && !ac.enabled && bias.defined() && bias.requires_grad() &&
+        sink_bias >= 0)
+      sink->announce(sink_bias);
+    announced = true;
+  }
+};
+
+struct MLPCtx : torch::CustomClassHolder {
+  MLPConfig cfg;
+  AutocastState ac;
+  std::vector<int64_t> x_shape;
+  at::ScalarType act_dtype = at::kFloat;
+  GemmUse fc1, fc2;
+  bool has_ln_bias = false;
+  bool released = false;
+  std::array<int, kNumInputs> edge{};
+
+  bool needs_grad(AutogradContext* ctx, int input) const {
+    return edge[input] >= 0 && ctx->needs_input_grad(static_cast<size_t>(edge[input]));
+  }
+  void release() {
+    for (GemmUse* u : {&fc1, &fc2}) {
+      u->weight = u->bias = u->main_grad = at::Tensor();
+      u->core.reset();
+      u->sink.reset();
+    }
+    released = true;
+  }
+};
+
+// torch.autograd.grad(..., inputs=weight): the gradient is captured, not accumulated
+// (linear_autograd.cpp's rule).
+bool gradient_captured(const at::Tensor& param) {
+  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  if (exec == nullptr || exec->empty()) return false;
+  const auto acc = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!acc) return false;
+  const auto it = exec->find(acc.get());
+  return it != exec->end() && !it->second.needed_;
+}
+
+// The routing decisions of one GEMM's weight gradient in this backward.
+struct Routing {
+  bool need_w = false, need_b = false, captured = false, fused = false, delayed = false;
+};
+
+Routing routing(const GemmUse& u, bool need_w, bool need_b, const AutocastState& ac,
+                const std::string& mod, const char* which) {
+  const LinearConfig& cfg = u.core->config();
+  Routing r;
+  r.need_w = need_w;
+  r.need_b = need_b;
+  r.captured = need_w && gradient_captured(u.weight);
+  r.fused = cfg.fuse_wgrad_accumulation && !r.captured;
+  r.delayed = cfg.delay_wgrad_compute && !r.captured;
+  // Tensor hooks would never see a fused or delayed gradient: refused before anything is cast or
+  // written (linear_autograd.cpp).
+  FP8DP_CHECK(!(need_w && (r.fused || r.delayed) && u.core->has_tensor_hooks(u.weight)), mod,
+              ": parameter '", which, ".weight' has a tensor hook (register_hook), but with ",
+              r.fused ? "fuse_wgrad_accumulation=True" : "delay_wgrad_compute=True",
+              " its gradient never passes through autograd, so the hook would not see it; remove "
+              "the hook, use register_wgrad_accumulation_and_reduce_hooks (runs after "
+              "backward_dw) or read main_grad, or build the layer without ",
+              r.fused ? "fuse_wgrad_accumulation" : "delay_wgrad_compute");
+  FP8DP_CHECK(!(need_w && need_b && r.delayed && !ac.enabled && u.core->has_tensor_hooks(u.bias)),
+              mod, ": parameter '", which,
+              ".bias' has a tensor hook (register_hook), but with delay_wgrad_compute=True and "
+              "FP8 off its gradient is computed by backward_dw() and never passes through "
+              "autograd, so the hook would not see it; remove the hook or build the layer "
+              "without delay_wgrad_compute");
+  return r;
+}
+
+// Runs or queues one weight gradient (task filled with its operands) and returns what autograd
+// gets for the weight; dbias may be set by the immediate high-precision route (C4).
+at::Tensor route_wgrad(GemmUse& u, const Routing& r, WgradTask task, const AutocastState& ac,
+                       at::Tensor& dbias) {
+  if (!r.need_w) return at::Tensor();
+  LinearCore& core = *u.core;
+  task.weight = u.weight;
+  task.bias = u.bias;
+  if (r.fused) task.main_grad = u.main_grad;
+  const bool bound = u.sink != nullptr && !r.captured;
+  at::Tensor dweight;
+  if (bound) {
+    if ((r.fused || r.delayed) && !u.announced) u.announce(core.config(), ac);
+    if (r.delayed) {
+      task.sink = u.sink;
+      task.sink_weight = u.sink_weight;
+      task.sink_bias = u.sink_bias;
+      task.weight_token = u.sink->expect(u.sink_weight, u.microbatch, core.sink_name());
+      if (task.dy.defined() && u.sink_bias >= 0)
+        task.bias_token = u.sink->expect(u.sink_bias, u.microbatch, core.sink_name());
+      core.enqueue(std::move(task));
+    } else {
+      const WgradResult w = run_wgrad(task);
+      if (r.fused) {
+        u.sink->deliver(u.sink_weight, at::Tensor(), Route::kFused,
+                        GradSink::Token{u.microbatch, -1, {}});
+      } else {
+        dweight = w.dweight;
+      }
+      if (w.dbias.defined()) dbias = w.dbias;
+    }
+    return dweight;
+  }
+  if (r.fused) core.mark_grad_added_to_main_grad();  // C2 (b): before the GEMM
+  if (r.delayed) {
+    core.enqueue(std::move(task));
+  } else {
+    const WgradResult w = run_wgrad(task);
+    dweight = w.dweight;
+    if (w.dbias.defined()) dbias = w.dbias;
+  }
+  if (r.fused) dweight = core.dummy_wgrad(u.weight);
+  return dweight;
+}
+
+// The FP8 cast of the activation (forward, da undefined) or of its derivative (backward) for
+// `role` of `core`: delayed scaling casts in one pass with the known scale and records the amax
+// in the role's history row; current scaling needs the amax first (one pass that writes nothing).
+Quantized cast_activation(LinearCore& core, Role role, const at::Tensor& da, const at::Tensor& h,
+                          Activation act, const AutocastState& ac, QuantizeOptions opts) {
+  const Format fmt = role == Role::kGradOutput ? ac.recipe.bwd_format : ac.recipe.fwd_format;
+  if (ac.recipe.kind == RecipeKind::kCurrent) {
+    const at::Tensor s = current_scale(activation_amax(da, h, act), fmt, ac.recipe.margin);
+    return activation_cast(da, h, act, s, fmt, opts);
+  }
+  // Elements cast: a [tokens, ffn] forward, dh (h's shape) backward.
+  const int64_t numel =
+      da.defined() ? h.numel() : (act == Activation::kSwiglu ? h.numel() / 2 : h.numel());
+  const at::Tensor s =
+      core.scaling().prepare_scale(role, ac.recipe, h, [&] { return activation_amax(da, h, act); });
+  return activation_cast(da, h, act, s, fmt, opts, core.scaling().amax_slot(role, numel));
+}
+
+struct MLPFunction : torch::autograd::Function<MLPFunction> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor ln_weight,
+                               std::optional<at::Tensor> ln_bias_opt, at::Tensor w1,
+                               std::optional<at::Tensor> b1_opt, at::Tensor w2,
+                               std::optional<at::Tensor> b2_opt, MLPConfig cfg,
+                               std::shared_ptr<LinearCore> core1, std::shared_ptr<LinearCore> core2,
+                               std::optional<bool> first, AutocastState ac, bool need_wgrad1,
+                               bool need_wgrad2) {
+    const at::Tensor ln_bias = ln_bias_opt.value_or(at::Tensor());
+    const at::Tensor b1 = b1_opt.value_or(at::Tensor());
+    const at::Tensor b2 = b2_opt.value_or(at::Tensor());
+    auto c = c10::make_intrusive<MLPCtx>();
+    {
+      const at::Tensor* t[kNumInputs] = {&x, &ln_weight, &ln_bias, &w1, &b1, &w2, &b2};
+      int next = 0;
+      for (int i = 0; i < kNumInputs; ++i) c->edge[i] = t[i]->defined() ? next++ : -1;
+    }
+    const LinearConfig& cfg1 = core1->config();
+    c->cfg = cfg;
+    c->ac = ac;
+    c->x_shape = x.sizes().vec();
+    c->act_dtype = x.scalar_type();
+    c->has_ln_bias = ln_bias.defined();
+    const bool fp8 = ac.enabled;
+    const at::Tensor x2d = x.reshape({-1, cfg1.in_features});
+    variable_list saved(kNumSaved);
+
+    // ---- norm (+ cast for fc1): as LinearFunction does for a LayerNormLinear
+    at::Tensor gemm_in1;
+    Quantized qin1;
+    NormForward nf;
+    {
+      const Format fmt = ac.recipe.fwd_format;
+      if (fp8 && ac.recipe.kind == RecipeKind::kDelayed) {
+        at::Tensor s = core1->scaling().prepare_scale(Role::kInput, ac.recipe, x2d, [&] {
+          return norm_forward(x2d, ln_weight, ln_bias, cfg1.norm, false, {}, fmt).amax;
+        });
+        nf = norm_forward(x2d, ln_weight, ln_bias, cfg1.norm, false, s, fmt,
+                          core1->scaling().amax_slot(Role::kInput, x2d.numel()));
+        qin1.data = nf.out_fp8;
+        qin1.scale_inv = nf.scale_inv;
+        if (need_wgrad1) qin1.data_t = transpose_fp8(nf.out_fp8);
+      } else {
+        nf = norm_forward(x2d, ln_weight, ln_bias, cfg1.norm, true, {}, fmt);
+        if (fp8) {
+          qin1 = core1->cast(nf.out, Role::kInput, ac, QuantizeOptions{true, need_wgrad1, false});
+        } else {
+          gemm_in1 = nf.out;
+        }
+      }
+      saved[kX2d] = x2d;
+      saved[kMu] = nf.mu;
+      saved[kRsigma] = nf.rsigma;
+      saved[kLnWeight] = ln_weight.detach();
+    }
+
+    // ---- fc1
+    GemmArgs g1;
+    g1.bias = b1.defined() ? b1.detach() : b1;
+    g1.out_dtype = x.scalar_type();
+    g1.use_split_accumulator = ac.recipe.split_accumulator_fprop;
+    if (fp8) {
+      const Quantized qw = core1->weight_fp8(w1, ac, first);
+      g1.a = qin1.data;
+      g1.a_scale_inv = qin1.scale_inv;
+      g1.b = qw.data;
+      g1.b_scale_inv = qw.scale_inv;
+      saved[kIn1T] = qin1.data_t;
+      saved[kIn1ScaleInv] = qin1.scale_inv;
+      saved[kW1T] = qw.data_t;
+      saved[kW1ScaleInv] = qw.scale_inv;
+    } else {
+      g1.a = gemm_in1.contiguous();
+      g1.b = w1.detach().contiguous();
+      if (need_wgrad1) saved[kIn1Hp] = g1.a;
+      saved[kW1Hp] = g1.b;
+    }
+    const at::Tensor h = gemm(g1);
+    saved[kH] = h;
+
+    // ---- activation (+ cast for fc2) and fc2
+    GemmArgs g2;
+    g2.bias = b2.defined() ? b2.detach() : b2;
+    g2.out_dtype = x.scalar_type();
+    g2.use_split_accumulator = ac.recipe.split_accumulator_fprop;
+    if (fp8) {
+      const Quantized qin2 = cast_activation(*core2, Role::kInput, at::Tensor(), h, cfg.activation,
+                                             ac, QuantizeOptions{true, need_wgrad2, false});
+      const Quantized qw = core2->weight_fp8(w2, ac, first);
+      g2.a = qin2.data;
+      g2.a_scale_inv = qin2.scale_inv;
+      g2.b = qw.data;
+      g2.b_scale_inv = qw.scale_inv;
+      saved[kIn2T] = qin2.data_t;
+      saved[kIn2ScaleInv] = qin2.scale_inv;
+      saved[kW2T] = qw.data_t;
+      saved[kW2ScaleInv] = qw.scale_inv;
+    } else {
+      g2.a = activation_forward(h, cfg.activation);
+      g2.b = w2.detach().contiguous();
+      if (need_wgrad2) saved[kIn2Hp] = g2.a;
+      saved[kW2Hp] = g2.b;
+    }
+    std::vector<int64_t> y_shape = c->x_shape;
+    y_shape.back() = core2->config().out_features;
+    at::Tensor y = gemm(g2).view(y_shape);
+
+    c->fc1.core = core1;
+    c->fc1.weight = w1;
+    c->fc1.bias = b1;
+    c->fc2.core = core2;
+    c->fc2.weight = w2;
+    c->fc2.bias = b2;
+    c->fc1.bind(ac, need_wgrad1);
+    c->fc2.bind(ac, need_wgrad2);
+    ctx->save_for_backward(std::move(saved));
+    ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto c = c10::static_intrusive_pointer_cast<MLPCtx>(ctx->saved_data["ctx"].toCapsule());
+    const std::string& mod = c->cfg.name;
+    FP8DP_CHECK(!c->released, mod,
+                ": backward through the same forward a second time is not supported (its saved "
+                "tensors were freed after the first backward)");
+    FP8DP_CHECK(!at::GradMode::is_enabled(), mod,
+                ": double backward (backward or autograd.grad with create_graph=True) through an "
+                "fp8dp layer is not supported: its backward is not differentiable, so the "
+                "second-order gradient would be zero");
+    const AutocastState& ac = c->ac;
+    const Activation act = c->cfg.activation;
+    const bool need_x = c->needs_grad(ctx, kX);
+    const bool need_ln = c->needs_grad(ctx, kLnW) || c->needs_grad(ctx, kLnB);
+    const Routing r1 =
+        routing(c->fc1, c->needs_grad(ctx, kW1), c->needs_grad(ctx, kB1), ac, mod, "fc1");
+    const Routing r2 =
+        routing(c->fc2, c->needs_grad(ctx, kW2), c->needs_grad(ctx, kB2), ac, mod, "fc2");
+    const bool need_dz = need_x || need_ln;                  // fc1 dgrad
+    const bool need_dh = need_dz || r1.need_w || r1.need_b;  // anything below the activation
+    const variable_list saved = ctx->get_saved_variables();
+    const int64_t hidden = c->fc2.core->config().out_features;
+    const at::Tensor dy = grads[0].reshape({-1, hidden}).contiguous();
+    const at::Tensor& h = saved[kH];
+
+    // ---- fc2: grad_output cast, dgrad da, weight gradient
+    WgradTask t2;
+    at::Tensor da, db2, dw2;
+    GemmArgs g;
+    g.out_dtype = c->act_dtype;
+    if (ac.enabled) {
+      g.use_split_accumulator = ac.recipe.split_accumulator_dgrad;
+      t2.use_split_accumulator = ac.recipe.split_accumulator_wgrad;
+      const Quantized q = c->fc2.core->cast(
+          dy, Role::kGradOutput, ac,
+          QuantizeOptions{need_dh, r2.need_w, r2.need_b,
+                          r2.need_b ? c->fc2.bias.scalar_type() : at::ScalarType::Float});
+      if (need_dh) {
+        g.a = q.data;
+        g.a_scale_inv = q.scale_inv;
+        g.b = saved[kW2T];
+        g.b_scale_inv = saved[kW2ScaleInv];
+        da = gemm(g);
+      }
+      if (r2.need_b) db2 = q.dbias;
+      t2.a = q.data_t;
+      t2.a_scale_inv = q.scale_inv;
+      t2.b = saved[kIn2T];
+      t2.b_scale_inv = saved[kIn2ScaleInv];
+    } else {
+      if (need_dh) {
+        g.a = dy;
+        g.b = saved[kW2Hp].t();
+        da = gemm(g);
+      }
+      if (r2.need_w) {
+        t2.a = dy.t();
+        t2.b = saved[kIn2Hp].t();
+        if (r2.need_b) t2.dy = dy;
+      } else if (r2.need_b) {
+        db2 = bias_grad_hp(dy, c->fc2.bias.scalar_type());
+      }
+    }
+    dw2 = route_wgrad(c->fc2, r2, std::move(t2), ac, db2);
+
+    // ---- activation derivative (+ cast for fc1), fc1 dgrad dz, weight gradient
+    at::Tensor dz, db1, dw1;
+    if (need_dh) {
+      WgradTask t1;
+      GemmArgs g1;
+      g1.out_dtype = c->act_dtype;
+      if (ac.enabled) {
+        g1.use_split_accumulator = ac.recipe.split_accumulator_dgrad;
+        t1.use_split_accumulator = ac.recipe.split_accumulator_wgrad;
+        const Quantized q = cast_activation(
+            *c->fc1.core, Role::kGradOutput, da, h, act, ac,
+            QuantizeOptions{need_dz, r1.need_w, r1.need_b,
+                            r1.need_b ? c->fc1.bias.scalar_type() : at::ScalarType::Float});
+        if (need_dz) {
+          g1.a = q.data;
+          g1.a_scale_inv = q.scale_inv;
+          g1.b = saved[kW1T];
+          g1.b_scale_inv = saved[kW1ScaleInv];
+          dz = gemm(g1);
+        }
+        if (r1.need_b) db1 = q.dbias;
+        t1.a = q.data_t;
+        t1.a_scale_inv = q.scale_inv;
+        t1.b = saved[kIn1T];
+        t1.b_scale_inv = saved[kIn1ScaleInv];
+      } else {
+        const at::Tensor dh = activation_backward(da, h, act);
+        if (need_dz) {
+          g1.a = dh;
+          g1.b = saved[kW1Hp].t();
+          dz = gemm(g1);
+        }
+        if (r1.need_w) {
+          t1.a = dh.t();
+          t1.b = saved[kIn1Hp].t();
+          if (r1.need_b) t1.dy = dh;
+        } else if (r1.need_b) {
+          db1 = bias_grad_hp(dh, c->fc1.bias.scalar_type());
+        }
+      }
+      dw1 = route_wgrad(c->fc1, r1, std::move(t1), ac, db1);
+    }
+
+    // ---- norm backward
+    at::Tensor dx, dln_w, dln_b;
+    if (need_dz) {
+      const NormGrads ng =
+          norm_backward(dz, saved[kX2d], saved[kMu], saved[kRsigma], saved[kLnWeight],
+                        c->has_ln_bias, c->fc1.core->config().norm);
+      if (need_x) dx = ng.dx.view(c->x_shape);
+      dln_w = ng.dgamma;
+      dln_b = ng.dbeta;
+    }
+    c->release();
+    return {dx,           dln_w,        dln_b,        dw1,          db1,
+            dw2,          db2,          at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor apply_layernorm_mlp_function(
+    const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+    const at::Tensor& fc1_weight, const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
+    const at::Tensor& fc2_bias, const MLPConfig& cfg, std::shared_ptr<LinearCore> fc1,
+    std::shared_ptr<LinearCore> fc2, std::optional<bool> is_first_microbatch,
+    const AutocastState& ac, bool need_wgrad1, bool need_wgrad2) {
+  auto opt = [](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  return MLPFunction::apply(x, ln_weight, opt(ln_bias), fc1_weight, opt(fc1_bias), fc2_weight,
+                            opt(fc2_bias), cfg, std::move(fc1), std::move(fc2), is_first_microbatch,
+                            ac, need_wgrad1, need_wgrad2)[0];
+}
+
+}  // namespace fp8dp
