@@ -88,13 +88,13 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
     buffers_.emplace_back(ps, members[dt], opts_.grad_reduce_in_fp32 ? at::kFloat : dt, lo);
   }
 
-  if (settings_.wire != Wire::kBuffer)
+  if (settings_.wire != Wire::kFP32)
     for (const auto& b : buffers_)
       FP8DP_CHECK_ARG(b.grad_dtype == at::kFloat, "grad_reduce_wire: '", opts_.grad_reduce_wire,
                       "' encodes FP32 gradient buffers, but parameter '",
                       names_[b.global_index.at(0)], "' has a ", b.grad_dtype,
                       " buffer (grad_reduce_in_fp32=False): set grad_reduce_in_fp32=True or "
-                      "grad_reduce_wire='buffer'");
+                      "grad_reduce_wire='fp32'");
 
   // Bucket groups: one per bucket with overlap (launched as each completes), else one for all.
   group_of_param_.assign(params_.size(), 0);

@@ -35,9 +35,9 @@ struct GradSyncOptions {
   bool check_for_nan_in_grad = false;
   bool pad_buckets_for_high_nccl_busbw = false;
   bool grad_ledger = false;
-  // What the bucket reductions put on the wire: "buffer" (the buffer's dtype), "bf16", "fp8_e4m3"
+  // What the bucket reductions put on the wire: "fp32" (the buffer as it is), "bf16", "fp8_e4m3"
   // or "fp8_e5m2" (wire.h; the buffers must be FP32).
-  std::string grad_reduce_wire = "buffer";
+  std::string grad_reduce_wire = "fp32";
   // Without it a forward waits for every parameter all-gather in flight before the module runs
   // (begin_microbatch); with it each module's pre-hook waits for its own bucket groups.
   bool overlap_param_gather = false;
