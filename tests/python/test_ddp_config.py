@@ -45,10 +45,11 @@ def test_wire_default_is_fp32_and_its_old_name_buffer_is_refused():
     Exact expected values: the default's name and the two messages.
 
     Mutations tried: dropping the "buffer" branch of DistributedDataParallelConfig.__post_init__
-    -> the generic "expected one of ('fp32', ...), got 'buffer'" message came and the first match
-    failed; dropping the FP8DP_CHECK_ARG for "buffer" in wire_from_name (wire.cpp) -> C++ raised
-    the generic "expected one of" message and the second match failed (C++ half also checked by
-    the gtest Wire.OldNameBufferIsAValueErrorThatSaysFp32).
+    -> this test failed: "Regex pattern did not match ... Actual message: grad_reduce_wire:
+    expected one of ('fp32', 'bf16', 'fp8_e4m3', 'fp8_e5m2'), got 'buffer'". The C++ half (the
+    FP8DP_CHECK_ARG for "buffer" in wire_from_name) is checked by
+    test_grad_sync_options_reject_an_unknown_wire_in_cpp below and by the gtest
+    Wire.OldNameBufferIsAValueErrorThatSaysFp32.
     """
     assert fp8dp.DistributedDataParallelConfig().grad_reduce_wire == "fp32"
     assert _C.GradSyncOptions().grad_reduce_wire == "fp32"

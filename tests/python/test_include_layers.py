@@ -4,13 +4,14 @@
 The real tree must pass; copies of it with one bad include added must fail, naming the include.
 Exact expected values: the script's lines for the one edit made.
 
-Mutations tried: an upward include added to the real tree (src/fp8/format.h including
-"modules/linear_core.h") -> test_src_keeps_its_layers failed with the script's line "upward
-include: fp8/format.h (layer 1, fp8) includes modules/linear_core.h (layer 2, modules)";
-upward_includes() returning [] -> test_an_upward_include_is_reported and
-test_a_folder_without_a_layer_is_reported failed (no error); find_cycle() returning [] ->
-test_an_include_cycle_is_reported and test_a_cycle_between_folders_of_one_layer_is_reported
-failed (no error).
+Mutations tried: an upward include (src/fp8/format.h including "modules/linear_core.h", in a
+copy of src/) -> the script printed "upward include: fp8/format.h (layer 1, fp8) includes
+modules/linear_core.h (layer 2, modules)", "include cycle: fp8/format.h -> modules/linear_core.h
+-> fp8/recipe.h -> fp8/format.h" and "folder cycle: fp8 -> modules -> fp8", so
+test_src_keeps_its_layers fails on such a tree; upward_includes() returning [] ->
+test_an_upward_include_is_reported and test_a_folder_without_a_layer_is_reported failed (no
+error); find_cycle() returning [] -> test_an_include_cycle_is_reported and
+test_a_cycle_between_folders_of_one_layer_is_reported failed (no error).
 """
 
 import importlib.util
