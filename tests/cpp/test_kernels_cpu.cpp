@@ -3,9 +3,9 @@
 // are exact (FP8 encodings by hand, maxima) or a float64 reference within the FP32 bound.
 //
 // Mutations tried: norm_cpu.cpp back on at::parallel_for (#include <ATen/Parallel.h>) -> this
-// binary failed to link (undefined at::get_num_threads / at::internal::invoke_parallel...);
+// binary failed to link (undefined at::get_thread_num, c10::ParallelGuard::ParallelGuard...);
 // parallel_reduce keeping the last part instead of combining -> QuantizeIsTheSameOnAnyChunking
-// failed on the amax (1 instead of 448).
+// failed on the flat path's amax (1, the max of the chunk run last, instead of 448).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -83,22 +83,43 @@ void reversed_chunks(int64_t begin, int64_t end, int64_t grain,
     f(b, std::min(end, b + g));
 }
 
+// The flat path (bytes and amax only: parallel_reduce over chunks of 2^16 elements).
+Cast quantize_flat(const std::vector<float>& x, float scale, Format f) {
+  Cast c;
+  c.out.resize(x.size());
+  QuantizeParams p;
+  p.input = x.data();
+  p.rows = 1;
+  p.cols = static_cast<int64_t>(x.size());
+  p.scale = &scale;
+  p.format = f;
+  p.out = c.out.data();
+  p.amax = &c.amax;
+  quantize_cpu(p);
+  return c;
+}
+
 TEST(KernelsCpu, QuantizeIsTheSameOnAnyChunking) {
-  // Large enough for several chunks of the flat and the tiled paths; the amax sits in the first
-  // chunk, which the reversed pool runs last.
+  // Large enough for several chunks of the flat and the tiled paths; the amax sits in a middle
+  // chunk, neither the first nor the last that the reversed pool runs.
   const int64_t rows = 300, cols = 1000;
   std::vector<float> x(static_cast<size_t>(rows * cols));
   for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.001f * static_cast<float>(i));
-  x[3] = 448.0f;
+  x[x.size() / 2] = 448.0f;
   const Cast serial = quantize(x, rows, cols, 1.0f, Format::kE4M3);
+  const Cast serial_flat = quantize_flat(x, 1.0f, Format::kE4M3);
   set_parallel_for(&reversed_chunks);
   const Cast chunked = quantize(x, rows, cols, 1.0f, Format::kE4M3);
+  const Cast chunked_flat = quantize_flat(x, 1.0f, Format::kE4M3);
   set_parallel_for(nullptr);
   EXPECT_EQ(serial.amax, 448.0f);
   EXPECT_EQ(chunked.amax, serial.amax);
   EXPECT_EQ(chunked.out, serial.out);
   EXPECT_EQ(chunked.out_t, serial.out_t);
   EXPECT_EQ(chunked.dbias, serial.dbias);  // partials added in a fixed order (quantize.h)
+  EXPECT_EQ(serial_flat.amax, 448.0f);
+  EXPECT_EQ(chunked_flat.amax, serial_flat.amax);
+  EXPECT_EQ(chunked_flat.out, serial.out);
 }
 
 TEST(KernelsCpu, LayerNormMatchesAFloat64Reference) {
