@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 _BACKENDS = ("auto", "nccl", "process_group")
-_WIRES = ("buffer", "bf16", "fp8_e4m3", "fp8_e5m2")
+_WIRES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -90,9 +90,11 @@ class DistributedDataParallelConfig:
     first (torch's ProcessGroupNCCL default): the collectives may slow the kernels they overlap
     with less, and may start later. Ignored by the process-group communicator."""
 
-    grad_reduce_wire: str = "buffer"
-    """Default "buffer": each bucket is all-reduced or reduce-scattered in the buffer's own dtype
-    (FP32 with grad_reduce_in_fp32), exactly as without this option. The others send fewer bytes
+    grad_reduce_wire: str = "fp32"
+    """Default "fp32": each bucket is all-reduced or reduce-scattered as it is, FP32 with
+    grad_reduce_in_fp32 (with grad_reduce_in_fp32=False, which the other wires refuse, the buffer
+    is in the parameter dtype and reduced in it). (Its old name "buffer" is refused with a
+    ValueError that says to use "fp32".) The others send fewer bytes
     and keep the sum in FP32 (needs grad_reduce_in_fp32=True): every rank encodes its 1/dp
     pre-scaled bucket as dp chunks, an all-to-all sends chunk j to rank j, and rank j adds the dp
     decoded chunks in FP32, in rank order (Megatron's reduce-scatter with FP32 accumulation); without
@@ -139,15 +141,21 @@ class DistributedDataParallelConfig:
                 "overlap_param_gather: True needs use_distributed_optimizer=True (only the "
                 "distributed optimizer all-gathers parameters), got use_distributed_optimizer=False"
             )
+        if self.grad_reduce_wire == "buffer":
+            # The old name of "fp32": a config written for it must fail loudly, naming the new one.
+            raise ValueError(
+                "grad_reduce_wire: 'buffer' was renamed to 'fp32' (the bucket is reduced as it is, "
+                "FP32 with grad_reduce_in_fp32=True); use grad_reduce_wire='fp32'"
+            )
         if self.grad_reduce_wire not in _WIRES:
             raise ValueError(
                 f"grad_reduce_wire: expected one of {_WIRES}, got {self.grad_reduce_wire!r}"
             )
-        if self.grad_reduce_wire != "buffer" and not self.grad_reduce_in_fp32:
+        if self.grad_reduce_wire != "fp32" and not self.grad_reduce_in_fp32:
             raise ValueError(
                 f"grad_reduce_wire: {self.grad_reduce_wire!r} encodes an FP32 gradient buffer and "
                 "sums in FP32, so it needs grad_reduce_in_fp32=True, got grad_reduce_in_fp32=False "
-                "(a buffer in the parameter dtype is reduced in that dtype: use 'buffer')"
+                "(a buffer in the parameter dtype is reduced in that dtype: use 'fp32', the default)"
             )
         if self.comm_backend not in _BACKENDS:
             raise ValueError(

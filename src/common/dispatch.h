@@ -5,6 +5,7 @@
 #include <c10/core/Device.h>
 
 #include "common/check.h"
+#include "common/parallel_aten.h"
 
 #if defined(FP8DP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -46,6 +47,7 @@ void dispatch_kernel(const c10::Device& device, void (*cpu)(Args...),
   FP8DP_CHECK(device.is_cpu(), "no kernel for tensors on ", device,
               " (this build of fp8dp has no CUDA)");
 #endif
+  install_aten_parallel_for();  // the CPU kernels' thread pool (common/parallel.h)
   cpu(args...);
 }
 

@@ -5,7 +5,6 @@
 // the integer order is the float order and every NaN pattern lies above +Inf's, so the same
 // reduction gives "NaN if any NaN, else +Inf if any Inf, else max |x|" with no separate NaN flag or
 // branch.
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/parallel.h"
 #include "fp8/quantize.h"
 
 namespace fp8dp {
@@ -162,7 +162,7 @@ template <Format F, typename T>
 uint32_t quantize_flat(const QuantizeParams& p, float scale) {
   const T* in = static_cast<const T*>(p.input);
   const int64_t n = p.rows * p.cols;
-  return at::parallel_reduce(
+  return parallel_reduce(
       int64_t{0}, n, kGrain, uint32_t{0},
       [&](int64_t b, int64_t e, uint32_t) {
         return p.out ? quantize_span<F, true>(in + b, p.out + b, scale, e - b)
@@ -232,7 +232,7 @@ uint32_t quantize_tiled(const QuantizeParams& p, float scale) {
   const int64_t ncb = (cols + kBlockCols - 1) / kBlockCols;  // column blocks
   std::vector<float> partial(p.dbias ? static_cast<size_t>(nrc * cols) : 0);
   std::vector<uint32_t> block_amax(static_cast<size_t>(nrc * ncb), 0u);
-  at::parallel_for(0, nrc * ncb, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, nrc * ncb, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> block(static_cast<size_t>(kTile * kBlockCols));
     std::vector<float> row_f(std::is_same_v<T, float> ? 0 : kBlockCols);
     std::vector<float> sums(kBlockCols);
@@ -305,7 +305,7 @@ uint32_t quantize_dispatch_dtype(const QuantizeParams& p, float scale) {
 template <typename T>
 void dequantize_typed(const DequantizeParams& p, const std::array<float, 256>& lut) {
   T* out = static_cast<T*>(p.out);
-  at::parallel_for(0, p.numel, kGrain, [&](int64_t b, int64_t e) {
+  parallel_for(0, p.numel, kGrain, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) out[i] = static_cast<T>(lut[p.input[i]]);
   });
 }

@@ -1,4 +1,4 @@
-// Delayed-scaling state per module and the per-process registry that update_fp8_scales() walks.
+// Delayed-scaling state per module (C7); the registry it joins is in scaling_registry.cpp.
 #include "fp8/scaling_state.h"
 
 #include <ATen/ATen.h>
@@ -6,11 +6,8 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cfloat>
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -19,35 +16,11 @@
 #include "common/check.h"
 #include "common/dispatch.h"
 #include "fp8/scaling.h"
+#include "fp8/scaling_registry.h"
 #include "fp8/scaling_update.h"
 
 namespace fp8dp {
 namespace {
-
-struct Registry {
-  std::mutex mu;
-  int64_t next_id = 0;
-  std::map<int64_t, ScalingState*> states;  // by creation
-  std::map<std::string, int64_t> unnamed;   // states created per `what`, for default identities
-  std::vector<int64_t> collected;           // ids behind the last registry_amaxes() result
-  // Bumped whenever the registry's signature may change: a state allocated, resized, restored,
-  // reset, renamed, cast with another recipe, or destroyed. The order, descriptions and hash are
-  // recomputed only then, so the per-step check costs a comparison.
-  std::atomic<uint64_t> generation{1};
-  uint64_t cached_generation = 0;
-  std::vector<int64_t> order;  // allocated states by (identity, creation)
-  std::vector<std::string> descriptions;
-  int64_t hash = 0;
-  // A non-empty cast recorded an amax (or a checkpoint brought one) since the last update.
-  std::atomic<bool> observed{false};
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
-}
-
-void touch() { registry().generation.fetch_add(1); }
 
 Format role_format(Role r, const Recipe& recipe) {
   return r == Role::kGradOutput ? recipe.bwd_format : recipe.fwd_format;
@@ -71,34 +44,6 @@ std::string values_of(const at::Tensor& t) {
   return os.str();
 }
 
-// FNV-1a, 64 bits, cut to 62 so that h and -h are both int64 values for the cross-rank check.
-int64_t hash_of(const std::vector<std::string>& lines) {
-  uint64_t h = 1469598103934665603ull;
-  for (const std::string& line : lines) {
-    for (unsigned char c : line) h = (h ^ c) * 1099511628211ull;
-    h = (h ^ '\n') * 1099511628211ull;
-  }
-  return static_cast<int64_t>(h & ((uint64_t{1} << 62) - 1));
-}
-
-// reg.order and friends for the current generation; needs reg.mu.
-void refresh(Registry& reg) {
-  const uint64_t gen = reg.generation.load();
-  if (gen == reg.cached_generation) return;
-  std::vector<std::pair<std::string, int64_t>> keyed;
-  for (auto& [id, st] : reg.states)
-    if (st->allocated()) keyed.emplace_back(st->identity(), id);
-  std::sort(keyed.begin(), keyed.end());
-  reg.order.clear();
-  reg.descriptions.clear();
-  for (auto& [identity, id] : keyed) {
-    reg.order.push_back(id);
-    reg.descriptions.push_back(reg.states.at(id)->describe());
-  }
-  reg.hash = hash_of(reg.descriptions);
-  reg.cached_generation = gen;
-}
-
 }  // namespace
 
 const char* role_name(Role r) {
@@ -114,24 +59,17 @@ const char* role_name(Role r) {
 }
 
 ScalingState::ScalingState(const std::string& what) {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  id_ = reg.next_id++;
-  identity_ = "unnamed #" + std::to_string(reg.unnamed[what]++) + " " + what;
-  reg.states[id_] = this;
+  const RegistryEntry e = registry_add(this, what);
+  id_ = e.id;
+  identity_ = e.default_identity;
 }
 
-ScalingState::~ScalingState() {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  reg.states.erase(id_);
-  if (allocated()) touch();
-}
+ScalingState::~ScalingState() { registry_remove(id_, allocated()); }
 
 void ScalingState::set_identity(std::string identity) {
   FP8DP_CHECK_ARG(!identity.empty(), "FP8 scaling state identity must not be empty");
   identity_ = std::move(identity);
-  touch();
+  registry_touch();
 }
 
 std::string ScalingState::describe() const {
@@ -170,14 +108,14 @@ void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
     fp8_max_ = at::empty({kNumRoles}, f32);
     seen_ = at::zeros({kNumRoles}, f32.dtype(at::kBool));
     initialized_.fill(false);
-    touch();
+    registry_touch();
   } else if (amax_history_.size(0) != len) {
     // A recipe with another history length: keep the most recent rows that fit.
     at::Tensor h = at::zeros({len, kNumRoles}, f32);
     const int64_t keep = std::min(len, amax_history_.size(0));
     h.narrow(0, 0, keep).copy_(amax_history_.narrow(0, 0, keep));
     amax_history_ = h;
-    touch();
+    registry_touch();
   }
   FP8DP_CHECK_ARG(amax_history_.device() == device, "FP8 scaling state lives on ",
                   amax_history_.device(), " but a tensor on ", device,
@@ -191,7 +129,7 @@ void ScalingState::allocate(const Recipe& recipe, const at::Device& device) {
   }
   if (algo_ != recipe.amax_compute_algo || margin_ != recipe.margin ||
       fwd_format_ != recipe.fwd_format || bwd_format_ != recipe.bwd_format) {
-    touch();  // the recipe is part of the cross-rank signature (C9)
+    registry_touch();  // the recipe is part of the cross-rank signature (C9)
   }
   algo_ = recipe.amax_compute_algo;
   margin_ = recipe.margin;
@@ -250,7 +188,7 @@ const ScalingState::RoleViews& ScalingState::role_views() {
 at::Tensor ScalingState::amax_slot(Role role, int64_t numel) {
   // C9: an empty cast says nothing about the range; an inference cast changes no training state.
   if (numel == 0 || c10::InferenceMode::is_enabled()) return at::Tensor();
-  registry().observed.store(true);
+  registry_mark_observed();
   // Row 0 is the max over every cast of this role in the step (NaN propagates; the update counts a
   // non-finite row 0 as no observation, C7). Row-major [L, roles]: the slot is one contiguous
   // float.
@@ -386,13 +324,13 @@ void ScalingState::restore(const Snapshot& s, const std::string& where) {
   margin_ = static_cast<float>(s.margin);
   fwd_format_ = fwd;
   bwd_format_ = bwd;
-  touch();
+  registry_touch();
   // A checkpoint taken mid-step carries that step's amaxes in row 0: the next update uses them.
-  if (at::ne(hist[0], 0.0).any().item<bool>()) registry().observed.store(true);
+  if (at::ne(hist[0], 0.0).any().item<bool>()) registry_mark_observed();
 }
 
 void ScalingState::reset() {
-  if (allocated()) touch();
+  if (allocated()) registry_touch();
   unplaced_ = false;
   amax_history_ = at::Tensor();
   scale_ = scale_inv_ = fp8_max_ = seen_ = at::Tensor();
@@ -416,134 +354,6 @@ at::Tensor current_scale(const at::Tensor& amax, Format format, float margin) {
 
 Quantized cast_current(const at::Tensor& x, Format format, float margin, QuantizeOptions opts) {
   return quantize(x, current_scale(fp8dp::amax(x), format, margin), format, opts);
-}
-
-RegistrySignature registry_signature() {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  refresh(reg);
-  RegistrySignature sig;
-  sig.hash = reg.hash;
-  sig.observed = reg.observed.load();
-  sig.size = static_cast<int64_t>(reg.order.size());
-  return sig;
-}
-
-std::vector<std::string> registry_descriptions() {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  refresh(reg);
-  return reg.descriptions;
-}
-
-namespace {
-
-// The allocated states in signature order (C9: (identity, creation), not the order of first
-// casts), all on one device; their ids go to reg.collected. Caller holds reg.mu.
-std::vector<ScalingState*> collect(Registry& reg) {
-  refresh(reg);
-  reg.collected.clear();
-  // States restored from a checkpoint that no cast has placed yet join the device of the others:
-  // an update right after loading a checkpoint into a GPU model would otherwise find them on the
-  // CPU beside the GPU states of modules that did cast.
-  for (int64_t id : reg.order) {
-    ScalingState* st = reg.states.at(id);
-    if (!st->unplaced()) {
-      const at::Device device = st->amax_history().device();
-      for (int64_t other : reg.order) reg.states.at(other)->place(device);
-      break;
-    }
-  }
-  std::vector<ScalingState*> states;
-  for (int64_t id : reg.order) {
-    ScalingState* st = reg.states.at(id);
-    if (!states.empty()) {
-      FP8DP_CHECK(states.front()->amax_history().device() == st->amax_history().device(),
-                  "update_fp8_scales: FP8 states live on different devices (",
-                  states.front()->amax_history().device(), " and ", st->amax_history().device(),
-                  "); one process updates the states of one device");
-    }
-    states.push_back(st);
-    reg.collected.push_back(id);
-  }
-  return states;
-}
-
-}  // namespace
-
-at::Tensor registry_amaxes() {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  std::vector<at::Tensor> parts;
-  for (ScalingState* st : collect(reg)) parts.push_back(st->current_amax());
-  if (parts.empty()) return at::empty({0}, at::kFloat);
-  // A NaN or Inf amax is no observation (C7, scaling.h): it becomes 0 before the cross-rank MAX,
-  // where it would otherwise hide the other ranks' finite amaxes of the step (a NaN wins or loses
-  // depending on the order the collective reduces in).
-  return at::cat(parts).nan_to_num_(0.0, 0.0, 0.0);
-}
-
-void registry_update_local() {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  const std::vector<ScalingState*> states = collect(reg);
-  reg.observed.store(false);
-  reg.collected.clear();
-  if (states.empty()) return;
-  // Each state's row 0 is already the step's amax: no gather into one tensor (an allocation and a
-  // device copy per step, for nothing to reduce). note_reduced reads row 0 before the update
-  // rolls it: both are enqueued in this order on the same stream.
-  std::vector<ScalingSlot> slots;
-  slots.reserve(states.size());
-  for (ScalingState* st : states) {
-    st->note_reduced(st->current_amax());
-    slots.push_back(st->update_slot(nullptr));
-  }
-  update_scaling_batched(slots, states.front()->amax_history().device());
-}
-
-void registry_update(const at::Tensor& reduced) {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  const int64_t n = static_cast<int64_t>(reg.collected.size()) * kNumRoles;
-  FP8DP_CHECK_ARG(reduced.dim() == 1 && reduced.numel() == n && reduced.scalar_type() == at::kFloat,
-                  "update_fp8_scales: 'reduced' must be float32 [", n,
-                  "] (the result of registry_amaxes), got ", reduced.scalar_type(), " ",
-                  reduced.sizes());
-  reg.observed.store(false);
-  if (n == 0) return;
-  std::vector<ScalingSlot> slots;
-  std::vector<ScalingState*> states;
-  slots.reserve(reg.collected.size());
-  std::optional<at::Device> device;
-  at::Tensor values;  // `reduced` on the states' device; kept alive until the update is enqueued
-  for (int64_t id : reg.collected) {
-    auto it = reg.states.find(id);
-    FP8DP_CHECK(it != reg.states.end() && it->second->allocated(),
-                "update_fp8_scales: an FP8 state was destroyed between collecting and updating");
-    if (!device) {
-      device = it->second->amax_history().device();
-      values = reduced.to(*device).contiguous();
-    }
-    // registry_amaxes checked that every collected state lives on one device.
-    const int64_t off = static_cast<int64_t>(slots.size()) * kNumRoles;
-    slots.push_back(it->second->update_slot(values.data_ptr<float>() + off));
-    states.push_back(it->second);
-  }
-  // One launch for the whole model on CUDA (the per-state updates were one copy and one launch
-  // each, 2 x modules launches per step).
-  update_scaling_batched(slots, *device);
-  for (size_t i = 0; i < states.size(); ++i) {
-    states[i]->note_reduced(values.narrow(0, static_cast<int64_t>(i) * kNumRoles, kNumRoles));
-  }
-  reg.collected.clear();
-}
-
-int64_t registry_size() {
-  auto& reg = registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  refresh(reg);
-  return static_cast<int64_t>(reg.order.size());
 }
 
 }  // namespace fp8dp

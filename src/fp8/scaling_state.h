@@ -1,5 +1,6 @@
-// Per-module FP8 scaling state (the input, weight and grad_output roles) and the per-process
-// registry of delayed-scaling states that update_fp8_scales() reduces and updates once per step.
+// Per-module FP8 scaling state (the input, weight and grad_output roles). Every state joins the
+// per-process registry that update_fp8_scales() reduces and updates once per step
+// (scaling_registry.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -129,30 +130,5 @@ class ScalingState {
 // not finite), computed on x's device without a host sync; returns the cast.
 Quantized cast_current(const at::Tensor& x, Format format, float margin, QuantizeOptions opts);
 at::Tensor current_scale(const at::Tensor& amax, Format format, float margin);
-
-// The registry (update_fp8_scales is Python glue around these calls and two all_reduces).
-// Its states are the allocated ones, ordered by (identity, creation): the same order on every
-// rank that runs the same FP8 modules, whatever order they were created or first cast in (C9).
-// registry_signature(): a 62-bit hash of every state's describe() in that order (recomputed only
-// when the set, an identity or a recipe changed since the last call) and whether any non-empty
-// cast recorded an amax (or a checkpoint brought a step's amaxes) since the last update.
-// registry_descriptions(): the describe() strings in that order (for the error on a mismatch).
-// registry_amaxes() concatenates row 0 of every state, in that order, into one flat float32
-// tensor, NaN and Inf as 0 (no observation); registry_update(reduced) writes the (cross-rank
-// MAX-reduced) values back and runs update_scaling on every state: new scales from the history,
-// history rolled once.
-struct RegistrySignature {
-  int64_t hash = 0;  // in [0, 2^62): h and -h both fit an int64 for the cross-rank MAX check
-  bool observed = false;
-  int64_t size = 0;
-};
-RegistrySignature registry_signature();
-std::vector<std::string> registry_descriptions();
-at::Tensor registry_amaxes();
-void registry_update(const at::Tensor& reduced);
-// registry_update(registry_amaxes()) without the gather: for a process with nothing to reduce
-// across (no process group, or one rank), where row 0 of every state already holds its amaxes.
-void registry_update_local();
-int64_t registry_size();  // allocated states
 
 }  // namespace fp8dp

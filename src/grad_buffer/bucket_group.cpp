@@ -41,7 +41,7 @@ void BucketGroup::start_grad_sync(Communicator& comm, const SyncSettings& s) {
   if (s.check_for_nan) flag_local_nonfinite();
   const int dp = comm.size();
   // One rank puts nothing on a wire, so nothing is rounded: the buffer path (an identity) runs.
-  if (s.wire != Wire::kBuffer && dp > 1) {
+  if (s.wire != Wire::kFP32 && dp > 1) {
     start_wire_reduce(comm, s);
     launched_ = true;
     return;

@@ -22,7 +22,7 @@ struct SyncSettings {
   bool reduce_scatter = false;         // distributed optimizer: rank r keeps chunk r of each bucket
   bool average_in_collective = false;  // AVG in the collective instead of a 1/dp pre-scale
   bool check_for_nan = false;
-  Wire wire = Wire::kBuffer;  // what goes on the wire for FP32 buckets (wire.h)
+  Wire wire = Wire::kFP32;  // what goes on the wire for FP32 buckets (wire.h)
 };
 
 class BucketGroup {

@@ -88,13 +88,13 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
     buffers_.emplace_back(ps, members[dt], opts_.grad_reduce_in_fp32 ? at::kFloat : dt, lo);
   }
 
-  if (settings_.wire != Wire::kBuffer)
+  if (settings_.wire != Wire::kFP32)
     for (const auto& b : buffers_)
       FP8DP_CHECK_ARG(b.grad_dtype == at::kFloat, "grad_reduce_wire: '", opts_.grad_reduce_wire,
                       "' encodes FP32 gradient buffers, but parameter '",
                       names_[b.global_index.at(0)], "' has a ", b.grad_dtype,
                       " buffer (grad_reduce_in_fp32=False): set grad_reduce_in_fp32=True or "
-                      "grad_reduce_wire='buffer'");
+                      "grad_reduce_wire='fp32'");
 
   // Bucket groups: one per bucket with overlap (launched as each completes), else one for all.
   group_of_param_.assign(params_.size(), 0);
@@ -106,12 +106,8 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
       for (int64_t p : bucket.params) group_of_param_[p] = static_cast<int64_t>(grouped.size()) - 1;
     }
   for (auto& g : grouped) groups_.emplace_back(std::move(g), &names_);
-  std::vector<int64_t> first(groups_.size(), std::numeric_limits<int64_t>::max());
-  for (size_t p = 0; p < params_.size(); ++p)
-    first[group_of_param_[p]] = std::min(first[group_of_param_[p]], static_cast<int64_t>(p));
-  for (size_t g = 0; g < groups_.size(); ++g) param_sync_order_.push_back(static_cast<int64_t>(g));
-  std::stable_sort(param_sync_order_.begin(), param_sync_order_.end(),
-                   [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+  param_sync_ = std::make_unique<ParamSync>(params_, buffers_, groups_, group_of_param_, *comm_,
+                                            opts_.use_distributed_optimizer);
   readiness_ =
       std::make_unique<Readiness>(group_of_param_, names_, static_cast<int64_t>(groups_.size()));
   ledger_ = std::make_unique<Ledger>(names_);
@@ -398,7 +394,7 @@ void GradSync::begin_microbatch(bool grad_enabled) {
                 "torch.no_grad(), e.g. evaluation, is allowed.)");
   }
   // Without overlap_param_gather nothing else waits before the module reads its weights.
-  if (!opts_.overlap_param_gather) finish_param_sync_locked(-1);
+  if (!opts_.overlap_param_gather) param_sync_->finish(-1);
   ledger_->begin_microbatch();
 }
 
@@ -649,89 +645,27 @@ void GradSync::scale_gradients(double factor) {
   for (auto& b : buffers_) b.grad_data.mul_(factor);
 }
 
-void GradSync::bump_param_versions() {
-  // The param buffers are written through their own views (copies, all-gathers, broadcasts),
-  // which autograd's version counters do not see: the parameters' counters say nothing changed.
-  // Bumped here so that whoever caches something derived from a parameter (the FP8 weight cache,
-  // C8) sees the write.
-  for (auto& p : params_) p.unsafeGetTensorImpl()->bump_version();
-}
-
 void GradSync::broadcast_params(int root) {
   std::lock_guard<std::mutex> lock(mu_);
-  finish_param_sync_locked(-1);  // an all-gather in flight would overwrite what arrives here
-  bump_param_versions();
-  std::vector<at::Tensor> data;
-  for (auto& b : buffers_) data.push_back(b.param_data);
-  comm_->broadcast(data, root)->wait();
-}
-
-std::vector<OwnedShard> GradSync::owned_shards() const {
-  FP8DP_CHECK(opts_.use_distributed_optimizer,
-              "owned_shards: the buffers were built without use_distributed_optimizer");
-  std::vector<OwnedShard> out;
-  for (size_t b = 0; b < buffers_.size(); ++b)
-    for (const auto& s : fp8dp::owned_shards(buffers_[b].layout(), comm_->size(), comm_->rank()))
-      out.push_back(OwnedShard{buffers_[b].global_index[s.param], s.param_offset, s.numel,
-                               static_cast<int64_t>(b), s.buffer_offset});
-  return out;
-}
-
-at::Tensor GradSync::grad_shard(const OwnedShard& s) const {
-  return buffers_.at(s.buffer).grad_data.narrow(0, s.buffer_offset, s.numel);
-}
-
-at::Tensor GradSync::param_shard(const OwnedShard& s) const {
-  return buffers_.at(s.buffer).param_data.narrow(0, s.buffer_offset, s.numel);
+  param_sync_->broadcast(root);
 }
 
 void GradSync::copy_shards(const std::vector<at::Tensor>& masters) {
-  const auto shards = owned_shards();
-  FP8DP_CHECK_ARG(masters.size() == shards.size(), "masters: expected ", shards.size(),
-                  " shards, got ", masters.size());
-  for (size_t k = 0; k < shards.size(); ++k)
-    FP8DP_CHECK_ARG(masters[k].numel() == shards[k].numel, "masters[", k, "]: expected ",
-                    shards[k].numel, " elements, got ", masters[k].numel());
+  param_sync_->check_masters(masters);
   std::lock_guard<std::mutex> lock(mu_);
-  finish_param_sync_locked(-1);  // a step without a forward in between: the last gather writes here
-  // param_data is plain storage (no autograd history), so the copies need no grad-mode guard.
-  for (size_t k = 0; k < shards.size(); ++k)
-    param_shard(shards[k]).copy_(masters[k].detach().reshape({-1}));
-  bump_param_versions();
+  param_sync_->copy_shards(masters);
   if (finished_) stepped_ = true;  // the optimizer step of this iteration's gradients
 }
 
 void GradSync::start_param_sync() {
-  FP8DP_CHECK(opts_.use_distributed_optimizer,
-              "start_param_sync: the buffers were built without use_distributed_optimizer");
   std::lock_guard<std::mutex> lock(mu_);
-  finish_param_sync_locked(-1);
-  bump_param_versions();
-  for (int64_t g : param_sync_order_) {
-    groups_[g].start_param_sync(*comm_);
-    ++param_syncs_in_flight_;
-  }
-}
-
-void GradSync::finish_param_sync_locked(int64_t group) {
-  FP8DP_CHECK_ARG(group >= -1 && group < static_cast<int64_t>(groups_.size()),
-                  "group: expected -1 (all) or a bucket group in [0, ", groups_.size(), "), got ",
-                  group);
-  if (param_syncs_in_flight_ == 0) return;
-  for (int64_t g : param_sync_order_) {
-    if (group != -1 && g != group) continue;
-    if (!groups_[g].param_sync_in_flight()) continue;
-    --param_syncs_in_flight_;  // counted first: a failed wait is reported once, not again
-    groups_[g].finish_param_sync();
-  }
+  param_sync_->start();
 }
 
 void GradSync::finish_param_sync(int64_t group) {
   std::lock_guard<std::mutex> lock(mu_);
-  finish_param_sync_locked(group);
+  param_sync_->finish(group);
 }
-
-bool GradSync::param_sync_pending() const { return param_syncs_in_flight_ > 0; }
 
 void GradSync::copy_shards_and_sync_params(const std::vector<at::Tensor>& masters) {
   copy_shards(masters);

@@ -1,8 +1,9 @@
 // GradSync: everything DistributedDataParallel does with gradients, in one C++ object: the buffers
 // (contract C1), the exactly-once accumulation done by the hooks (C2), readiness and the
-// bucket-group launches (C5), the collectives (C6), the ledger, the NaN check, and the parameter
-// all-gather of the distributed optimizer. The Python wrapper owns the module and forwards hook
-// calls here.
+// bucket-group launches (C5), the collectives (C6), the ledger, the NaN check and the iteration's
+// phase (C11). The distributed optimizer's parameter side (shards, all-gather) is ParamSync
+// (param_sync.h), which it owns and calls under its lock. The Python wrapper owns the module and
+// forwards hook calls here.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +21,7 @@
 #include "grad_buffer/buffer.h"
 #include "grad_buffer/grad_sink.h"
 #include "grad_buffer/ledger.h"
+#include "grad_buffer/param_sync.h"
 #include "grad_buffer/readiness.h"
 
 namespace fp8dp {
@@ -33,9 +35,9 @@ struct GradSyncOptions {
   bool check_for_nan_in_grad = false;
   bool pad_buckets_for_high_nccl_busbw = false;
   bool grad_ledger = false;
-  // What the bucket reductions put on the wire: "buffer" (the buffer's dtype), "bf16", "fp8_e4m3"
+  // What the bucket reductions put on the wire: "fp32" (the buffer as it is), "bf16", "fp8_e4m3"
   // or "fp8_e5m2" (wire.h; the buffers must be FP32).
-  std::string grad_reduce_wire = "buffer";
+  std::string grad_reduce_wire = "fp32";
   // Without it a forward waits for every parameter all-gather in flight before the module runs
   // (begin_microbatch); with it each module's pre-hook waits for its own bucket groups.
   bool overlap_param_gather = false;
@@ -50,15 +52,6 @@ struct GradSyncOptions {
 //   finish_grad_sync() that fails -> failed (main_grad is not reduced; zero_grad_buffer()).
 enum class Phase : int { kAccumulating, kSyncStarted, kFinished, kStepped, kFailed };
 const char* phase_name(Phase p);
-
-// One shard of a parameter owned by this rank under the distributed optimizer.
-struct OwnedShard {
-  int64_t param = 0;         // global parameter index
-  int64_t param_offset = 0;  // first owned element of the flattened parameter
-  int64_t numel = 0;
-  int64_t buffer = 0;
-  int64_t buffer_offset = 0;
-};
 
 class GradSync : public GradSink {
  public:
@@ -136,10 +129,11 @@ class GradSync : public GradSink {
   // Allowed in every phase: it writes the param buffers only, never a gradient.
   void broadcast_params(int root);
 
-  // Distributed optimizer: this rank's shards, their views, and the parameter all-gather.
-  std::vector<OwnedShard> owned_shards() const;
-  at::Tensor grad_shard(const OwnedShard& s) const;
-  at::Tensor param_shard(const OwnedShard& s) const;
+  // Distributed optimizer: this rank's shards, their views, and the parameter all-gather
+  // (ParamSync, under this object's lock).
+  std::vector<OwnedShard> owned_shards() const { return param_sync_->owned_shards(); }
+  at::Tensor grad_shard(const OwnedShard& s) const { return param_sync_->grad_shard(s); }
+  at::Tensor param_shard(const OwnedShard& s) const { return param_sync_->param_shard(s); }
   // Copies each master shard (any float dtype) into its param_shard, first finishing any parameter
   // all-gather still in flight (it writes the same storage). After finish_grad_sync() this is the
   // optimizer step: the phase becomes stepped. (Elsewhere, e.g. a checkpoint load, the phase
@@ -153,7 +147,7 @@ class GradSync : public GradSink {
   // blocking on the CPU), or for every group's with group = -1. A no-op when none is in flight.
   void finish_param_sync(int64_t group = -1);
   // True while any group's parameter all-gather was started and not finished.
-  bool param_sync_pending() const;
+  bool param_sync_pending() const { return param_sync_->pending(); }
   // copy_shards(), start_param_sync(), finish_param_sync(): the non-overlapped step.
   void copy_shards_and_sync_params(const std::vector<at::Tensor>& masters);
 
@@ -188,8 +182,6 @@ class GradSync : public GradSink {
   // iteration either way (mu_ held).
   std::string undelivered_locked();
   void abandon_iteration();
-  void bump_param_versions();
-  void finish_param_sync_locked(int64_t group);
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -200,10 +192,9 @@ class GradSync : public GradSink {
   std::vector<std::pair<int64_t, int64_t>> where_;  // param -> (buffer, local index)
   std::vector<BucketGroup> groups_;
   std::vector<int64_t> group_of_param_;
-  std::vector<int64_t> param_sync_order_;          // group indices by their earliest parameter
-  std::atomic<int64_t> param_syncs_in_flight_{0};  // read without mu_ by param_sync_pending()
   std::unique_ptr<Readiness> readiness_;
   std::unique_ptr<Ledger> ledger_;
+  std::unique_ptr<ParamSync> param_sync_;  // views params_, buffers_ and groups_
   bool sync_enabled_ = true;
   bool finished_ = false;  // finish_grad_sync() succeeded (the groups are reset then)
   bool stepped_ = false;   // copy_shards() after finishing: the optimizer stepped

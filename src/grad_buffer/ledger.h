@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "grad_buffer/grad_sink.h"
+#include "grad_buffer/route.h"
 
 namespace fp8dp {
 

@@ -28,7 +28,7 @@ void check_flat(const at::Tensor& t, at::ScalarType dt, const char* what) {
 }
 
 void check_chunks(const at::Tensor& data, const at::Tensor& scale_inv, Wire w) {
-  FP8DP_CHECK(w != Wire::kBuffer, "wire: the 'buffer' wire has no encoding");
+  FP8DP_CHECK(w != Wire::kFP32, "wire: the 'fp32' wire has no encoding");
   check_flat(data, wire_dtype(w), "wire data");
   check_flat(scale_inv, at::kFloat, "wire scale_inv");
   FP8DP_CHECK(scale_inv.numel() > 0 && data.numel() % scale_inv.numel() == 0,
@@ -53,20 +53,24 @@ void decode_fp8(const at::Tensor& data, int64_t offset, int64_t n, const at::Ten
 }  // namespace
 
 Wire wire_from_name(const std::string& name) {
-  if (name == "buffer") return Wire::kBuffer;
+  if (name == "fp32") return Wire::kFP32;
   if (name == "bf16") return Wire::kBF16;
   if (name == "fp8_e4m3") return Wire::kE4M3;
   if (name == "fp8_e5m2") return Wire::kE5M2;
+  // The old name of "fp32": a config written for it must fail loudly, not fall back silently.
+  FP8DP_CHECK_ARG(name != "buffer",
+                  "grad_reduce_wire: 'buffer' was renamed to 'fp32' (the bucket is reduced as "
+                  "it is, FP32 with grad_reduce_in_fp32=True); use grad_reduce_wire='fp32'");
   FP8DP_CHECK_ARG(false,
-                  "grad_reduce_wire: expected one of 'buffer', 'bf16', 'fp8_e4m3', 'fp8_e5m2', "
+                  "grad_reduce_wire: expected one of 'fp32', 'bf16', 'fp8_e4m3', 'fp8_e5m2', "
                   "got '",
                   name, "'");
 }
 
 const char* wire_name(Wire w) {
   switch (w) {
-    case Wire::kBuffer:
-      return "buffer";
+    case Wire::kFP32:
+      return "fp32";
     case Wire::kBF16:
       return "bf16";
     case Wire::kE4M3:

@@ -11,11 +11,14 @@
 
 namespace fp8dp {
 
-// kBuffer: the collective runs on the buffer itself (FP32 on the wire for an FP32 buffer).
-enum class Wire { kBuffer, kBF16, kE4M3, kE5M2 };
+// kFP32: no encoding, the collective runs on the buffer itself: FP32 on the wire for the FP32
+// buffer of grad_reduce_in_fp32 (the default); a buffer in the parameter dtype
+// (grad_reduce_in_fp32=False), which the other wires refuse, is reduced in that dtype.
+enum class Wire { kFP32, kBF16, kE4M3, kE5M2 };
 
-// "buffer", "bf16", "fp8_e4m3", "fp8_e5m2" -> Wire; anything else is a ValueError that names
-// grad_reduce_wire, the accepted values and what came.
+// "fp32", "bf16", "fp8_e4m3", "fp8_e5m2" -> Wire; anything else is a ValueError that names
+// grad_reduce_wire, the accepted values and what came ("buffer", the old name of "fp32", says to
+// use "fp32").
 Wire wire_from_name(const std::string& name);
 const char* wire_name(Wire w);
 // The dtype of a wire's buffers: bfloat16, or uint8 holding FP8 bytes.

@@ -110,7 +110,336 @@ bool gradient_captured(const at::Tensor& param) {
   return it != exec->end() && !it->second.needed_;
 }
 
+// ---- forward, step by step ----
+
+// The forward's tensor inputs (undefined = absent).
+struct ForwardInputs {
+  at::Tensor x, weight, bias, ln_weight, ln_bias;
+};
+
+// The fprop GEMM's input operand: FP8 (q) or high precision (hp), and the norm's output for
+// return_layernorm_output.
+struct GemmInput {
+  Quantized q;
+  at::Tensor hp;
+  at::Tensor ln_out;
+};
+
+// What backward needs besides the saved activations: settings, the parameters and the numbering
+// of autograd's edges.
+c10::intrusive_ptr<LinearCtx> make_context(const ForwardInputs& in,
+                                           std::shared_ptr<LinearCore> core,
+                                           const AutocastState& ac) {
+  auto c = c10::make_intrusive<LinearCtx>();
+  int next = 0;
+  const at::Tensor* t[] = {&in.x, &in.weight, &in.bias, &in.ln_weight, &in.ln_bias};
+  for (int i = 0; i < 5; ++i) c->edge[i] = t[i]->defined() ? next++ : -1;
+  c->core = std::move(core);
+  c->ac = ac;
+  c->x_shape = in.x.sizes().vec();
+  c->act_dtype = in.x.scalar_type();
+  c->weight = in.weight;
+  c->bias = in.bias;
+  return c;
+}
+
+// LayerNormLinear: normalize x2d and, with FP8, cast the result; saves what the norm's backward
+// needs.
+GemmInput norm_and_cast_input(LinearCtx& c, const ForwardInputs& in, const at::Tensor& x2d,
+                              bool need_wgrad, variable_list& saved) {
+  LinearCore& core = *c.core;
+  const LinearConfig& cfg = core.config();
+  const AutocastState& ac = c.ac;
+  const Format fmt = ac.recipe.fwd_format;
+  GemmInput gin;
+  NormForward nf;
+  if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed) {
+    // The scale is known before the pass, so the norm writes FP8 directly.
+    at::Tensor s = core.scaling().prepare_scale(Role::kInput, ac.recipe, x2d, [&] {
+      return norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, false, {}, fmt).amax;
+    });
+    nf = norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt,
+                      core.scaling().amax_slot(Role::kInput, x2d.numel()));
+    gin.q.data = nf.out_fp8;
+    gin.q.scale_inv = nf.scale_inv;
+    if (need_wgrad) gin.q.data_t = transpose_fp8(nf.out_fp8);
+  } else {
+    // Current scaling needs the output's amax before the cast: norm, then one cast pass.
+    nf = norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, true, {}, fmt);
+    if (ac.enabled) {
+      gin.q = core.cast(nf.out, Role::kInput, ac, QuantizeOptions{true, need_wgrad, false});
+    } else {
+      gin.hp = nf.out;
+    }
+  }
+  gin.ln_out = nf.out;
+  saved[kX2d] = x2d;
+  saved[kMu] = nf.mu;
+  saved[kRsigma] = nf.rsigma;
+  saved[kLnWeight] = in.ln_weight.detach();
+  c.has_ln_bias = in.ln_bias.defined();
+  return gin;
+}
+
+// The fprop GEMM's input: the (normalized) input, cast to FP8 under fp8_autocast (with its
+// transpose when a weight gradient will be wanted).
+GemmInput prepare_gemm_input(LinearCtx& c, const ForwardInputs& in, const at::Tensor& x2d,
+                             bool need_wgrad, variable_list& saved) {
+  if (c.core->config().layernorm) return norm_and_cast_input(c, in, x2d, need_wgrad, saved);
+  GemmInput gin;
+  if (c.ac.enabled) {
+    gin.q = c.core->cast(x2d, Role::kInput, c.ac, QuantizeOptions{true, need_wgrad, false});
+  } else {
+    gin.hp = x2d;
+  }
+  return gin;
+}
+
+// y = gemm_in · Wᵀ (+ bias), the weight cast to FP8 (or taken from the cache) under fp8_autocast;
+// saves the operands of dgrad (W) and wgrad (x) in the form backward's GEMMs take them.
+at::Tensor fprop_gemm(const LinearCtx& c, const ForwardInputs& in, const GemmInput& gin,
+                      std::optional<bool> first, bool need_wgrad, variable_list& saved) {
+  LinearCore& core = *c.core;
+  GemmArgs g;
+  g.bias = in.bias.defined() ? in.bias.detach() : in.bias;
+  g.out_dtype = in.x.scalar_type();
+  g.use_split_accumulator = c.ac.recipe.split_accumulator_fprop;  // default fast (recipe.h)
+  if (c.ac.enabled) {
+    const Quantized qw = core.weight_fp8(in.weight, c.ac, first);
+    g.a = gin.q.data;
+    g.a_scale_inv = gin.q.scale_inv;
+    g.b = qw.data;
+    g.b_scale_inv = qw.scale_inv;
+    saved[kInT] = gin.q.data_t;
+    saved[kInScaleInv] = gin.q.scale_inv;
+    // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
+    // reference (no copy), and a checkpoint's recompute gets the same cache back.
+    saved[kWT] = qw.data_t;
+    saved[kWScaleInv] = qw.scale_inv;
+  } else {
+    g.a = gin.hp.contiguous();
+    g.b = in.weight.detach().contiguous();
+    if (need_wgrad) saved[kInHp] = g.a;
+    saved[kWHp] = g.b;
+  }
+  std::vector<int64_t> y_shape = c.x_shape;
+  y_shape.back() = core.config().out_features;
+  return gemm(g).view(y_shape);
+}
+
+// With a weight gradient wanted: remembers DistributedDataParallel's sink (when bound) and the
+// micro-batch this use belongs to, announces to the ledger, and picks the fused GEMM's main_grad.
+void bind_weight_gradient(LinearCtx& c, const at::Tensor& weight) {
+  LinearCore& core = *c.core;
+  const LinearConfig& cfg = core.config();
+  if ((c.sink = core.grad_sink())) {
+    c.sink_weight = core.sink_weight();
+    c.sink_bias = core.sink_bias();
+    c.microbatch = c.sink->microbatch();
+    // A forward inside a backward is a recompute (activation checkpointing). Non-reentrant:
+    // its backward never runs (only its saved tensors are used, by the node of the forward
+    // that announced already). Reentrant: the original forward ran without grad and announced
+    // nothing, and this node's backward announces when it delivers. Either way: once per use.
+    if (!in_backward_pass()) c.announce(cfg);
+  }
+  if (cfg.fuse_wgrad_accumulation)
+    c.main_grad = c.sink ? c.sink->main_grad(c.sink_weight) : core.main_grad_for(weight);
+}
+
+// ---- backward, step by step ----
+
+// Which gradients this backward computes, and by which route the weight's goes.
+struct BackwardPlan {
+  bool need_x = false, need_w = false, need_b = false, need_ln = false, need_dgrad = false;
+  // C14: torch.autograd.grad(loss, weight) wants the gradient back, as nn.Linear gives it, and
+  // nothing accumulated: fusion into main_grad and deferral to backward_dw() apply only to a
+  // gradient that autograd accumulates. So a captured one is computed now and returned, and
+  // main_grad, the wgrad queue and the sink are left alone.
+  bool captured = false;
+  bool fused = false, delayed = false;
+  bool bound = false;  // the weight gradient goes to DistributedDataParallel's sink
+};
+
+// Refusals that hold whatever backward would compute, checked before anything is read or written.
+void check_backward_allowed(const LinearCtx& c) {
+  FP8DP_CHECK(!c.released,
+              "fp8dp Linear/LayerNormLinear: backward through the same forward a second time is "
+              "not supported (its saved tensors were freed after the first backward)");
+  const LinearConfig& cfg = c.core->config();  // released() dropped the core: checked first
+  // create_graph=True runs backward with grad mode on. This backward is not differentiable (its
+  // GEMMs and casts are not recorded), so a second-order gradient through it would silently be
+  // zero (a gradient penalty that never acts): refuse it here, before anything is written.
+  FP8DP_CHECK(!at::GradMode::is_enabled(), cfg.name,
+              ": double backward (backward or autograd.grad with create_graph=True) through an "
+              "fp8dp layer is not supported: its backward is not differentiable, so the "
+              "second-order gradient would be zero; compute such terms with torch.nn.Linear");
+}
+
+BackwardPlan plan_backward(AutogradContext* ctx, const LinearCtx& c, const LinearConfig& cfg) {
+  BackwardPlan p;
+  p.need_x = c.needs_grad(ctx, 0);
+  p.need_w = c.needs_grad(ctx, 1);
+  p.need_b = c.needs_grad(ctx, 2);
+  p.need_ln = c.needs_grad(ctx, 3) || c.needs_grad(ctx, 4);
+  p.need_dgrad = p.need_x || p.need_ln;
+  p.captured = p.need_w && gradient_captured(c.weight);
+  p.fused = cfg.fuse_wgrad_accumulation && !p.captured;
+  p.delayed = cfg.delay_wgrad_compute && !p.captured;
+  p.bound = c.sink != nullptr && !p.captured;
+  return p;
+}
+
+// A tensor hook on the weight (weight.register_hook) must see, and may replace, the gradient
+// that accumulates. The fused and the delayed routes never hand it to autograd, so the hook
+// would be skipped or fed a stand-in: refuse, before the grad_output cast records its amax
+// and before anything reaches main_grad or the queue. The same for the bias when its gradient
+// is deferred with the weight's (delayed, FP8 off: C4).
+void check_no_bypassed_hooks(LinearCore& core, const LinearCtx& c, const BackwardPlan& p) {
+  const LinearConfig& cfg = core.config();
+  FP8DP_CHECK(!(p.need_w && (p.fused || p.delayed) && core.has_tensor_hooks(c.weight)), cfg.name,
+              ": parameter 'weight' has a tensor hook (weight.register_hook), but with ",
+              p.fused ? "fuse_wgrad_accumulation=True" : "delay_wgrad_compute=True",
+              " its gradient never passes through autograd, so the hook would not see it; "
+              "remove the hook, use register_wgrad_accumulation_and_reduce_hooks (runs after "
+              "backward_dw) or read main_grad, or build the layer without ",
+              p.fused ? "fuse_wgrad_accumulation" : "delay_wgrad_compute");
+  FP8DP_CHECK(
+      !(p.need_w && p.need_b && p.delayed && !c.ac.enabled && core.has_tensor_hooks(c.bias)),
+      cfg.name,
+      ": parameter 'bias' has a tensor hook (bias.register_hook), but with "
+      "delay_wgrad_compute=True and FP8 off its gradient is computed by backward_dw() "
+      "and never passes through autograd, so the hook would not see it; remove the hook "
+      "or build the layer without delay_wgrad_compute");
+}
+
+// The data gradient (before the norm's backward) and the bias gradient when it is computed
+// eagerly.
+struct DgradResult {
+  at::Tensor dgrad, dbias;
+};
+
+// grad_output's pass: the dgrad GEMM, the eager bias gradient, and the weight-gradient GEMM's
+// operands written into task (run now or later by the next step).
+DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const BackwardPlan& p,
+                                     const variable_list& saved, const at::Tensor& dy,
+                                     WgradTask& task) {
+  DgradResult r;
+  GemmArgs g;
+  g.out_dtype = c.act_dtype;
+  if (c.ac.enabled) {
+    g.use_split_accumulator = c.ac.recipe.split_accumulator_dgrad;
+    task.use_split_accumulator = c.ac.recipe.split_accumulator_wgrad;
+    // One pass over grad_output: E5M2 bytes, their transpose for wgrad, and the bias gradient
+    // from the unquantized values (C4: eager, returned to autograd below).
+    const Quantized q =
+        core.cast(dy, Role::kGradOutput, c.ac,
+                  QuantizeOptions{p.need_dgrad, p.need_w, p.need_b,
+                                  p.need_b ? c.bias.scalar_type() : at::ScalarType::Float});
+    if (p.need_dgrad) {
+      g.a = q.data;
+      g.a_scale_inv = q.scale_inv;
+      g.b = saved[kWT];
+      g.b_scale_inv = saved[kWScaleInv];
+      r.dgrad = gemm(g);
+    }
+    if (p.need_b) r.dbias = q.dbias;
+    task.a = q.data_t;
+    task.a_scale_inv = q.scale_inv;
+    task.b = saved[kInT];
+    task.b_scale_inv = saved[kInScaleInv];
+  } else {
+    // Without FP8 the GEMMs take transpose views (column-major operands, gemm.h): a strided
+    // transpose copy of dy, x or W would cost more than the GEMM's own memory traffic.
+    if (p.need_dgrad) {
+      g.a = dy;
+      g.b = saved[kWHp].t();
+      r.dgrad = gemm(g);
+    }
+    if (p.need_w) {
+      task.a = dy.t();
+      task.b = saved[kInHp].t();
+      // Without FP8 the bias gradient travels with the weight gradient (deferred with it).
+      if (p.need_b) task.dy = dy;
+    } else if (p.need_b) {
+      r.dbias = bias_grad_hp(dy, c.bias.scalar_type());
+    }
+  }
+  return r;
+}
+
+// Bound to DistributedDataParallel: what this module computes itself goes to the sink, and
+// autograd gets only real gradients (none for the weight when fused or delayed), so the DDP hook
+// adds exactly the other uses' gradients (C8). Returns the weight gradient for autograd; sets
+// dbias when the weight-gradient GEMM made it.
+at::Tensor weight_grad_to_sink(LinearCtx& c, const BackwardPlan& p, WgradTask task,
+                               at::Tensor& dbias) {
+  LinearCore& core = *c.core;
+  if ((p.fused || p.delayed) && !c.announced) c.announce(core.config());  // a reentrant recompute
+  if (p.delayed) {
+    task.sink = c.sink;
+    task.sink_weight = c.sink_weight;
+    task.sink_bias = c.sink_bias;
+    task.weight_token = c.sink->expect(c.sink_weight, c.microbatch, core.sink_name());
+    if (task.dy.defined() && c.sink_bias >= 0)
+      task.bias_token = c.sink->expect(c.sink_bias, c.microbatch, core.sink_name());
+    core.enqueue(std::move(task));  // C3: backward_dw() runs it and delivers
+    return {};
+  }
+  const WgradResult r = run_wgrad(task);
+  if (r.dbias.defined()) dbias = r.dbias;
+  if (!p.fused) return r.dweight;
+  c.sink->deliver(c.sink_weight, at::Tensor(), Route::kFused,
+                  GradSink::Token{c.microbatch, -1, {}});
+  return {};
+}
+
+// Not bound (or captured): the weight gradient goes through autograd (C2 a), or into main_grad
+// with a dummy for autograd (C2 b), or to the queue (C3). Returns the weight gradient for
+// autograd; sets dbias when the weight-gradient GEMM made it.
+at::Tensor weight_grad_to_autograd(LinearCore& core, const LinearCtx& c, const BackwardPlan& p,
+                                   WgradTask task, at::Tensor& dbias) {
+  // C2 (b): the flag is set here, before the GEMM (and before a deferred one), so any consumer
+  // that sees the dummy gradient knows that it must not add it.
+  if (p.fused) core.mark_grad_added_to_main_grad();
+  at::Tensor dweight;
+  if (p.delayed) {
+    core.enqueue(std::move(task));  // C3: backward_dw() runs it
+  } else {
+    const WgradResult r = run_wgrad(task);
+    dweight = r.dweight;
+    if (r.dbias.defined()) dbias = r.dbias;
+  }
+  if (p.fused) dweight = core.dummy_wgrad(c.weight);
+  return dweight;
+}
+
+// The gradients of the inputs: dx (through the norm's backward for LayerNormLinear, with the
+// gradient of the returned norm output added) and the norm's weight and bias gradients.
+struct InputGrads {
+  at::Tensor dx, dln_w, dln_b;
+};
+
+InputGrads input_grads(const LinearCtx& c, const BackwardPlan& p, const variable_list& saved,
+                       const at::Tensor& dgrad, const variable_list& grads) {
+  const LinearConfig& cfg = c.core->config();
+  InputGrads r;
+  if (cfg.layernorm && p.need_dgrad) {
+    at::Tensor dz = dgrad;
+    if (cfg.return_layernorm_output) dz = dz + grads[1].reshape({-1, cfg.in_features});
+    const NormGrads ng = norm_backward(dz, saved[kX2d], saved[kMu], saved[kRsigma],
+                                       saved[kLnWeight], c.has_ln_bias, cfg.norm);
+    r.dx = ng.dx.view(c.x_shape);
+    r.dln_w = ng.dgamma;
+    r.dln_b = ng.dbeta;
+  } else if (p.need_x) {
+    r.dx = dgrad.view(c.x_shape);
+  }
+  return r;
+}
+
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  // check inputs → (norm and) cast the input → cast the weight, GEMM (+ bias) → bind the weight
+  // gradient to its destination → save for backward.
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor weight,
                                std::optional<at::Tensor> bias_opt,
                                std::optional<at::Tensor> ln_weight_opt,
@@ -118,156 +447,37 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                                std::shared_ptr<LinearCore> core, std::optional<bool> first,
                                AutocastState ac, bool need_wgrad) {
     const LinearConfig& cfg = core->config();
-    const at::Tensor bias = bias_opt.value_or(at::Tensor());
-    const at::Tensor ln_weight = ln_weight_opt.value_or(at::Tensor());
-    const at::Tensor ln_bias = ln_bias_opt.value_or(at::Tensor());
-    auto c = c10::make_intrusive<LinearCtx>();
-    int next = 0;
-    for (int i = 0; i < 5; ++i) {
-      const at::Tensor* t[] = {&x, &weight, &bias, &ln_weight, &ln_bias};
-      c->edge[i] = t[i]->defined() ? next++ : -1;
-    }
-    c->core = core;
-    c->ac = ac;
-    c->x_shape = x.sizes().vec();
-    c->act_dtype = x.scalar_type();
-    const bool fp8 = ac.enabled;
+    const ForwardInputs in{x, weight, bias_opt.value_or(at::Tensor()),
+                           ln_weight_opt.value_or(at::Tensor()),
+                           ln_bias_opt.value_or(at::Tensor())};
+    auto c = make_context(in, std::move(core), ac);
     const at::Tensor x2d = x.reshape({-1, cfg.in_features});
     variable_list saved(kNumSaved);
-
-    at::Tensor gemm_in, ln_out;
-    Quantized qin;
-    const QuantizeOptions in_opts{true, need_wgrad, false};
-    if (cfg.layernorm) {
-      NormForward nf;
-      const Format fmt = ac.recipe.fwd_format;
-      if (fp8 && ac.recipe.kind == RecipeKind::kDelayed) {
-        // The scale is known before the pass, so the norm writes FP8 directly.
-        at::Tensor s = core->scaling().prepare_scale(Role::kInput, ac.recipe, x2d, [&] {
-          return norm_forward(x2d, ln_weight, ln_bias, cfg.norm, false, {}, fmt).amax;
-        });
-        nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt,
-                          core->scaling().amax_slot(Role::kInput, x2d.numel()));
-        qin.data = nf.out_fp8;
-        qin.scale_inv = nf.scale_inv;
-        if (need_wgrad) qin.data_t = transpose_fp8(nf.out_fp8);
-      } else {
-        // Current scaling needs the output's amax before the cast: norm, then one cast pass.
-        nf = norm_forward(x2d, ln_weight, ln_bias, cfg.norm, true, {}, fmt);
-        if (fp8) {
-          qin = core->cast(nf.out, Role::kInput, ac, in_opts);
-        } else {
-          gemm_in = nf.out;
-        }
-      }
-      ln_out = nf.out;
-      saved[kX2d] = x2d;
-      saved[kMu] = nf.mu;
-      saved[kRsigma] = nf.rsigma;
-      saved[kLnWeight] = ln_weight.detach();
-      c->has_ln_bias = ln_bias.defined();
-    } else if (fp8) {
-      qin = core->cast(x2d, Role::kInput, ac, in_opts);
-    } else {
-      gemm_in = x2d;
-    }
-
-    GemmArgs g;
-    g.bias = bias.defined() ? bias.detach() : bias;
-    g.out_dtype = x.scalar_type();
-    g.use_split_accumulator = ac.recipe.split_accumulator_fprop;  // default fast (recipe.h)
-    if (fp8) {
-      const Quantized qw = core->weight_fp8(weight, ac, first);
-      g.a = qin.data;
-      g.a_scale_inv = qin.scale_inv;
-      g.b = qw.data;
-      g.b_scale_inv = qw.scale_inv;
-      saved[kInT] = qin.data_t;
-      saved[kInScaleInv] = qin.scale_inv;
-      // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
-      // reference (no copy), and a checkpoint's recompute gets the same cache back.
-      saved[kWT] = qw.data_t;
-      saved[kWScaleInv] = qw.scale_inv;
-    } else {
-      g.a = gemm_in.contiguous();
-      g.b = weight.detach().contiguous();
-      if (need_wgrad) saved[kInHp] = g.a;
-      saved[kWHp] = g.b;
-    }
-    std::vector<int64_t> y_shape = c->x_shape;
-    y_shape.back() = cfg.out_features;
-    at::Tensor y = gemm(g).view(y_shape);
-
-    c->weight = weight;
-    c->bias = bias;
-    if (need_wgrad && (c->sink = core->grad_sink())) {
-      c->sink_weight = core->sink_weight();
-      c->sink_bias = core->sink_bias();
-      c->microbatch = c->sink->microbatch();
-      // A forward inside a backward is a recompute (activation checkpointing). Non-reentrant:
-      // its backward never runs (only its saved tensors are used, by the node of the forward
-      // that announced already). Reentrant: the original forward ran without grad and announced
-      // nothing, and this node's backward announces when it delivers. Either way: once per use.
-      if (!in_backward_pass()) c->announce(cfg);
-    }
-    if (need_wgrad && cfg.fuse_wgrad_accumulation)
-      c->main_grad = c->sink ? c->sink->main_grad(c->sink_weight) : core->main_grad_for(weight);
+    const GemmInput gin = prepare_gemm_input(*c, in, x2d, need_wgrad, saved);
+    at::Tensor y = fprop_gemm(*c, in, gin, first, need_wgrad, saved);
+    if (need_wgrad) bind_weight_gradient(*c, weight);
     ctx->save_for_backward(std::move(saved));
     ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
-    if (cfg.return_layernorm_output) return {y, ln_out.view(x.sizes())};
+    if (cfg.return_layernorm_output) return {y, gin.ln_out.view(x.sizes())};
     return {y};
   }
 
+  // refuse what cannot be done → plan the routes → unpack the saved tensors → grad_output cast,
+  // dgrad and eager dbias → weight gradient now or queued, delivered → norm backward → release.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto c = c10::static_intrusive_pointer_cast<LinearCtx>(ctx->saved_data["ctx"].toCapsule());
-    FP8DP_CHECK(!c->released,
-                "fp8dp Linear/LayerNormLinear: backward through the same forward a second time is "
-                "not supported (its saved tensors were freed after the first backward)");
+    check_backward_allowed(*c);
     LinearCore& core = *c->core;
     const LinearConfig& cfg = core.config();
-    // create_graph=True runs backward with grad mode on. This backward is not differentiable (its
-    // GEMMs and casts are not recorded), so a second-order gradient through it would silently be
-    // zero (a gradient penalty that never acts): refuse it here, before anything is written.
-    FP8DP_CHECK(!at::GradMode::is_enabled(), cfg.name,
-                ": double backward (backward or autograd.grad with create_graph=True) through an "
-                "fp8dp layer is not supported: its backward is not differentiable, so the "
-                "second-order gradient would be zero; compute such terms with torch.nn.Linear");
-    const bool need_x = c->needs_grad(ctx, 0), need_w = c->needs_grad(ctx, 1),
-               need_b = c->needs_grad(ctx, 2);
-    const bool need_ln = c->needs_grad(ctx, 3) || c->needs_grad(ctx, 4);
-    const bool need_dgrad = need_x || need_ln;
-    // C14: torch.autograd.grad(loss, weight) wants the gradient back, as nn.Linear gives it, and
-    // nothing accumulated: fusion into main_grad and deferral to backward_dw() apply only to a
-    // gradient that autograd accumulates. So a captured one is computed now and returned, and
-    // main_grad, the wgrad queue and the sink are left alone.
-    const bool captured = need_w && gradient_captured(c->weight);
-    const bool fused = cfg.fuse_wgrad_accumulation && !captured;
-    const bool delayed = cfg.delay_wgrad_compute && !captured;
+    const BackwardPlan p = plan_backward(ctx, *c, cfg);
     // What the forward announced to the sink's ledger will not be delivered (C14, ledger).
-    if (captured && c->sink != nullptr && c->announced) c->withdraw();
-    // A tensor hook on the weight (weight.register_hook) must see, and may replace, the gradient
-    // that accumulates. The fused and the delayed routes never hand it to autograd, so the hook
-    // would be skipped or fed a stand-in: refuse, before the grad_output cast records its amax
-    // and before anything reaches main_grad or the queue. The same for the bias when its gradient
-    // is deferred with the weight's (delayed, FP8 off: C4).
-    FP8DP_CHECK(!(need_w && (fused || delayed) && core.has_tensor_hooks(c->weight)), cfg.name,
-                ": parameter 'weight' has a tensor hook (weight.register_hook), but with ",
-                fused ? "fuse_wgrad_accumulation=True" : "delay_wgrad_compute=True",
-                " its gradient never passes through autograd, so the hook would not see it; "
-                "remove the hook, use register_wgrad_accumulation_and_reduce_hooks (runs after "
-                "backward_dw) or read main_grad, or build the layer without ",
-                fused ? "fuse_wgrad_accumulation" : "delay_wgrad_compute");
-    FP8DP_CHECK(!(need_w && need_b && delayed && !c->ac.enabled && core.has_tensor_hooks(c->bias)),
-                cfg.name,
-                ": parameter 'bias' has a tensor hook (bias.register_hook), but with "
-                "delay_wgrad_compute=True and FP8 off its gradient is computed by backward_dw() "
-                "and never passes through autograd, so the hook would not see it; remove the hook "
-                "or build the layer without delay_wgrad_compute");
+    if (p.captured && c->sink != nullptr && c->announced) c->withdraw();
+    check_no_bypassed_hooks(core, *c, p);
     // C11: a weight gradient this layer writes itself (fused: into main_grad during the GEMM) must
     // be one the sink still accepts (its bucket not launched or reduced). Ask now, before the
     // grad_output cast records its amax and before the GEMM writes: a refusal changes nothing.
-    if (need_w && (fused || delayed) && c->sink != nullptr && !captured)
-      c->sink->check_accepting(c->sink_weight, delayed ? Route::kDelayed : Route::kFused, false);
+    if (p.need_w && (p.fused || p.delayed) && p.bound)
+      c->sink->check_accepting(c->sink_weight, p.delayed ? Route::kDelayed : Route::kFused, false);
     // Unpacking runs the saved-tensor hooks: a non-reentrant checkpoint recomputes its region
     // here, with the grad mode it chooses.
     const variable_list saved = ctx->get_saved_variables();
@@ -276,104 +486,19 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     WgradTask task;
     task.weight = c->weight;
     task.bias = c->bias;
-    if (fused) task.main_grad = c->main_grad;
-    const bool bound = c->sink != nullptr && !captured;
-    at::Tensor dgrad, dbias;
-    GemmArgs g;
-    g.out_dtype = c->act_dtype;
-    if (c->ac.enabled) {
-      g.use_split_accumulator = c->ac.recipe.split_accumulator_dgrad;
-      task.use_split_accumulator = c->ac.recipe.split_accumulator_wgrad;
-      // One pass over grad_output: E5M2 bytes, their transpose for wgrad, and the bias gradient
-      // from the unquantized values (C4: eager, returned to autograd below).
-      const Quantized q =
-          core.cast(dy, Role::kGradOutput, c->ac,
-                    QuantizeOptions{need_dgrad, need_w, need_b,
-                                    need_b ? c->bias.scalar_type() : at::ScalarType::Float});
-      if (need_dgrad) {
-        g.a = q.data;
-        g.a_scale_inv = q.scale_inv;
-        g.b = saved[kWT];
-        g.b_scale_inv = saved[kWScaleInv];
-        dgrad = gemm(g);
-      }
-      if (need_b) dbias = q.dbias;
-      task.a = q.data_t;
-      task.a_scale_inv = q.scale_inv;
-      task.b = saved[kInT];
-      task.b_scale_inv = saved[kInScaleInv];
-    } else {
-      // Without FP8 the GEMMs take transpose views (column-major operands, gemm.h): a strided
-      // transpose copy of dy, x or W would cost more than the GEMM's own memory traffic.
-      if (need_dgrad) {
-        g.a = dy;
-        g.b = saved[kWHp].t();
-        dgrad = gemm(g);
-      }
-      if (need_w) {
-        task.a = dy.t();
-        task.b = saved[kInHp].t();
-        // Without FP8 the bias gradient travels with the weight gradient (deferred with it).
-        if (need_b) task.dy = dy;
-      } else if (need_b) {
-        dbias = bias_grad_hp(dy, c->bias.scalar_type());
-      }
-    }
-
+    if (p.fused) task.main_grad = c->main_grad;
+    DgradResult d = dgrad_and_wgrad_operands(core, *c, p, saved, dy, task);
     at::Tensor dweight;
-    if (need_w && bound) {
-      // Bound to DistributedDataParallel: what this module computes itself goes to the sink, and
-      // autograd gets only real gradients (none for the weight when fused or delayed), so the DDP
-      // hook adds exactly the other uses' gradients (C8).
-      if ((fused || delayed) && !c->announced) c->announce(cfg);  // a reentrant recompute's node
-      if (delayed) {
-        task.sink = c->sink;
-        task.sink_weight = c->sink_weight;
-        task.sink_bias = c->sink_bias;
-        task.weight_token = c->sink->expect(c->sink_weight, c->microbatch, core.sink_name());
-        if (task.dy.defined() && c->sink_bias >= 0)
-          task.bias_token = c->sink->expect(c->sink_bias, c->microbatch, core.sink_name());
-        core.enqueue(std::move(task));  // C3: backward_dw() runs it and delivers
-      } else {
-        const WgradResult r = run_wgrad(task);
-        if (fused) {
-          c->sink->deliver(c->sink_weight, at::Tensor(), Route::kFused,
-                           GradSink::Token{c->microbatch, -1, {}});
-        } else {
-          dweight = r.dweight;
-        }
-        if (r.dbias.defined()) dbias = r.dbias;
-      }
-    } else if (need_w) {
-      // C2 (b): the flag is set here, before the GEMM (and before a deferred one), so any consumer
-      // that sees the dummy gradient knows that it must not add it.
-      if (fused) core.mark_grad_added_to_main_grad();
-      if (delayed) {
-        core.enqueue(std::move(task));  // C3: backward_dw() runs it
-      } else {
-        const WgradResult r = run_wgrad(task);
-        dweight = r.dweight;
-        if (r.dbias.defined()) dbias = r.dbias;
-      }
-      if (fused) dweight = core.dummy_wgrad(c->weight);
+    if (p.need_w && p.bound) {
+      dweight = weight_grad_to_sink(*c, p, std::move(task), d.dbias);
+    } else if (p.need_w) {
+      dweight = weight_grad_to_autograd(core, *c, p, std::move(task), d.dbias);
     }
-
-    at::Tensor dx, dln_w, dln_b;
-    if (cfg.layernorm && need_dgrad) {
-      at::Tensor dz = dgrad;
-      if (cfg.return_layernorm_output) dz = dz + grads[1].reshape({-1, cfg.in_features});
-      const NormGrads ng = norm_backward(dz, saved[kX2d], saved[kMu], saved[kRsigma],
-                                         saved[kLnWeight], c->has_ln_bias, cfg.norm);
-      dx = ng.dx.view(c->x_shape);
-      dln_w = ng.dgamma;
-      dln_b = ng.dbeta;
-    } else if (need_x) {
-      dx = dgrad.view(c->x_shape);
-    }
+    const InputGrads ig = input_grads(*c, p, saved, d.dgrad, grads);
     // Drop the parameter references and the core; autograd frees the saved tensors (the queued
     // task holds its own references to its operands).
     c->release();
-    return {dx,           dweight,      dbias,        dln_w,       dln_b,
+    return {ig.dx,        dweight,      d.dbias,      ig.dln_w,    ig.dln_b,
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -1,5 +1,4 @@
 // CPU LayerNorm / RMSNorm forward fused with the FP8 cast: rows in parallel, one row per step.
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -8,6 +7,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/parallel.h"
 #include "norm/norm_kernel.h"
 
 namespace fp8dp {
@@ -67,7 +67,7 @@ void norm_dispatch(const NormFwdParams& p) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(p.cols, 1));
   const int64_t nblocks = (p.rows + grain - 1) / grain;
   std::vector<float> amax(static_cast<size_t>(nblocks), 0.0f);
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       norm_rows<F, T>(p, b * grain, std::min(p.rows, (b + 1) * grain), &amax[b]);
     }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "fp8/scaling_registry.h"
 #include "fp8/scaling_state.h"
 #include "modules/linear_core.h"
 

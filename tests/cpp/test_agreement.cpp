@@ -155,7 +155,7 @@ std::string ddp(int) { return "DistributedDataParallel"; }
 std::vector<AgreementField> config(bool average_in_collective) {
   return {{"world size", "3"},
           {"config.average_in_collective", average_in_collective ? "True" : "False"},
-          {"config.grad_reduce_wire", "'buffer'"}};
+          {"config.grad_reduce_wire", "'fp32'"}};
 }
 
 TEST(CheckRanksAgree, AgreeingRanksPassWithOneCollective) {

@@ -13,6 +13,7 @@
 
 #include "common/check.h"
 #include "fp8/cast.h"
+#include "fp8/scaling_registry.h"
 #include "fp8/scaling_state.h"
 
 namespace fp8dp {

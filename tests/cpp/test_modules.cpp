@@ -12,6 +12,7 @@
 
 #include "common/check.h"
 #include "fp8/cast.h"
+#include "fp8/scaling_registry.h"
 #include "fp8/scaling_state.h"
 #include "gemm/gemm.h"
 #include "modules/linear_autograd.h"

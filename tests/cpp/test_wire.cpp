@@ -160,14 +160,30 @@ TEST(Wire, TinyAmaxGetsACappedScaleAndStaysFinite) {
   EXPECT_TRUE(at::all(at::isfinite(back)).item<bool>());
 }
 
+TEST(Wire, OldNameBufferIsAValueErrorThatSaysFp32) {
+  // "buffer" was the name of "fp32": refused with the new name, never taken as another wire.
+  // Mutation: drop the check for "buffer" in wire_from_name -> the generic "expected one of"
+  // message comes instead, and this test fails on the find().
+  try {
+    wire_from_name("buffer");
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("grad_reduce_wire: 'buffer' was renamed to 'fp32'"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("use grad_reduce_wire='fp32'"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Wire, NamesRoundTripAndUnknownNamesAreValueErrors) {
-  for (Wire w : {Wire::kBuffer, Wire::kBF16, Wire::kE4M3, Wire::kE5M2})
+  for (Wire w : {Wire::kFP32, Wire::kBF16, Wire::kE4M3, Wire::kE5M2})
     EXPECT_EQ(wire_from_name(wire_name(w)), w);
   try {
     wire_from_name("fp8");
     FAIL() << "no error";
   } catch (const ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("grad_reduce_wire: expected one of 'buffer', 'bf16', "
+    EXPECT_NE(std::string(e.what()).find("grad_reduce_wire: expected one of 'fp32', 'bf16', "
                                          "'fp8_e4m3', 'fp8_e5m2', got 'fp8'"),
               std::string::npos)
         << e.what();

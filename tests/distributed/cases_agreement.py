@@ -54,7 +54,7 @@ DIFFERS = {
     "grad_ledger": (False, True, {}),
     "nccl_blocking_wait": (False, True, {}),
     "nccl_high_priority_stream": (True, False, {}),
-    "grad_reduce_wire": ("buffer", "bf16", {}),
+    "grad_reduce_wire": ("fp32", "bf16", {}),
     "comm_backend": ("auto", "process_group", {}),
 }
 

@@ -36,7 +36,7 @@ import fp8dp
 F = 0.25  # a power of two: scaling before or after a reduction rounds the same way
 
 
-@case(wire=["buffer", "bf16", "fp8_e5m2"], dist_opt=[False, True])
+@case(wire=["fp32", "bf16", "fp8_e5m2"], dist_opt=[False, True])
 def scale_in_flight(rank, ws, wire, dist_opt):
     """Case 3: scale_gradients() between the last backward (overlap: every bucket launched) and
     finish_grad_sync() equals scaling after the finish, bit for bit, whatever the wire or
@@ -74,7 +74,7 @@ def scale_in_flight(rank, ws, wire, dist_opt):
     else:
         for name, p, q in zip(a._names, a._params, b._params):
             assert torch.equal(p.main_grad, q.main_grad), name
-    if wire == "buffer":
+    if wire == "fp32":
         ref = [F * g for g in reference_grads(copy.deepcopy(mlp()), x, y)]
         check_main_grads(a, ref, **FP32)
 

@@ -307,13 +307,13 @@ def check_identical_on_all_ranks_nan(ddp):
 
 @case()
 def buffer_wire_is_the_default_path(rank, ws):
-    """grad_reduce_wire='buffer' is the default and gives bit for bit what the default config
+    """grad_reduce_wire='fp32' is the default and gives bit for bit what the default config
     gives (the wire code is not on that path)."""
-    assert fp8dp.DistributedDataParallelConfig().grad_reduce_wire == "buffer"
+    assert fp8dp.DistributedDataParallelConfig().grad_reduce_wire == "fp32"
     a, b = D.mlp(), D.mlp()
     da = fp8dp.DistributedDataParallel(a, D.cfg(overlap_grad_reduce=True, bucket_size=150))
     db = fp8dp.DistributedDataParallel(
-        b, D.cfg(overlap_grad_reduce=True, bucket_size=150, grad_reduce_wire="buffer")
+        b, D.cfg(overlap_grad_reduce=True, bucket_size=150, grad_reduce_wire="fp32")
     )
     for step in range(2):
         x, y = D.data(step, ws, 2)

@@ -82,7 +82,7 @@ class DDPLifecycle:
             bucket_size=spec["bucket_size"],
             delay_wgrad_compute=bool(self.delayed),
             grad_ledger=spec.get("ledger", False),
-            grad_reduce_wire=spec.get("wire", "buffer"),
+            grad_reduce_wire=spec.get("wire", "fp32"),
         )
         self.ddp = fp8dp.DistributedDataParallel(self.net, cfg, process_group=group)
         self.ddp._sync.communicator().set_timeout(COMM_TIMEOUT_S)
@@ -688,7 +688,7 @@ class DDPLifecycle:
     # ---- agree (C12 — ranks agree) ---------------------------------------------------------------
     DISAGREE = {
         "average_in_collective": (False, True),
-        "grad_reduce_wire": ("buffer", "bf16"),
+        "grad_reduce_wire": ("fp32", "bf16"),
         "bucket_size": (256, 512),
         "overlap_grad_reduce": (False, True),
         "use_distributed_optimizer": (False, True),

@@ -36,7 +36,29 @@ def test_low_precision_wire_needs_an_fp32_buffer(wire):
         fp8dp.DistributedDataParallelConfig(grad_reduce_wire=wire, grad_reduce_in_fp32=False)
     assert fp8dp.DistributedDataParallelConfig(grad_reduce_wire=wire).grad_reduce_wire == wire
     # the default path, whatever the buffer dtype
-    fp8dp.DistributedDataParallelConfig(grad_reduce_wire="buffer", grad_reduce_in_fp32=False)
+    fp8dp.DistributedDataParallelConfig(grad_reduce_wire="fp32", grad_reduce_in_fp32=False)
+
+
+def test_wire_default_is_fp32_and_its_old_name_buffer_is_refused():
+    """grad_reduce_wire="buffer" (the old name of "fp32") is a ValueError that names the argument
+    and the new value, in the Python config and in C++ (GradSyncOptions built without the config).
+    Exact expected values: the default's name and the two messages.
+
+    Mutations tried: dropping the "buffer" branch of DistributedDataParallelConfig.__post_init__
+    -> this test failed: "Regex pattern did not match ... Actual message: grad_reduce_wire:
+    expected one of ('fp32', 'bf16', 'fp8_e4m3', 'fp8_e5m2'), got 'buffer'". The C++ half (the
+    FP8DP_CHECK_ARG for "buffer" in wire_from_name) is checked by
+    test_grad_sync_options_reject_an_unknown_wire_in_cpp below and by the gtest
+    Wire.OldNameBufferIsAValueErrorThatSaysFp32.
+    """
+    assert fp8dp.DistributedDataParallelConfig().grad_reduce_wire == "fp32"
+    assert _C.GradSyncOptions().grad_reduce_wire == "fp32"
+    with pytest.raises(ValueError, match=_RENAMED):
+        fp8dp.DistributedDataParallelConfig(grad_reduce_wire="buffer")
+    # The C++ half: test_grad_sync_options_reject_an_unknown_wire_in_cpp (needs the process group).
+
+
+_RENAMED = r"grad_reduce_wire: 'buffer' was renamed to 'fp32' .*use grad_reduce_wire='fp32'"
 
 
 @pytest.mark.parametrize("dp,expected", [(1, 40_000_000), (8, 40_000_000), (64, 64_000_000)])
@@ -67,9 +89,12 @@ def test_ddp_without_process_group_is_a_clear_error():
 def test_grad_sync_options_reject_an_unknown_wire_in_cpp(group):
     """The C++ side checks the name too (GradSync built without the Python config)."""
     o = _C.GradSyncOptions()
-    assert o.grad_reduce_wire == "buffer"
-    o.grad_reduce_wire = "fp4"
+    assert o.grad_reduce_wire == "fp32"
     comm = _C.ProcessGroupCommunicator(group)
+    o.grad_reduce_wire = "buffer"  # the old name of "fp32"
+    with pytest.raises(ValueError, match=_RENAMED):
+        _C.GradSync([torch.zeros(3)], ["w"], comm, o)
+    o.grad_reduce_wire = "fp4"
     with pytest.raises(ValueError, match="grad_reduce_wire: expected one of .*got 'fp4'"):
         _C.GradSync([torch.zeros(3)], ["w"], comm, o)
     o.grad_reduce_wire, o.grad_reduce_in_fp32 = "bf16", False

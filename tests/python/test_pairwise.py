@@ -47,11 +47,11 @@ def test_matrix_subset_is_small_and_deterministic():
     rest = {k: v for k, v in axes.items() if k != "backend" and k not in SPREAD}
     assert all_pairs(rest) <= _covered(a, rest)
     # A dealt-out axis (the gradient wire) is no pair axis: each value reaches a cell where it
-    # means something (an FP32 buffer over more than one rank), every other cell keeps "buffer".
+    # means something (an FP32 buffer over more than one rank), every other cell keeps "fp32".
     for name in SPREAD:
         meaningful = [c for c in a if c["grad_dtype"] == "fp32" and c["world_size"] > 1]
         assert {c[name] for c in meaningful} == set(axes[name])
-        assert all(c[name] == "buffer" for c in a if c not in meaningful)
+        assert all(c[name] == "fp32" for c in a if c not in meaningful)
     # world size (4) x recipe (3) = 12 is the lower bound; the greedy stays within 2 of it
     assert 12 <= len(a) <= 14
     assert len(make_cells(axes, "gloo", full=True)) == len(full_product(rest)) == 3072

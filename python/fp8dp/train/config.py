@@ -255,8 +255,8 @@ class DDPSection:
     """Average with the collective's AVG instead of a 1/dp pre-scale."""
     check_for_nan_in_grad: bool = True
     """Fail (naming the parameters) when a reduced gradient holds a NaN."""
-    grad_reduce_wire: str = "buffer"
-    """What the gradient reduction sends: "buffer" (FP32), "bf16", "fp8_e4m3" or "fp8_e5m2"
+    grad_reduce_wire: str = "fp32"
+    """What the gradient reduction sends: "fp32", "bf16", "fp8_e4m3" or "fp8_e5m2"
     (fp8dp.DistributedDataParallelConfig.grad_reduce_wire)."""
 
     def __post_init__(self):
@@ -275,7 +275,7 @@ class DDPSection:
         _choice(
             "ddp.grad_reduce_wire",
             self.grad_reduce_wire,
-            ("buffer", "bf16", "fp8_e4m3", "fp8_e5m2"),
+            ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2"),
         )
         if not self.use_distributed_optimizer:
             raise ValueError(

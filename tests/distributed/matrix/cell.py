@@ -60,7 +60,7 @@ def _wire_bound(wire: str, a: torch.Tensor, a_max: float, world: int, all_reduce
     contribution a_r (|a_r| <= A elementwise, sum_r |a_r| <= A) is rounded once (relative u, plus
     half a subnormal step times its chunk's scale_inv < 2 amax / fp8_max), an all-reduced sum once
     more (the all-gather); 5% covers the FP32 additions and the local gradients' own rounding."""
-    if wire == "buffer" or world == 1:
+    if wire == "fp32" or world == 1:
         return torch.zeros_like(a)
     u, half_sub, fmax = _WIRE[wire]
     times = 2 if all_reduce else 1
@@ -176,7 +176,7 @@ def run_cell(cell: dict, prob: Problem, device, inject: str = "") -> dict:
         use_distributed_optimizer=cell["use_distributed_optimizer"],
         bucket_size=prob.bucket_size,
         delay_wgrad_compute=delay,
-        grad_reduce_wire=cell.get("grad_reduce_wire", "buffer"),
+        grad_reduce_wire=cell.get("grad_reduce_wire", "fp32"),
     )
     wire = cfg.grad_reduce_wire
     params = dict(model.named_parameters())

@@ -40,11 +40,11 @@ AXES = {
     "use_distributed_optimizer": (False, True),
     "grad_dtype": ("fp32", "bf16"),
     "consumer": ("ddp", "external"),
-    "grad_reduce_wire": ("buffer", "bf16", "fp8_e4m3", "fp8_e5m2"),
+    "grad_reduce_wire": ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2"),
 }
 # Axes dealt out over the cells instead of multiplying them (pairwise or full): each value goes, in
 # turn, to the cells where it means something, so adding one costs no cells. grad_reduce_wire only
-# changes cells that reduce an FP32 buffer over more than one rank; every other cell gets "buffer".
+# changes cells that reduce an FP32 buffer over more than one rank; every other cell gets "fp32".
 SPREAD = ("grad_reduce_wire",)
 _COLUMNS = [
     ("id", "id"),
@@ -113,7 +113,7 @@ def make_cells(axes: dict, backend: str, full: bool) -> list:
                 c[name] = values[turn % len(values)]
                 turn += 1
             else:
-                c[name] = "buffer"
+                c[name] = "fp32"
     return [dict(id=f"{backend}-{i:04d}", backend=backend, **c) for i, c in enumerate(combos)]
 
 

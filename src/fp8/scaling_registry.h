@@ -1,0 +1,56 @@
+// The per-process registry of delayed-scaling states (C9): every ScalingState joins it when
+// created; update_fp8_scales() reduces the step's amaxes of all of them across ranks and updates
+// their scales once per step.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fp8dp {
+
+class ScalingState;
+
+// The registry (update_fp8_scales is Python glue around these calls and two all_reduces).
+// Its states are the allocated ones, ordered by (identity, creation): the same order on every
+// rank that runs the same FP8 modules, whatever order they were created or first cast in (C9).
+// registry_signature(): a 62-bit hash of every state's describe() in that order (recomputed only
+// when the set, an identity or a recipe changed since the last call) and whether any non-empty
+// cast recorded an amax (or a checkpoint brought a step's amaxes) since the last update.
+// registry_descriptions(): the describe() strings in that order (for the error on a mismatch).
+// registry_amaxes() concatenates row 0 of every state, in that order, into one flat float32
+// tensor, NaN and Inf as 0 (no observation); registry_update(reduced) writes the (cross-rank
+// MAX-reduced) values back and runs update_scaling on every state: new scales from the history,
+// history rolled once.
+struct RegistrySignature {
+  int64_t hash = 0;  // in [0, 2^62): h and -h both fit an int64 for the cross-rank MAX check
+  bool observed = false;
+  int64_t size = 0;
+};
+RegistrySignature registry_signature();
+std::vector<std::string> registry_descriptions();
+at::Tensor registry_amaxes();
+void registry_update(const at::Tensor& reduced);
+// registry_update(registry_amaxes()) without the gather: for a process with nothing to reduce
+// across (no process group, or one rank), where row 0 of every state already holds its amaxes.
+void registry_update_local();
+int64_t registry_size();  // allocated states
+
+// ScalingState's side (scaling_state.cpp). A new state joins under a fresh id with the default
+// identity "unnamed #k <what>" (k counts the states created with the same `what`); a destroyed
+// one leaves (`allocated`: whether it was part of the signature).
+struct RegistryEntry {
+  int64_t id = 0;
+  std::string default_identity;
+};
+RegistryEntry registry_add(ScalingState* state, const std::string& what);
+void registry_remove(int64_t id, bool allocated);
+// The signature may have changed: a state allocated, resized, restored, reset, renamed or cast
+// with another recipe. The order, descriptions and hash are recomputed at the next query only.
+void registry_touch();
+// A non-empty cast recorded an amax (or a checkpoint brought one) since the last update.
+void registry_mark_observed();
+
+}  // namespace fp8dp
