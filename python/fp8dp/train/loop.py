@@ -69,15 +69,8 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def make_recipe(cfg: TrainConfig):
-    f = cfg.fp8
-    if f.recipe == "current":
-        return fp8dp.Float8CurrentScaling(margin=f.margin, **f.accumulation())
-    return fp8dp.DelayedScaling(
-        amax_history_len=f.amax_history_len,
-        amax_compute_algo=f.amax_compute_algo,
-        margin=f.margin,
-        **f.accumulation(),
-    )
+    """The run's FP8 recipe (config.FP8Section.recipe_object)."""
+    return cfg.fp8.recipe_object()
 
 
 def _all_mean(value: float, device) -> float:
@@ -304,16 +297,7 @@ class _Run:
         torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
         d, t = cfg.ddp, cfg.train
         model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)
-        ddp_cfg = fp8dp.DistributedDataParallelConfig(
-            grad_reduce_in_fp32=d.grad_reduce_in_fp32,
-            overlap_grad_reduce=d.overlap_grad_reduce,
-            use_distributed_optimizer=d.use_distributed_optimizer,
-            bucket_size=d.bucket_size,
-            average_in_collective=d.average_in_collective,
-            delay_wgrad_compute=d.delay_wgrad_compute,
-            check_for_nan_in_grad=d.check_for_nan_in_grad,
-            grad_reduce_wire=d.grad_reduce_wire,
-        )
+        ddp_cfg = d.library_config()
         ddp = pipe = None
         if cfg.parallel.pipeline_parallel_size > 1:
             from .pipeline_run import PipelineRun
