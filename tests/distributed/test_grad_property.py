@@ -67,6 +67,8 @@ def _brief(c: dict) -> str:
     )
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_gradient_accounting_property(world_size, tmp_path):
     seed = int(os.environ.get("FP8DP_PROPERTY_SEED", "0"))
