@@ -2,7 +2,9 @@
 
 Every field is checked when the dataclass is built (``__post_init__``) and every error is a
 ValueError that names the key as it is written in the YAML (``model.d_model``), what was expected
-and what was given. Checks that need the world size (the global batch must split evenly over the
+and what was given. The ``ddp`` and ``fp8`` sections build the library's own config objects
+(fp8dp.DistributedDataParallelConfig, the recipes): their defaults and checks are the library's,
+so each setting has one default. Checks that need the world size (the global batch must split evenly over the
 ranks) run in ``TrainConfig.check_world_size`` right after torch.distributed starts, before any
 model is built.
 """
