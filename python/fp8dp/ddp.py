@@ -177,6 +177,37 @@ def _defined_in_torch(m: torch.nn.Module) -> bool:
     return type(m).__module__.split(".", 1)[0] == "torch"
 
 
+def _checked_args(config, process_group) -> tuple:
+    """(config, process_group) with their defaults filled in; TypeError / RuntimeError before the
+    DDP changes anything."""
+    config = DistributedDataParallelConfig() if config is None else config
+    if not isinstance(config, DistributedDataParallelConfig):
+        raise TypeError(
+            f"config: expected a DistributedDataParallelConfig, got {type(config).__name__}"
+        )
+    if process_group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "process_group: None needs torch.distributed.init_process_group() first "
+                "(or pass a process group)"
+            )
+        process_group = dist.group.WORLD
+    return config, process_group
+
+
+def _check_not_wrapped_twice(named: list) -> None:
+    for name, p in named:
+        # (a deep copy of a wrapped model carries the attribute but not the parameter identity)
+        other = getattr(p, "_fp8dp_ddp", lambda: None)()
+        if other is not None and id(p) in other._index:
+            raise ValueError(
+                f"module: parameter '{name}' is already managed by another "
+                "fp8dp.DistributedDataParallel (the same model wrapped twice?); its gradients "
+                "would go to that wrapper's buffer and this one's main_grad would stay 0: wrap "
+                "each model once"
+            )
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wraps `module` for data-parallel training with one contiguous main_grad buffer per
     (param dtype, grad dtype) (contract C1), exactly-once gradient accumulation (C2) and bucketed
@@ -184,45 +215,42 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, config=None, process_group=None):
         super().__init__()
-        config = DistributedDataParallelConfig() if config is None else config
-        if not isinstance(config, DistributedDataParallelConfig):
-            raise TypeError(
-                f"config: expected a DistributedDataParallelConfig, got {type(config).__name__}"
-            )
-        if process_group is None:
-            if not dist.is_available() or not dist.is_initialized():
-                raise RuntimeError(
-                    "process_group: None needs torch.distributed.init_process_group() first "
-                    "(or pass a process group)"
-                )
-            process_group = dist.group.WORLD
+        config, process_group = _checked_args(config, process_group)
         self.module = module
         self.config = config
         # C9: each FP8 scaling state is known by its module's name in this model (and shape), so
         # every rank reduces the same states in the same order whatever order they were built in.
         set_fp8_identities(module)
         self.process_group = process_group
-        dp = process_group.size()
-
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._check_ranks_agree(named)
+        _check_not_wrapped_twice(named)
+        fp8_modules, foreign, delayed = self._gradient_routes(named)
+        self._build_grad_sync(named)
+        self._bind_fp8_modules(fp8_modules)
+        self._install_grad_hooks(delayed, foreign)
+        self.overlap_param_gather = config.overlap_param_gather
+        if self.overlap_param_gather:
+            self._install_param_gather_waits()
+
+    # -- construction steps, in the order __init__ runs them -------------------------------------
+    def _check_ranks_agree(self, named: list) -> None:
         # C12: the ranks must build this DDP alike. Compared here, before anything that could
         # fail on one rank only (the checks below read config fields) and before any collective
         # (the communicator's kind is one of the fields); a difference raises on every rank.
+        module, config, process_group = self.module, self.config, self.process_group
         agreement.check_ranks_agree(
             process_group,
             "DistributedDataParallel",
             lambda: agreement.ddp_fields(module, config, process_group, named),
         )
-        for name, p in named:
-            # (a deep copy of a wrapped model carries the attribute but not the parameter identity)
-            other = getattr(p, "_fp8dp_ddp", lambda: None)()
-            if other is not None and id(p) in other._index:
-                raise ValueError(
-                    f"module: parameter '{name}' is already managed by another "
-                    "fp8dp.DistributedDataParallel (the same model wrapped twice?); its gradients "
-                    "would go to that wrapper's buffer and this one's main_grad would stay 0: wrap "
-                    "each model once"
-                )
+
+    def _gradient_routes(self, named: list) -> tuple:
+        """How each parameter's gradient reaches GradSync: (the fp8dp modules -> their first name
+        in the model, ids of parameters registered by modules outside fp8dp and torch, id of each
+        delayed parameter of a foreign module -> that module). Raises ValueError for a parameter
+        marked skip_backward_post_hook whose gradient could never arrive."""
+        module, config = self.module, self.config
         owners = _owners(module)
         # fp8dp modules hand their gradients to GradSync directly (bind_grad_sink below); every
         # parameter of theirs takes the autograd hook for what autograd does produce (plain-torch
@@ -256,12 +284,16 @@ class DistributedDataParallel(torch.nn.Module):
                     f"{type(owner).__name__} has no register_wgrad_accumulation_and_reduce_hooks()"
                 )
             delayed[id(p)] = owner
+        return fp8_modules, foreign, delayed
 
+    def _build_grad_sync(self, named: list) -> None:
+        """The communicator and the C++ GradSync that owns the buffers of the parameters `named`."""
+        config = self.config
         opts = _C.GradSyncOptions()
         opts.grad_reduce_in_fp32 = config.grad_reduce_in_fp32
         opts.overlap_grad_reduce = config.overlap_grad_reduce
         opts.use_distributed_optimizer = config.use_distributed_optimizer
-        opts.bucket_size = config.resolved_bucket_size(dp)
+        opts.bucket_size = config.resolved_bucket_size(self.process_group.size())
         opts.average_in_collective = config.average_in_collective
         opts.check_for_nan_in_grad = config.check_for_nan_in_grad
         opts.pad_buckets_for_high_nccl_busbw = config.pad_buckets_for_high_nccl_busbw
@@ -270,18 +302,26 @@ class DistributedDataParallel(torch.nn.Module):
         opts.overlap_param_gather = config.overlap_param_gather
         is_cuda = bool(named) and named[0][1].is_cuda
         comm = _C.make_communicator(
-            config.comm_backend, process_group, is_cuda, config.nccl_high_priority_stream
+            config.comm_backend, self.process_group, is_cuda, config.nccl_high_priority_stream
         )
         comm.blocking_wait = config.nccl_blocking_wait
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
         self._sync = _C.GradSync(self._params, self._names, comm, opts)
-        self._known = {id(p) for p in module.parameters()}
-        self._index = index = {id(p): i for i, p in enumerate(self._params)}
+        self._known = {id(p) for p in self.module.parameters()}
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._ledger = config.grad_ledger
+
+    def _bind_fp8_modules(self, fp8_modules: dict) -> None:
+        """Each fp8dp module delivers its fused and delayed weight gradients to GradSync itself."""
+        index = self._index
         for m, mname in fp8_modules.items():
             bias = index.get(id(m.bias), -1) if m.bias is not None else -1
             m._core.bind_grad_sink(self._sync, index.get(id(m.weight), -1), bias, mname or "(root)")
+
+    def _install_grad_hooks(self, delayed: dict, foreign: set) -> None:
+        """main_grad on every parameter, and the hook that hands its gradient to GradSync: the
+        delayed-wgrad hook of a foreign module, a Python autograd hook, or the C++ one."""
         self._hook_handles = []
         me = weakref.ref(self)
         native = []  # parameters whose autograd hook runs in C++
@@ -299,41 +339,42 @@ class DistributedDataParallel(torch.nn.Module):
         # above is kept for parameters a module outside fp8dp and torch registers, which may mark
         # p.grad as a stand-in (grad_added_to_main_grad, zero_out_wgrad) that only Python can read.
         self._param_hooks = _C.ParamHooks(self._sync, native, [self._params[i] for i in native])
-        self.overlap_param_gather = config.overlap_param_gather
-        if self.overlap_param_gather:
-            # DistributedOptimizer.step() only launches the all-gathers. Each module that
-            # registers parameters waits for the bucket groups holding them just before anything
-            # reads or writes them through it: its forward (so the gather overlaps the forward
-            # of the modules before it), its state_dict() and its load_state_dict() (a checkpoint
-            # taken through the bare module, or loaded into it, right after a step).
-            # Every module that registers a parameter waits (a tied weight has several, and the
-            # first may never run). A container without a forward of its own (nn.ParameterList,
-            # nn.ParameterDict) never runs one: its parent's forward, which reads its parameters,
-            # waits instead. A parameter read directly by code outside its modules' forwards
-            # needs ddp.finish_param_sync() first (README).
-            parents = {}
-            for m in module.modules():
-                for c in m.children():
-                    if type(c).forward is torch.nn.Module.forward:
-                        parents.setdefault(id(c), []).append(m)
-            groups_of = {}
-            for m in module.modules():
-                mine = {
-                    self._sync.group_of_param(index[id(p)])
-                    for p in m._parameters.values()
-                    if p is not None and id(p) in index
-                }
-                if not mine:
-                    continue
-                for waiter in [m] + parents.get(id(m), []):
-                    groups_of.setdefault(id(waiter), (waiter, set()))[1].update(mine)
-            for owner, groups in groups_of.values():
-                wait = _ParamGatherWait(self, tuple(sorted(groups)))
-                self._hook_handles += [
-                    owner.register_forward_pre_hook(wait),
-                    owner.register_state_dict_pre_hook(wait),
-                    owner.register_load_state_dict_pre_hook(wait),
-                ]
+
+    def _install_param_gather_waits(self) -> None:
+        # DistributedOptimizer.step() only launches the all-gathers. Each module that
+        # registers parameters waits for the bucket groups holding them just before anything
+        # reads or writes them through it: its forward (so the gather overlaps the forward
+        # of the modules before it), its state_dict() and its load_state_dict() (a checkpoint
+        # taken through the bare module, or loaded into it, right after a step).
+        # Every module that registers a parameter waits (a tied weight has several, and the
+        # first may never run). A container without a forward of its own (nn.ParameterList,
+        # nn.ParameterDict) never runs one: its parent's forward, which reads its parameters,
+        # waits instead. A parameter read directly by code outside its modules' forwards
+        # needs ddp.finish_param_sync() first (README).
+        module, index = self.module, self._index
+        parents = {}
+        for m in module.modules():
+            for c in m.children():
+                if type(c).forward is torch.nn.Module.forward:
+                    parents.setdefault(id(c), []).append(m)
+        groups_of = {}
+        for m in module.modules():
+            mine = {
+                self._sync.group_of_param(index[id(p)])
+                for p in m._parameters.values()
+                if p is not None and id(p) in index
+            }
+            if not mine:
+                continue
+            for waiter in [m] + parents.get(id(m), []):
+                groups_of.setdefault(id(waiter), (waiter, set()))[1].update(mine)
+        for owner, groups in groups_of.values():
+            wait = _ParamGatherWait(self, tuple(sorted(groups)))
+            self._hook_handles += [
+                owner.register_forward_pre_hook(wait),
+                owner.register_state_dict_pre_hook(wait),
+                owner.register_load_state_dict_pre_hook(wait),
+            ]
 
     # -- hooks: C2 (a)/(b); the accumulate / count / launch logic is GradSync.param_ready --------
     def _on_grad(self, i: int) -> None:

@@ -15,7 +15,8 @@ the log when a rank never finished the case. conftest.py's `launch` fixture laun
 session and (run, world size); test_cases_gloo.py and test_cases_nccl.py parametrize over the
 cases.
 torchrun() is the one launcher of tests/distributed: the property test, the training demo's test
-and the matrix runner (matrix/) start their ranks with it too.
+and the matrix runner (matrix/) start their ranks with it too, and run_ranks() runs one function of
+a test module on a few gloo ranks (ranks.py) for tests that need no case registry.
 """
 
 from __future__ import annotations
@@ -369,3 +370,62 @@ def case_params(launches) -> list:
 
 def cases_of(run: str) -> list:
     return [n for n, c in load_cases().items() if run in c.runs]
+
+
+# ---- one function on every rank ---------------------------------------------------------------
+_RANK_RESULTS = {}  # (file, function, world size, args) -> results, or why the launch failed
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300, pg_timeout_s: float = 60) -> list:
+    """What fn(rank, world_size, *args) returned on each of `world_size` CPU ranks of one gloo
+    process group, in rank order. fn is a module-level function of a test module (ranks.py
+    imports the module from its file on every rank, joins the group and calls fn); args must be
+    JSON values, and what fn returns travels through torch.save. One launch per (fn, world size,
+    args) per session: later calls, from other tests, get the same results.
+
+    A rank that raised, died or never returned fails the calling test (pytest.fail) with every
+    failing rank's traceback, or with the end of the log; the process group times out after
+    pg_timeout_s, so a rank left alone in a collective ends the launch instead of hanging it."""
+    import inspect
+
+    import pytest
+
+    file = str(Path(inspect.getfile(fn)).resolve())
+    key = (file, fn.__name__, world_size, json.dumps(args))
+    if key not in _RANK_RESULTS:
+        _RANK_RESULTS[key] = _launch_ranks(
+            file, fn.__name__, world_size, args, timeout, pg_timeout_s
+        )
+    got = _RANK_RESULTS[key]
+    if isinstance(got, str):
+        pytest.fail(got, pytrace=False)
+    return got
+
+
+def _launch_ranks(file, name, world_size, args, timeout, pg_timeout_s):
+    """run_ranks' launch: the results, or (a str) what went wrong."""
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "args.json").write_text(json.dumps(args))
+        argv = ["--file", file, "--function", name, "--args", d / "args.json", "--out", d]
+        argv += ["--timeout-s", pg_timeout_s]
+        rc, log = torchrun(HERE / "ranks.py", world_size, argv, timeout=timeout)
+        recs = []
+        for r in range(world_size):
+            f = d / f"rank{r}.pt"
+            recs.append(torch.load(f, weights_only=False) if f.exists() else None)
+    problems = []
+    for r, rec in enumerate(recs):
+        if rec is None:
+            problems.append(f"rank {r}: no result (it died, or the launch ended first)")
+        elif "error" in rec:
+            problems.append(f"rank {r}: {rec['error']}\n{rec['traceback']}")
+    if problems or rc != 0:
+        where = f"{Path(file).name}::{name} on {world_size} ranks (exit code {rc})"
+        tail = f"\n--- end of the log ---\n{log[-6000:]}"
+        return f"{where}:\n" + "\n".join(problems) + tail
+    return [rec["result"] for rec in recs]

@@ -2,7 +2,7 @@
 generated models run through fp8dp.pipeline.Pipeline, PP 2 x DP (world / 2), with a schedule
 drawn among those the case's block count and micro-batch count allow.
 
-A case is 2-5 blocks, each a graph of property_worker's generator (fp8dp Linear /
+A case is 2-5 blocks, each a graph of property_gen.py (fp8dp Linear /
 LayerNormLinear with random bias / fused / delayed routes, torch.nn.Linear, plain parameters
 through F.linear and matmul, weights tied or used twice inside the block, frozen parameters),
 without what a pipeline block cannot have: the embedding op (a block maps one tensor to one
@@ -13,7 +13,7 @@ per stage and sums their gradients), which the float64 reference holds as one te
 the gradient ledger on, so a gradient that reaches main_grad twice or never (route (a) at the B
 step, (b) / (c) at the W step through dw_builder) is an error naming the parameter; and every
 local parameter's main_grad after each step is compared with a float64 reference of the whole
-model (property_worker.reference's method, block by block) with property_worker.grad_tolerance's
+model (property_model.reference's method, block by block) with property_model.grad_tolerance's
 bound, the ops of all blocks counted. Two steps per case: the first learns the readiness counts,
 the second launches buckets from them (the last micro-batch's B and W steps).
 
@@ -40,6 +40,8 @@ from __future__ import annotations
 import random
 from datetime import timedelta
 
+import property_gen
+import property_model
 import torch
 from torch import nn
 
@@ -48,7 +50,7 @@ from fp8dp.pipeline import _VIRTUAL, check_backend, check_layout
 
 PIPELINE_SEED_BASE = 2**31
 PP = 2
-T = 16  # rows per micro-batch, property_worker.T (FP8 GEMMs need multiples of 16)
+T = 16  # rows per micro-batch, property_gen.T (FP8 GEMMs need multiples of 16)
 
 
 def is_pipeline_seed(case_seed: int) -> bool:
@@ -60,22 +62,20 @@ def pipeline_case_seeds(seed: int, n: int, ws: int) -> list:
     return [PIPELINE_SEED_BASE + rng.randrange(2**31) for _ in range(n)]
 
 
-def _block_config(pw, rng, ws, D, fp8) -> dict:
+def _block_config(rng, ws, D, fp8) -> dict:
     """One block: a property_worker configuration without embedding ops, micro-batch-dependent
     ops or a 3-D input, with at least one trainable parameter."""
-    c = pw.gen_config(rng.randrange(2**31), ws)
+    c = property_gen.gen_config(rng.randrange(2**31), ws)
     c.update(D=D, fp8=fp8, input_3d=False, forget_dw=False)
     c["ops"] = [["plain_matmul", o[1]] if o[0] == "embed" else o for o in c["ops"]]
     c["when"] = ["all"] * len(c["ops"])
     with torch.random.fork_rng():
-        if not any(p.requires_grad for p in pw.GenModel(c).parameters()):
+        if not any(p.requires_grad for p in property_model.GenModel(c).parameters()):
             c["frozen"] = []  # a stage with nothing to train is refused by DDP, not the point here
     return c
 
 
-def gen_pipeline_config(
-    pw, case_seed: int, ws: int, torch_version: str = torch.__version__
-) -> dict:
+def gen_pipeline_config(case_seed: int, ws: int, torch_version: str = torch.__version__) -> dict:
     """A pipeline case drawn from case_seed. The schedule is drawn among those that fit the
     block and micro-batch counts (check_layout) and that torch_version runs on the worker's
     backend (check_backend: no zbv on gloo before torch 2.13), so on an older torch a seed can
@@ -90,12 +90,12 @@ def gen_pipeline_config(
         for v in vs:
             try:
                 check_layout(schedule, PP, v, n_blocks, n_mb)
-                check_backend(schedule, pw.BACKEND, torch_version)
+                check_backend(schedule, property_gen.BACKEND, torch_version)
                 choices.append([schedule, v])
             except ValueError:
                 pass
     schedule, virtual = rng.choice(choices)
-    blocks = [_block_config(pw, rng, ws // PP, D, fp8) for _ in range(n_blocks)]
+    blocks = [_block_config(rng, ws // PP, D, fp8) for _ in range(n_blocks)]
     ddp = dict(
         grad_ledger=True,  # exactly once, per parameter and micro-batch (C2, C10)
         overlap_grad_reduce=rng.random() < 0.6,
@@ -148,9 +148,9 @@ def tie_across_blocks(c, blocks) -> None:
 class PipeBlock(nn.Module):
     """A generated graph as a pipeline block: one tensor in, one out."""
 
-    def __init__(self, pw, c):
+    def __init__(self, c):
         super().__init__()
-        self.g = pw.GenModel(c)
+        self.g = property_model.GenModel(c)
 
     def forward(self, x):
         return self.g(None, x)
@@ -161,7 +161,7 @@ _GROUPS = {}  # world size -> PipelineGroups, made once per launch (new_group is
 
 def reset_groups() -> None:
     """After a failed case (a transfer may be pending on some ranks only): make new groups at
-    the next pipeline case. Every rank calls it together (property_worker.Runner.run)."""
+    the next pipeline case. Every rank calls it together (property_run.Runner.run)."""
     _GROUPS.clear()
 
 
@@ -179,8 +179,8 @@ def _data(c, step, dp):
     return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
 
 
-def reference(pw, c, blocks, x, y, dp):
-    """float64 gradient {id(param): g} and magnitudes {id(param): A} (property_worker.reference's
+def reference(c, blocks, x, y, dp):
+    """float64 gradient {id(param): g} and magnitudes {id(param): A} (property_model.reference's
     definitions) of the pipeline's loss: the mean over dp ranks of the mean over micro-batches of
     each micro-batch's mse, through every block in order."""
     n_mb = c["n_mb"]
@@ -195,8 +195,8 @@ def reference(pw, c, blocks, x, y, dp):
             for k in range(n_mb):
                 h = x[d, k * T : (k + 1) * T].double()
                 for b in blocks:
-                    h = pw.ref_forward64(b.g, R, None, h, k)
-                loss = pw.mse(h, y[d, k * T : (k + 1) * T].double()) / n_mb
+                    h = property_model.ref_forward64(b.g, R, None, h, k)
+                loss = property_model.mse(h, y[d, k * T : (k + 1) * T].double()) / n_mb
                 grads = torch.autograd.grad(loss, [R[id(p)] for p in train], allow_unused=True)
                 for p, g in zip(train, grads):
                     if g is not None:
@@ -207,7 +207,7 @@ def reference(pw, c, blocks, x, y, dp):
         # scaling, so both sides cast the same values to the same bytes (property_worker).
         twins = []
         for b, cb in zip(blocks, c["blocks"]):
-            t = pw.GenModel(cb, fuse_and_delay=False)
+            t = property_model.GenModel(cb, fuse_and_delay=False)
             with torch.no_grad():
                 for (_, p), (_, q) in zip(b.g.named_parameters(), t.named_parameters()):
                     q.copy_(p.detach())
@@ -223,14 +223,14 @@ def reference(pw, c, blocks, x, y, dp):
                 for t in twins:
                     t.zero_grad(set_to_none=True)
                 h = x[d, k * T : (k + 1) * T]
-                with fp8dp.fp8_autocast(enabled=True, fp8_recipe=pw.RECIPE):
+                with fp8dp.fp8_autocast(enabled=True, fp8_recipe=property_model.RECIPE):
                     for t in twins:
                         h = t(None, h, is_first_microbatch=None)
                 # The pipeline's loss is each micro-batch's mse, and main_grad is divided by n_mb
                 # afterwards; dividing the loss instead would scale the gradients that the FP8
                 # backward casts by 1/n_mb, inexact for n_mb = 3, and current scaling can then
                 # round an element to the other FP8 neighbour (seen: seed 7, case 2223644665).
-                loss = pw.mse(h, y[d, k * T : (k + 1) * T])
+                loss = property_model.mse(h, y[d, k * T : (k + 1) * T])
                 if loss.requires_grad:
                     loss.backward()
                 for p, q in pairs:
@@ -243,7 +243,7 @@ def reference(pw, c, blocks, x, y, dp):
     return total, mag
 
 
-def run_case(pw, c, found, timeout_s: float) -> int:
+def run_case(c, found, timeout_s: float) -> int:
     """Runs a pipeline configuration; appends each step's first mismatch to `found`; returns the
     number of checks. Every rank runs the same schedule whatever its checks find."""
     from fp8dp.pipeline import Pipeline
@@ -251,7 +251,7 @@ def run_case(pw, c, found, timeout_s: float) -> int:
     ws, dp = c["ws"], c["ws"] // PP
     groups = _groups(ws, timeout_s)
     torch.manual_seed(c["case_seed"] % 2**31)
-    blocks = [PipeBlock(pw, cb) for cb in c["blocks"]]
+    blocks = [PipeBlock(cb) for cb in c["blocks"]]
     tie_across_blocks(c, blocks)
     any_delay = any(m["delay"] for cb in c["blocks"] for m in cb["fp8_mods"])
     cfg = fp8dp.DistributedDataParallelConfig(delay_wgrad_compute=any_delay, **c["ddp"])
@@ -261,7 +261,7 @@ def run_case(pw, c, found, timeout_s: float) -> int:
         groups,
         schedule=c["schedule"],
         n_microbatches=c["n_mb"],
-        loss_fn=pw.mse,
+        loss_fn=property_model.mse,
         microbatch_input=ex,
         activation=ex,
         microbatch_output=ex,
@@ -280,8 +280,8 @@ def run_case(pw, c, found, timeout_s: float) -> int:
     checks = 0
     for step in range(c["steps"]):
         x, y = _data(c, step, dp)
-        ref, mag = reference(pw, c, blocks, x, y, dp)
-        with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=pw.RECIPE):
+        ref, mag = reference(c, blocks, x, y, dp)
+        with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=property_model.RECIPE):
             pp.step(
                 *((x[groups.dp_rank],) if pp.is_first else ()),
                 target=y[groups.dp_rank] if pp.is_last else None,
@@ -297,8 +297,8 @@ def run_case(pw, c, found, timeout_s: float) -> int:
                     if hasattr(p, "main_grad"):
                         bad = bad or dict(step=step, what="frozen parameter has main_grad", param=n)
                     continue
-                tol = pw.grad_tolerance(tol_case, mag[id(orig)])
-                bad = bad or pw.first_mismatch(
+                tol = property_model.grad_tolerance(tol_case, mag[id(orig)])
+                bad = bad or property_model.first_mismatch(
                     step, "main_grad", n, p.main_grad, ref[id(orig)], tol
                 )
                 if p.grad is not None:

@@ -4,6 +4,8 @@ torchrun launch per world size, one test per case and a test of the launch itsel
 import pytest
 from harness import case_params
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+
 LAUNCHES = [("gloo", 2), ("gloo", 3)]
 
 

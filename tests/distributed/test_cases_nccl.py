@@ -6,6 +6,8 @@ without fp8dp's native NCCL communicator."""
 import pytest
 from harness import case_params
 
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.slow]
+
 LAUNCHES = [("nccl", 2), ("nccl_native", 2)]
 
 

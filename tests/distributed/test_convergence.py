@@ -55,6 +55,8 @@ from state_compare import assert_identical
 
 from fp8dp.train.compare import compare, load_runs
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ci_convergence.yaml"
 

@@ -83,3 +83,28 @@ def test_a_launch_that_runs_nothing_is_not_retried(tmp_path, monkeypatch):
         launch.check_exit()
     assert "launch 1 of 1 exited with 1" in str(e.value)
     assert "2 case(s) without a result from every rank: a, b" in str(e.value)
+
+
+def _rank_fn(rank, world, fail_on):
+    """run_ranks' target below: returns (rank, world), or raises on rank `fail_on`."""
+    if rank == fail_on:
+        raise ValueError(f"rank {rank} was told to fail")
+    return [rank, world]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_run_ranks_returns_in_rank_order_and_fails_with_the_failing_ranks_traceback():
+    """harness.run_ranks (the launcher of the tests that moved off mp.spawn): one launch of 2
+    gloo ranks returns each rank's value in rank order; a rank that raises fails the calling test
+    with that rank's error and traceback.
+
+    Mutation tried (2026-12-03, then restored): _launch_ranks not treating a record with "error"
+    as a problem: the test fails, the message holding only "exit code 1" and the log's
+    "[rank 1/2] FAIL", not rank 1's error or traceback."""
+    assert harness.run_ranks(_rank_fn, 2, -1) == [[0, 2], [1, 2]]
+    with pytest.raises(pytest.fail.Exception) as e:
+        harness.run_ranks(_rank_fn, 2, 1)
+    msg = str(e.value)
+    assert "rank 1: ValueError: rank 1 was told to fail" in msg and "Traceback" in msg, msg
+    assert "rank 0:" not in msg, msg

@@ -24,6 +24,8 @@ def subset(tmp_path_factory):
     return {c["id"]: c for c in report["cells"]}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS, ids=[c["id"] for c in CELLS])
 def test_cell(subset, cell):
     got = subset[cell["id"]]
@@ -66,6 +68,8 @@ def run_cli(tmp_path, config, *extra, timeout=900):
     return p, json.loads(out.read_text())
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("inject", ["double", "skip"])
 def test_a_miscounted_microbatch_fails_its_cells(tmp_path, inject):
     # Two ranks, FP8 delayed scaling, delayed wgrad; FP32 and BF16 main_grad, with and without the

@@ -17,6 +17,8 @@ import os
 import pytest
 from harness import HERE, torchrun
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+
 # A family whose mechanism has not landed in main is marked here (strict=False: it passes once
 # the mechanism lands). Each reason names the mechanism and its contract.
 PENDING: dict = {}

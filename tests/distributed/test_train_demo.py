@@ -19,6 +19,8 @@ from state_compare import assert_identical
 
 import fp8dp
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+
 REPO = Path(__file__).resolve().parents[2]
 # A small model that still learns: 2 layers x 32, sequences of 32 bytes, 2 ranks x 2 micro-batches.
 TINY = [
@@ -65,7 +67,7 @@ def _needs_gpus(device: str, n: int):
         pytest.skip(f"needs {n} GPUs (one per rank), {torch.cuda.device_count()} visible")
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_validation_loss_falls_and_outputs_are_written(tmp_path, device):
     _needs_gpus(device, 2)
     torchrun(

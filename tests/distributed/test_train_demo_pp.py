@@ -47,6 +47,8 @@ from state_compare import assert_identical
 
 from fp8dp.pipeline import check_backend, stage_ranks
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 # A small model that still learns in 6 steps: 2 layers x 32, sequences of 32 bytes; global batch

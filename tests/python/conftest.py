@@ -41,7 +41,7 @@ def fp8_states_released():
     _release_fp8_states()
 
 
-@pytest.fixture(params=["cpu", "cuda"])
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request, fp8_states_released):
     if request.param == "cuda" and not CUDA_OK:
         pytest.skip(CUDA_REASON)

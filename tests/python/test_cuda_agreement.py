@@ -45,6 +45,7 @@ import fp8dp
 
 OK, REASON = fp8dp.cuda_available(return_reason=True)
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not OK, reason=REASON),
     pytest.mark.usefixtures("fp8_states_released"),  # conftest.py: after a failure too
 ]

@@ -18,7 +18,7 @@ import fp8dp
 
 _C = fp8dp._C
 OK, REASON = fp8dp.cuda_available(return_reason=True)
-pytestmark = pytest.mark.skipif(not OK, reason=REASON)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=REASON)]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ROUND = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}

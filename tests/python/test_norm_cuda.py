@@ -29,9 +29,16 @@ import fp8dp
 
 _C = fp8dp._C
 OK, REASON = fp8dp.cuda_available(return_reason=True)
-needs_gpu = pytest.mark.skipif(not OK, reason=REASON)
+_skip_without_gpu = pytest.mark.skipif(not OK, reason=REASON)
+
+
+def needs_gpu(test):
+    """The `gpu` marker (pyproject.toml) and the skip with the reason where there is no GPU."""
+    return pytest.mark.gpu(_skip_without_gpu(test))
+
+
 # Checks and empty inputs run on the CPU (in CI) as well as on the GPU.
-DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _skip_without_gpu])]
 
 U = 2.0**-24
 FORMATS = {"E4M3": _C.Format.E4M3, "E5M2": _C.Format.E5M2}

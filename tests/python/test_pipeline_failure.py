@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 TIMEOUT_S = 5
 
+# Starts 2 ranks itself (one of them dies on purpose, which harness.run_ranks reports as a failure).
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 
 def _worker(rank, mode, init_file, out_dir):
     torch.set_num_threads(1)

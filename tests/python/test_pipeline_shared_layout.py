@@ -134,6 +134,8 @@ def _worker(rank, init_file, out_dir):
     os._exit(0)
 
 
+@pytest.mark.distributed  # starts 2 ranks (its own spawn: its ranks exit with os._exit)
+@pytest.mark.slow
 def test_ranks_that_tie_differently_fail_together():
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")

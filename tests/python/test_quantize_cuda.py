@@ -12,7 +12,7 @@ import fp8dp
 
 _C = fp8dp._C
 OK, REASON = fp8dp.cuda_available(return_reason=True)
-pytestmark = pytest.mark.skipif(not OK, reason=REASON)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=REASON)]
 
 FORMATS = {
     "E4M3": (_C.Format.E4M3, torch.float8_e4m3fn),

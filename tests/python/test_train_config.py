@@ -45,9 +45,9 @@ def _demo():
             "fp8",
             "split_accumulator_wgrad",
             "no",
-            "fp8.split_accumulator_wgrad: expected true or false, got 'no'",
+            "fp8.split_accumulator_wgrad: expected True or False, got 'no'",
         ),
-        ("ddp", "bucket_size", 0, "ddp.bucket_size: expected an integer >= 1, got 0"),
+        ("ddp", "bucket_size", 0, "ddp.bucket_size: expected > 0 elements, got 0"),
         (
             "ddp",
             "use_distributed_optimizer",

@@ -2,7 +2,9 @@
 
 Every field is checked when the dataclass is built (``__post_init__``) and every error is a
 ValueError that names the key as it is written in the YAML (``model.d_model``), what was expected
-and what was given. Checks that need the world size (the global batch must split evenly over the
+and what was given. The ``ddp`` and ``fp8`` sections build the library's own config objects
+(fp8dp.DistributedDataParallelConfig, the recipes): their defaults and checks are the library's,
+so each setting has one default. Checks that need the world size (the global batch must split evenly over the
 ranks) run in ``TrainConfig.check_world_size`` right after torch.distributed starts, before any
 model is built.
 """
@@ -16,8 +18,9 @@ from typing import Any, Optional
 
 import yaml
 
+from fp8dp.ddp_config import DistributedDataParallelConfig
 from fp8dp.pipeline import _VIRTUAL as _SCHEDULES  # schedule -> its stages per pipeline rank
-from fp8dp.recipe import MAX_MARGIN
+from fp8dp.recipe import DelayedScaling, Float8CurrentScaling
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -188,6 +191,18 @@ class TrainSection:
             )
 
 
+def _library_default(cls, name: str):
+    """The default of field `name` of the library's config class `cls`: the demo's sections take
+    every default of a library setting from there, so that each setting has one default."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _library_error(section: str, e: ValueError) -> ValueError:
+    """The library's ValueError (it starts with the field's name) with the key as the YAML writes
+    it: "bucket_size: ..." -> "ddp.bucket_size: ..."."""
+    return ValueError(f"{section}.{e}")
+
+
 ACCUMULATION_KEYS = (
     "split_accumulator_fprop",
     "split_accumulator_dgrad",
@@ -197,86 +212,109 @@ ACCUMULATION_KEYS = (
 
 @dataclass
 class FP8Section:
-    """FP8 recipe of the run (contract C7)."""
+    """FP8 recipe of the run (contract C7): fp8dp.DelayedScaling or fp8dp.Float8CurrentScaling,
+    built by recipe_object(). The recipe fields' defaults and checks are the recipes' own."""
 
     enabled: bool = True
     """Run every fp8dp projection in FP8. false gives the params_dtype baseline."""
     recipe: str = "delayed"
     """"delayed" (DelayedScaling) or "current" (Float8CurrentScaling)."""
-    amax_history_len: int = 16
-    """Delayed scaling: steps of amax history. Default 16: reacts within a few steps in a short
-    run."""
-    amax_compute_algo: str = "max"
+    amax_history_len: int = _library_default(DelayedScaling, "amax_history_len")
+    """Delayed scaling: steps of amax history (DelayedScaling's default; the shipped configs set
+    16, which reacts within a few steps in a short run)."""
+    amax_compute_algo: str = _library_default(DelayedScaling, "amax_compute_algo")
     """Delayed scaling: "max" or "most_recent"."""
-    margin: float = 0
-    """Headroom in powers of two. Default 0; at most log2(448 / 2**-6) = 14.807 (see
+    margin: float = _library_default(DelayedScaling, "margin")
+    """Headroom in powers of two; at most log2(448 / 2**-6) = 14.807 (see
     fp8dp.recipe.MAX_MARGIN)."""
-    split_accumulator_fprop: bool = False
+    split_accumulator_fprop: bool = _library_default(DelayedScaling, "split_accumulator_fprop")
     """CUDA FP8 GEMMs: FP32-promoted (true) or fast (false) accumulation in the forward GEMM, as
-    the recipes' field of that name. Default false (TransformerEngine's)."""
-    split_accumulator_dgrad: bool = True
-    """The same for the input-gradient GEMM. Default true."""
-    split_accumulator_wgrad: bool = True
-    """The same for the weight-gradient GEMM. Default true."""
+    the recipes' field of that name (default: theirs, TransformerEngine's)."""
+    split_accumulator_dgrad: bool = _library_default(DelayedScaling, "split_accumulator_dgrad")
+    """The same for the input-gradient GEMM."""
+    split_accumulator_wgrad: bool = _library_default(DelayedScaling, "split_accumulator_wgrad")
+    """The same for the weight-gradient GEMM."""
 
     def accumulation(self) -> dict:
         """The three split_accumulator_* fields, as keyword arguments of either recipe."""
         return {k: getattr(self, k) for k in ACCUMULATION_KEYS}
 
+    def recipe_object(self):
+        """The run's recipe: fp8dp.Float8CurrentScaling or fp8dp.DelayedScaling."""
+        if self.recipe == "current":
+            return Float8CurrentScaling(margin=self.margin, **self.accumulation())
+        return self._delayed()
+
+    def _delayed(self) -> DelayedScaling:
+        return DelayedScaling(
+            amax_history_len=self.amax_history_len,
+            amax_compute_algo=self.amax_compute_algo,
+            margin=self.margin,
+            **self.accumulation(),
+        )
+
     def __post_init__(self):
         self.margin = _as_float(self.margin)
-        for k in ACCUMULATION_KEYS:
-            _bool(f"fp8.{k}", getattr(self, k))
         _bool("fp8.enabled", self.enabled)
         _choice("fp8.recipe", self.recipe, ("delayed", "current"))
-        _int("fp8.amax_history_len", self.amax_history_len)
-        _choice("fp8.amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
-        _num("fp8.margin", self.margin, 0.0, MAX_MARGIN)
+        try:
+            # Every field, whichever recipe runs (Float8CurrentScaling checks its margin and
+            # accumulation fields as DelayedScaling does).
+            self._delayed()
+        except ValueError as e:
+            raise _library_error("fp8", e) from None
 
 
 @dataclass
 class DDPSection:
-    """fp8dp.DistributedDataParallel and the modules' gradient routes (contracts C1-C6)."""
+    """fp8dp.DistributedDataParallel (built by library_config()) and the modules' gradient routes
+    (contracts C1-C6). Each key but fuse_wgrad_accumulation is the DistributedDataParallelConfig
+    field of that name, with its default and its checks (its docstring says what each does)."""
 
-    overlap_grad_reduce: bool = True
+    overlap_grad_reduce: bool = _library_default(
+        DistributedDataParallelConfig, "overlap_grad_reduce"
+    )
     """Launch each bucket's collective as soon as it is complete, during backward / backward_dw."""
     use_distributed_optimizer: bool = True
-    """ZeRO-1: reduce-scatter the gradients and step an FP32 master shard per rank."""
-    grad_reduce_in_fp32: bool = True
+    """ZeRO-1: reduce-scatter the gradients and step an FP32 master shard per rank. Default true,
+    not the library's false: the only value the demo runs (it steps fp8dp.DistributedOptimizer)."""
+    grad_reduce_in_fp32: bool = _library_default(
+        DistributedDataParallelConfig, "grad_reduce_in_fp32"
+    )
     """main_grad (and the collective) in FP32 even for bfloat16 parameters."""
-    bucket_size: Optional[int] = None
+    bucket_size: Optional[int] = _library_default(DistributedDataParallelConfig, "bucket_size")
     """Elements per bucket; null = fp8dp's default. A small value gives several buckets."""
-    delay_wgrad_compute: bool = True
+    delay_wgrad_compute: bool = _library_default(
+        DistributedDataParallelConfig, "delay_wgrad_compute"
+    )
     """Backward computes input gradients only; backward_dw() runs the weight gradients afterwards
     (as a zero-bubble pipeline schedule would)."""
     fuse_wgrad_accumulation: bool = True
-    """The weight-gradient GEMM accumulates straight into main_grad (contract C2 b)."""
-    average_in_collective: bool = False
+    """The weight-gradient GEMM accumulates straight into main_grad (contract C2 b): an option of
+    the demo's fp8dp modules, not of DistributedDataParallelConfig."""
+    average_in_collective: bool = _library_default(
+        DistributedDataParallelConfig, "average_in_collective"
+    )
     """Average with the collective's AVG instead of a 1/dp pre-scale."""
-    check_for_nan_in_grad: bool = True
+    check_for_nan_in_grad: bool = _library_default(
+        DistributedDataParallelConfig, "check_for_nan_in_grad"
+    )
     """Fail (naming the parameters) when a reduced gradient holds a NaN."""
-    grad_reduce_wire: str = "fp32"
-    """What the gradient reduction sends: "fp32", "bf16", "fp8_e4m3" or "fp8_e5m2"
-    (fp8dp.DistributedDataParallelConfig.grad_reduce_wire)."""
+    grad_reduce_wire: str = _library_default(DistributedDataParallelConfig, "grad_reduce_wire")
+    """What the gradient reduction sends (DistributedDataParallelConfig.grad_reduce_wire: its
+    values and default)."""
+
+    def library_config(self) -> DistributedDataParallelConfig:
+        """The fp8dp.DistributedDataParallelConfig of these keys (ValueError naming the key)."""
+        keys = [f.name for f in dataclasses.fields(self) if f.name != "fuse_wgrad_accumulation"]
+        try:
+            return DistributedDataParallelConfig(**{k: getattr(self, k) for k in keys})
+        except ValueError as e:
+            raise _library_error("ddp", e) from None
 
     def __post_init__(self):
-        for k in (
-            "overlap_grad_reduce",
-            "use_distributed_optimizer",
-            "grad_reduce_in_fp32",
-            "delay_wgrad_compute",
-            "fuse_wgrad_accumulation",
-            "average_in_collective",
-            "check_for_nan_in_grad",
-        ):
-            _bool(f"ddp.{k}", getattr(self, k))
-        if self.bucket_size is not None:
-            _int("ddp.bucket_size", self.bucket_size)
-        _choice(
-            "ddp.grad_reduce_wire",
-            self.grad_reduce_wire,
-            ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2"),
-        )
+        _bool("ddp.fuse_wgrad_accumulation", self.fuse_wgrad_accumulation)
+        self.library_config()
         if not self.use_distributed_optimizer:
             raise ValueError(
                 "ddp.use_distributed_optimizer: the demo trains with fp8dp.DistributedOptimizer, "

@@ -11,7 +11,9 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,15 +69,8 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def make_recipe(cfg: TrainConfig):
-    f = cfg.fp8
-    if f.recipe == "current":
-        return fp8dp.Float8CurrentScaling(margin=f.margin, **f.accumulation())
-    return fp8dp.DelayedScaling(
-        amax_history_len=f.amax_history_len,
-        amax_compute_algo=f.amax_compute_algo,
-        margin=f.margin,
-        **f.accumulation(),
-    )
+    """The run's FP8 recipe (config.FP8Section.recipe_object)."""
+    return cfg.fp8.recipe_object()
 
 
 def _all_mean(value: float, device) -> float:
@@ -191,6 +186,70 @@ def train(
     continues bit-exactly. summary["complete"] says whether train.steps was reached."""
     t_enter = time.perf_counter()
     n_micro = cfg.check_world_size(world_size)
+    _check_train_args(cfg, save, stop_at, time_budget_s)
+    corpus = _load_corpus(cfg, run_dir, rank)
+    run = _Run.build(cfg, n_micro, corpus, rank, world_size, device)
+    start = 0
+    if resume:
+        start = run.resume(resume)
+        if start == cfg.train.steps:
+            # A finished run: nothing to train, and its metrics and summary stay as they are.
+            if save:
+                run.save(save, start)
+            return run.finished_summary(start)
+    writer = (
+        MetricsWriter(
+            os.path.join(run_dir, "metrics.jsonl"), truncate_after=start if resume else -1
+        )
+        if rank == 0
+        else None
+    )
+    bar = _progress_bar(cfg, start) if rank == 0 and progress else None
+    first_val = None
+    if start == 0:
+        first_val = run.evaluate()
+        if writer:
+            writer.write({"step": 0, "val_loss": first_val})
+    t_start = time.perf_counter()
+    done, last_val = _train_steps(
+        run,
+        start,
+        first_val,
+        writer,
+        bar,
+        save,
+        stop=lambda done, longest: _stop_now(
+            done, cfg, stop_at, time_budget_s, t_enter, longest, device
+        ),
+    )
+    if bar:
+        bar.close()
+    if save:
+        run.save(save, done)
+    summary = {
+        "first_val_loss": first_val,
+        "last_val_loss": last_val,
+        "start_step": start,
+        "steps": cfg.train.steps,
+        "world_size": world_size,
+        "fp8": cfg.fp8.enabled,
+        "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
+        "train_time_s": time.perf_counter() - t_start,
+        "complete": done == cfg.train.steps,
+        "stopped_at": done,
+        "peak_mem_gib": peak_memory_gib(device),
+        "corpus_sha256": corpus.meta.get("sha256"),
+    }
+    if writer:
+        writer.close()
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+# -- train()'s steps ---------------------------------------------------------------------------
+def _check_train_args(cfg: TrainConfig, save, stop_at, time_budget_s) -> None:
+    """ValueError, before any work, for options that cannot go together."""
     if (stop_at is not None or time_budget_s is not None) and not save:
         raise ValueError(
             "--stop-at / --time-budget: expected --save DIR too (a run that stops early continues "
@@ -201,121 +260,171 @@ def train(
             "train.clip_grad: expected 0 with parallel.pipeline_parallel_size > 1 (the global "
             f"norm over pipeline stages is not implemented), got {cfg.train.clip_grad}"
         )
+
+
+def _load_corpus(cfg: TrainConfig, run_dir: str, rank: int):
+    """The corpus (built once, by rank 0); its manifest goes into <run_dir>/corpus.json."""
     corpus = load_corpus(cfg.data, cfg.model.seq_len, rank=rank, barrier=dist.barrier)
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "corpus.json"), "w") as f:
             json.dump(corpus.meta, f)
-    torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
-    d = cfg.ddp
-    model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)
-    ddp_cfg = fp8dp.DistributedDataParallelConfig(
-        grad_reduce_in_fp32=d.grad_reduce_in_fp32,
-        overlap_grad_reduce=d.overlap_grad_reduce,
-        use_distributed_optimizer=d.use_distributed_optimizer,
-        bucket_size=d.bucket_size,
-        average_in_collective=d.average_in_collective,
-        delay_wgrad_compute=d.delay_wgrad_compute,
-        check_for_nan_in_grad=d.check_for_nan_in_grad,
-        grad_reduce_wire=d.grad_reduce_wire,
-    )
-    t = cfg.train
-    pipe = None  # the pipeline (pipeline_parallel_size > 1); the data-parallel path never has one
-    if cfg.parallel.pipeline_parallel_size > 1:
-        from .pipeline_run import PipelineRun
+    return corpus
 
-        pipe = PipelineRun(cfg, model, ddp_cfg, n_micro, corpus, device)
-        opt, state_model = pipe.optimizer, pipe.modules  # what a checkpoint holds of this rank
-    else:
-        ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
-        opt = fp8dp.DistributedOptimizer(
-            torch.optim.AdamW, ddp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay
+
+@dataclass
+class _Run:
+    """What one run trains with: the model, its data-parallel wrapper or pipeline, the optimizer
+    and what a checkpoint holds of this rank."""
+
+    cfg: TrainConfig
+    corpus: Any
+    rank: int
+    world_size: int
+    device: Any
+    n_micro: int
+    model: GPT
+    ddp: Any  # fp8dp.DistributedDataParallel; None under pipeline parallelism
+    pipe: Any  # PipelineRun (pipeline_parallel_size > 1); None on the data-parallel path
+    opt: Any
+    state_model: Any  # what a checkpoint holds of this rank's model
+    recipe: Any
+    wgrad_modules: list  # the modules whose backward_dw() each micro-batch runs, last layer first
+    config_dict: dict
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, n_micro: int, corpus, rank, world_size, device) -> "_Run":
+        torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
+        d, t = cfg.ddp, cfg.train
+        model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)
+        ddp_cfg = d.library_config()
+        ddp = pipe = None
+        if cfg.parallel.pipeline_parallel_size > 1:
+            from .pipeline_run import PipelineRun
+
+            pipe = PipelineRun(cfg, model, ddp_cfg, n_micro, corpus, device)
+            opt, state_model = pipe.optimizer, pipe.modules
+        else:
+            ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
+            opt = fp8dp.DistributedOptimizer(
+                torch.optim.AdamW,
+                ddp,
+                lr=t.lr,
+                betas=(t.beta1, t.beta2),
+                weight_decay=t.weight_decay,
+            )
+            state_model = model
+        wgrad_modules = list(reversed(model.fp8_modules())) if d.delay_wgrad_compute else []
+        return cls(
+            cfg,
+            corpus,
+            rank,
+            world_size,
+            device,
+            n_micro,
+            model,
+            ddp,
+            pipe,
+            opt,
+            state_model,
+            make_recipe(cfg),
+            wgrad_modules,
+            cfg.to_dict(),
         )
-        state_model = model
-    recipe = make_recipe(cfg)
-    wgrad_modules = list(reversed(model.fp8_modules())) if d.delay_wgrad_compute else []
-    config_dict = cfg.to_dict()
 
-    start = 0
-    if resume:
+    def resume(self, path: str) -> int:
+        """Load the checkpoint in `path`; returns its step (at most train.steps)."""
         start = load_checkpoint(
-            resume,
-            model=state_model,
-            optimizer=opt,
-            config=config_dict,
-            rank=rank,
-            world_size=world_size,
+            path,
+            model=self.state_model,
+            optimizer=self.opt,
+            config=self.config_dict,
+            rank=self.rank,
+            world_size=self.world_size,
         )
-        if start > t.steps:
+        if start > self.cfg.train.steps:
             raise ValueError(
                 f"train.steps: expected >= {start} (the step of the checkpoint in "
-                f"{resume}), got {t.steps}"
+                f"{path}), got {self.cfg.train.steps}"
             )
-        if start == t.steps:
-            # A finished run: nothing to train, and its metrics and summary stay as they are.
-            if save:
-                save_checkpoint(
-                    save,
-                    step=start,
-                    model=state_model,
-                    optimizer=opt,
-                    config=config_dict,
-                    rank=rank,
-                    world_size=world_size,
-                    barrier=dist.barrier,
-                )
-            return {
-                "first_val_loss": None,
-                "last_val_loss": None,
-                "start_step": start,
-                "steps": t.steps,
-                "world_size": world_size,
-                "fp8": cfg.fp8.enabled,
-                "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
-                "train_time_s": 0.0,
-                "complete": True,
-            }
-    writer = (
-        MetricsWriter(
-            os.path.join(run_dir, "metrics.jsonl"), truncate_after=start if resume else -1
-        )
-        if rank == 0
-        else None
-    )
-    tokens_per_step = t.global_batch_size * cfg.model.seq_len
-    bar = None
-    if rank == 0 and progress:
-        from tqdm import tqdm
+        return start
 
-        bar = tqdm(
-            total=t.steps,
-            initial=start,
-            unit="step",
-            dynamic_ncols=True,
-            desc="fp8" if cfg.fp8.enabled else "no-fp8",
+    def save(self, path: str, step: int) -> None:
+        save_checkpoint(
+            path,
+            step=step,
+            model=self.state_model,
+            optimizer=self.opt,
+            config=self.config_dict,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=dist.barrier,
         )
-    first_val = last_val = None
+
+    def evaluate(self) -> float:
+        if self.pipe:
+            return self.pipe.evaluate()
+        return evaluate(self.model, self.corpus, self.cfg, self.rank, self.device)
+
+    def step(self, step: int) -> tuple:
+        """One optimizer step: (mean training loss, gradient norm or None)."""
+        if self.pipe:
+            return self.pipe.step(step, self.recipe), None
+        return _dp_step(
+            self.cfg,
+            self.ddp,
+            self.opt,
+            self.corpus,
+            self.recipe,
+            self.wgrad_modules,
+            step,
+            self.rank,
+            self.n_micro,
+            self.device,
+        )
+
+    def finished_summary(self, start: int) -> dict:
+        """The summary of a resumed run that had already reached train.steps."""
+        return {
+            "first_val_loss": None,
+            "last_val_loss": None,
+            "start_step": start,
+            "steps": self.cfg.train.steps,
+            "world_size": self.world_size,
+            "fp8": self.cfg.fp8.enabled,
+            "recipe": self.cfg.fp8.recipe if self.cfg.fp8.enabled else None,
+            "train_time_s": 0.0,
+            "complete": True,
+        }
+
+
+def _progress_bar(cfg: TrainConfig, start: int):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.train.steps,
+        initial=start,
+        unit="step",
+        dynamic_ncols=True,
+        desc="fp8" if cfg.fp8.enabled else "no-fp8",
+    )
+
+
+def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tuple:
+    """The steps from `start` on, each recorded by `writer` and `bar` (rank 0), with validation
+    every eval_every steps and at the last, and the save_every checkpoints; stop(done, longest
+    iteration) ends the run early. Returns (steps done, the last validation loss: `last_val` when
+    no step validated)."""
+    cfg, t = run.cfg, run.cfg.train
+    tokens_per_step = t.global_batch_size * cfg.model.seq_len
     longest = 0.0  # the longest iteration (step + evaluation) so far, for time_budget_s
     done = start
-    if start == 0:
-        first_val = last_val = (
-            pipe.evaluate() if pipe else evaluate(model, corpus, cfg, rank, device)
-        )
-        if writer:
-            writer.write({"step": 0, "val_loss": first_val})
-    t_start = time.perf_counter()
     for step in range(start, t.steps):
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
-        for group in opt.param_groups:
+        for group in run.opt.param_groups:
             group["lr"] = lr
-        grad_norm = None
-        if pipe:
-            train_loss = pipe.step(step, recipe)
-        else:
-            train_loss, grad_norm = _dp_step(
-                cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device
-            )
+        train_loss, grad_norm = run.step(step)
         dt = time.perf_counter() - t0
         rec = {
             "step": step + 1,
@@ -323,17 +432,15 @@ def train(
             "lr": lr,
             "tokens_per_s": tokens_per_step / dt,
             "step_time_s": dt,
-            "peak_mem_gib": peak_memory_gib(device),
+            "peak_mem_gib": peak_memory_gib(run.device),
         }
         if grad_norm is not None:
             rec["grad_norm"] = grad_norm
         if t.peak_tflops:
-            rec["mfu"] = mfu(cfg.model, tokens_per_step / dt, world_size, t.peak_tflops)
+            rec["mfu"] = mfu(cfg.model, tokens_per_step / dt, run.world_size, t.peak_tflops)
         done = step + 1
         if done % t.eval_every == 0 or done == t.steps:
-            rec["val_loss"] = last_val = (
-                pipe.evaluate() if pipe else evaluate(model, corpus, cfg, rank, device)
-            )
+            rec["val_loss"] = last_val = run.evaluate()
         if writer:
             writer.write(rec)
         if bar:
@@ -343,48 +450,8 @@ def train(
             bar.set_postfix(post, refresh=False)
             bar.update(1)
         longest = max(longest, time.perf_counter() - t0)
-        if _stop_now(done, cfg, stop_at, time_budget_s, t_enter, longest, device):
+        if stop(done, longest):
             break
         if save and t.save_every and done % t.save_every == 0 and done != t.steps:
-            save_checkpoint(
-                os.path.join(save, f"step_{done:06d}"),
-                step=done,
-                model=state_model,
-                optimizer=opt,
-                config=config_dict,
-                rank=rank,
-                world_size=world_size,
-                barrier=dist.barrier,
-            )
-    if bar:
-        bar.close()
-    if save:
-        save_checkpoint(
-            save,
-            step=done,
-            model=state_model,
-            optimizer=opt,
-            config=config_dict,
-            rank=rank,
-            world_size=world_size,
-            barrier=dist.barrier,
-        )
-    summary = {
-        "first_val_loss": first_val,
-        "last_val_loss": last_val,
-        "start_step": start,
-        "steps": t.steps,
-        "world_size": world_size,
-        "fp8": cfg.fp8.enabled,
-        "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,
-        "train_time_s": time.perf_counter() - t_start,
-        "complete": done == t.steps,
-        "stopped_at": done,
-        "peak_mem_gib": peak_memory_gib(device),
-        "corpus_sha256": corpus.meta.get("sha256"),
-    }
-    if writer:
-        writer.close()
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-    return summary
+            run.save(os.path.join(save, f"step_{done:06d}"), done)
+    return done, last_val

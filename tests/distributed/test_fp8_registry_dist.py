@@ -4,8 +4,8 @@ state, when the ranks' FP8 states differ: identities, an empty micro-batch on on
 different recipe on one rank, update_fp8_scales twice in one step.
 
 Each rank names its modules with fp8dp.scaling.set_fp8_identities(model), as
-fp8dp.DistributedDataParallel does. The process group has a 60 s timeout, so a rank left alone in
-a collective ends the test instead of hanging it.
+fp8dp.DistributedDataParallel does. The process group (harness.run_ranks) has a 60 s timeout, so
+a rank left alone in a collective ends the test instead of hanging it.
 
 Evidence that these tests catch the defects (run on 2026-12-01, then restored):
 
@@ -13,7 +13,7 @@ Evidence that these tests catch the defects (run on 2026-12-01, then restored):
    - count_differs: rank 0 dies in gloo ("terminate called after throwing an instance of
      'gloo::EnforceNotMet' ... op.preamble.length <= op.nbytes. 12 vs 8. Received data size
      doesn't match expected size"), torch.multiprocessing reports "process 0 terminated with
-     signal SIGABRT" (the original defect);
+     signal SIGABRT" (the original defect; under harness.run_ranks: "rank 0: no result");
    - modules_differ and recipe_differs: no error at all, the update runs with the other rank's
      amaxes ('error' missing from both ranks' results, histories rolled).
 2. The registry ordered by creation instead of identity (refresh() sorting by id only):
@@ -31,15 +31,11 @@ Evidence that these tests catch the defects (run on 2026-12-01, then restored):
    Connection closed by peer" (a hang until the timeout if rank 1 had stayed alive).
 """
 
-import datetime
-import functools
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLD = 2
 N = 32  # features: a multiple of 16, as FP8 GEMMs need
@@ -126,33 +122,22 @@ def _scenario(name, rank):
     return out
 
 
-def _worker(rank, init_file, result_dir, names):
+def _worker(rank, world, names):
+    """On every rank (harness.run_ranks, whose process group times out after 60 s): the
+    scenarios `names` in order (one launch for several: starting ranks costs seconds); returns
+    {scenario: result}."""
     import gc
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        results = {}
-        for name in names:
-            results[name] = _scenario(name, rank)
-            gc.collect()  # the scenario's modules leave the registry before the next one
-        torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for name in names:
+        results[name] = _scenario(name, rank)
+        gc.collect()  # the scenario's modules leave the registry before the next one
+    return results
 
 
-@functools.lru_cache(maxsize=None)
 def _run(names):
-    """Runs the scenarios `names` in order in one pair of processes (spawning costs seconds);
-    returns [rank 0's, rank 1's] results, each {scenario: result}."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp, names), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    """[rank 0's, rank 1's] results of the scenarios `names`, each {scenario: result}."""
+    return run_ranks(_worker, WORLD, list(names))
 
 
 LINEAR = "Linear(in_features=32, out_features=32)"

@@ -33,20 +33,18 @@ Evidence that it catches the bugs it is about (tried on this branch, then revert
   raises "gradient ledger: ... missing" on every schedule that runs forwards ahead.
 """
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from harness import run_ranks
 
 from fp8dp.pipeline import check_backend
 
 H, ROWS, N_MB, N_BLOCKS, LR = 16, 16, 4, 4, 0.5
 FP32_TOL = (2 * N_BLOCKS + 2) * (N_MB * ROWS * 2) * 2.0**-24  # (2L + 2)·T·u ≈ 7.6e-5: docstring
 FP8_TOL = 2 * (2.0**-4 + 2.0**-3)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 CASES = [
     # (schedule, virtual_stages, fused, fp8)
@@ -209,53 +207,27 @@ def _cases(pp_size):
 PP_SIZES = {2: (2,), 4: (2, 4)}
 
 
-def _worker(rank, world, init_file, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank, world):
+    """On every rank (harness.run_ranks): every case of every layout that fits the world, until
+    the first failure; returns {(pp_size, case): ("pass", worst error) or ("fail", traceback)}."""
     from fp8dp.pipeline import make_groups
 
     results = {}
-    try:
-        for pp_size in PP_SIZES[world]:
-            groups = make_groups(pp_size)
-            for case in _cases(pp_size):
-                try:
-                    results[pp_size, case] = ("pass", _run_case(groups, *case))
-                except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
-                    import traceback
+    for pp_size in PP_SIZES[world]:
+        groups = make_groups(pp_size)
+        for case in _cases(pp_size):
+            try:
+                results[pp_size, tuple(case)] = ("pass", _run_case(groups, *case))
+            except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
+                import traceback
 
-                    results[pp_size, case] = ("fail", f"{e}\n{traceback.format_exc()}")
-                    return  # the other ranks may now wait on this one: stop here
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
-_RESULTS = {}
+                results[pp_size, tuple(case)] = ("fail", f"{e}\n{traceback.format_exc()}")
+                return results  # the other ranks may now wait on this one: stop here
+    return results
 
 
 def _launch(world):
-    if world not in _RESULTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            ctx = mp.get_context("spawn")
-            procs = [
-                ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), tmp))
-                for r in range(world)
-            ]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=240)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            res = []
-            for r in range(world):
-                path = os.path.join(tmp, f"rank{r}.pt")
-                res.append(torch.load(path) if os.path.exists(path) else {})
-        _RESULTS[world] = res
-    return _RESULTS[world]
+    return run_ranks(_worker, world, timeout=600)
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (4, 2), (4, 4)], ids=["pp2xdp1", "pp2xdp2", "pp4xdp1"])

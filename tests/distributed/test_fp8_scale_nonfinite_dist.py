@@ -13,47 +13,41 @@ the NaN / Inf win, the update counted it as no observation, and rank 1, whose ow
 only the poison, kept scale 1 while rank 0 kept its own first scale: the ranks disagree).
 """
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLD = 2
 
 
-def _worker(rank, init_file, result_dir, poison):
+def _worker(rank, world, poison):
+    """On every rank (harness.run_ranks): 4 steps of one fp8dp.Linear, rank 1's first
+    grad_output poisoned; returns each step's grad_output amax and scale."""
     import fp8dp
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)  # identical parameters on both ranks
-        m = fp8dp.Linear(32, 48)
-        recipe = fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=4)
-        out = {"scales": [], "amax": []}
-        for step in range(4):
-            g = torch.Generator().manual_seed(10 * step + rank)
-            x, dy = torch.randn(32, 32, generator=g), torch.randn(32, 48, generator=g)
-            if step == 0 and rank == 1:
-                dy[2, 7] = float(poison)
-            with fp8dp.fp8_autocast(fp8_recipe=recipe):
-                y = m(x)
-            y.backward(dy)
-            out["amax"].append(float(dy.abs().max()))
-            fp8dp.update_fp8_scales()
-            out["scales"].append(float(m._core.scale[2]))
-        torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)  # identical parameters on both ranks
+    m = fp8dp.Linear(32, 48)
+    recipe = fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=4)
+    out = {"scales": [], "amax": []}
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, dy = torch.randn(32, 32, generator=g), torch.randn(32, 48, generator=g)
+        if step == 0 and rank == 1:
+            dy[2, 7] = float(poison)
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            y = m(x)
+        y.backward(dy)
+        out["amax"].append(float(dy.abs().max()))
+        fp8dp.update_fp8_scales()
+        out["scales"].append(float(m._core.scale[2]))
+    return out
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf"])
 def test_one_rank_nonfinite_amax_does_not_hide_the_others(poison):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp, poison), nprocs=WORLD, join=True)
-        res = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    res = run_ranks(_worker, WORLD, poison)
     a0 = res[0]["amax"][0]  # rank 0's finite grad_output amax of step 0
     want = float(torch.tensor(57344.0) / torch.tensor(a0, dtype=torch.float32))
     for r in range(WORLD):

@@ -9,13 +9,12 @@ only, as before), step 1's histories hold the world's maximum and the first test
 reduces within the pairs and the workers' last update raises ValueError (the pair and the world
 both still recorded), so every test fails."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLD = 4
 PAIRS = ([0, 1], [2, 3])
@@ -37,63 +36,59 @@ def _step(fp8dp, lin, rank, group, **update_kwargs):
     return local, lin._core.amax_history[1].clone()
 
 
-def _worker(rank, init_file, result_dir):
+def _worker(rank, world):
+    """On every rank (harness.run_ranks): two steps with and without fp8_group, then the
+    conflicting groups; returns what each saw."""
     import fp8dp
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        pairs = [dist.new_group(r) for r in PAIRS]  # every rank creates every group
-        mine = pairs[rank // 2]
-        calls = []
-        real_all_reduce = dist.all_reduce
+    pairs = [dist.new_group(r) for r in PAIRS]  # every rank creates every group
+    mine = pairs[rank // 2]
+    calls = []
+    real_all_reduce = dist.all_reduce
 
-        def recording_all_reduce(t, *args, group=None, **kwargs):
-            calls.append(
-                (
-                    t.numel(),
-                    dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
-                )
+    def recording_all_reduce(t, *args, group=None, **kwargs):
+        calls.append(
+            (
+                t.numel(),
+                dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
             )
-            return real_all_reduce(t, *args, group=group, **kwargs)
+        )
+        return real_all_reduce(t, *args, group=group, **kwargs)
 
-        dist.all_reduce = recording_all_reduce
-        torch.manual_seed(0)  # identical parameters on every rank
-        lin = fp8dp.Linear(32, 32)
-        torch.manual_seed(1 + rank)
-        res = {}
-        res["local1"], res["row1"] = _step(fp8dp, lin, rank, mine)  # within the pair
-        res["calls1"], calls[:] = list(calls), []
-        res["local2"], res["row2"] = _step(fp8dp, lin, rank, None)  # no fp8_group: the world
-        res["calls2"], calls[:] = list(calls), []
+    dist.all_reduce = recording_all_reduce
+    torch.manual_seed(0)  # identical parameters on every rank
+    lin = fp8dp.Linear(32, 32)
+    torch.manual_seed(1 + rank)
+    res = {}
+    res["local1"], res["row1"] = _step(fp8dp, lin, rank, mine)  # within the pair
+    res["calls1"], calls[:] = list(calls), []
+    res["local2"], res["row2"] = _step(fp8dp, lin, rank, None)  # no fp8_group: the world
+    res["calls2"], calls[:] = list(calls), []
 
-        # Conflicts: refused on every rank alike, before any collective, nothing updated.
-        history = lin._core.amax_history.clone()
-        errors = []
-        for kwargs, groups in (
-            ({"group": dist.group.WORLD}, [mine]),
-            ({}, [mine, None, dist.group.WORLD]),
-        ):
-            for g in groups:
-                with fp8dp.fp8_autocast(fp8_recipe=_recipe(fp8dp), fp8_group=g):
-                    lin(torch.randn(16, 32)).sum().backward()
-            try:
-                fp8dp.update_fp8_scales(**kwargs)
-            except ValueError as e:
-                errors.append(str(e))
-        res["errors"], res["calls3"] = errors, list(calls)
-        res["unchanged"] = torch.equal(history[1:], lin._core.amax_history[1:])
-        dist.all_reduce = real_all_reduce
-        fp8dp.update_fp8_scales()  # the pending amaxes, across the world: ranks stay in step
-        torch.save(res, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    # Conflicts: refused on every rank alike, before any collective, nothing updated.
+    history = lin._core.amax_history.clone()
+    errors = []
+    for kwargs, groups in (
+        ({"group": dist.group.WORLD}, [mine]),
+        ({}, [mine, None, dist.group.WORLD]),
+    ):
+        for g in groups:
+            with fp8dp.fp8_autocast(fp8_recipe=_recipe(fp8dp), fp8_group=g):
+                lin(torch.randn(16, 32)).sum().backward()
+        try:
+            fp8dp.update_fp8_scales(**kwargs)
+        except ValueError as e:
+            errors.append(str(e))
+    res["errors"], res["calls3"] = errors, list(calls)
+    res["unchanged"] = torch.equal(history[1:], lin._core.amax_history[1:])
+    dist.all_reduce = real_all_reduce
+    fp8dp.update_fp8_scales()  # the pending amaxes, across the world: ranks stay in step
+    return res
 
 
 @pytest.fixture(scope="module")
 def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD)
 
 
 def test_fp8_group_reduces_amaxes_within_the_group_only(results):

@@ -18,17 +18,16 @@ by peer"; no rank raises the ValueError, and the test fails with "rank 0: Runtim
 """
 
 import datetime
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from harness import run_ranks
 
 N_MB, MB, SEQ, H = 4, 2, 8, 16
 TIMEOUT_S = 60
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 GOOD = (N_MB * MB, SEQ, H)
 
 # (name, input shape, input dtype, target: "good" / "none" / a shape)
@@ -53,15 +52,13 @@ EXPECT = {
 }
 
 
-def _worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
-    )
+def _worker(rank, world):
+    """On every rank (harness.run_ranks, process group timeout TIMEOUT_S): one good step, each
+    bad batch, one good step again; returns what each raised and whether main_grad changed."""
     import fp8dp
     from fp8dp.pipeline import Pipeline, make_groups
 
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
     groups = make_groups(2, timeout=timeout)
     torch.manual_seed(0)
     blocks = [fp8dp.Linear(H, H, delay_wgrad_compute=True) for _ in range(2)]
@@ -108,38 +105,11 @@ def _worker(rank, world, init_file, out_dir):
         out["next_step_equal"] = all(torch.equal(a, b) for a, b in zip(before, after))
     except Exception as e:  # noqa: BLE001  (reported by the pytest side)
         out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-_RESULTS = {}
+    return out
 
 
 def _launch(world):
-    if world not in _RESULTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            ctx = mp.get_context("spawn")
-            procs = [
-                ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), tmp))
-                for r in range(world)
-            ]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=TIMEOUT_S * 6)
-            codes = []
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
-                codes.append(p.exitcode)
-            res = []
-            for r in range(world):
-                path = os.path.join(tmp, f"rank{r}.pt")
-                res.append(torch.load(path) if os.path.exists(path) else {"died": codes[r]})
-        _RESULTS[world] = res
-    return _RESULTS[world]
+    return run_ranks(_worker, world, timeout=TIMEOUT_S * 6, pg_timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2xdp1", "pp2xdp2"])

@@ -47,19 +47,19 @@ Evidence (tried on this branch, then reverted; one launch of the cases named):
 """
 
 import datetime
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from harness import run_ranks
 
 from fp8dp.pipeline import check_backend
 
 H, ROWS, N_MB, N_BLOCKS, LR = 16, 16, 4, 4, 0.5
 TIMEOUT_S = 60
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 FP32_TOL = (2 * N_BLOCKS + 2) * (N_MB * ROWS * 2) * 2.0**-24  # docstring
 
 CASES = [
@@ -282,63 +282,36 @@ def _cases(pp_size):
 PP_SIZES = {2: (2,), 4: (2, 4)}
 
 
-def _worker(rank, world, init_file, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    # A rank that fails inside a collective leaves the others waiting: a short timeout ends them.
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
-    )
+def _worker(rank, world):
+    """On every rank (harness.run_ranks, process group timeout TIMEOUT_S: a rank that fails
+    inside a collective leaves the others waiting): every case of every layout that fits the
+    world, until a case fails on any rank; returns {(pp_size, case): (status, detail)}."""
     from fp8dp.pipeline import make_groups
 
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
     results = {}
-    try:
-        for pp_size in PP_SIZES[world]:
-            groups = make_groups(pp_size, timeout=timeout)
-            for case in _cases(pp_size):
-                try:
-                    _run_case(groups, *case)
-                    results[pp_size, case] = ("pass", "")
-                except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
-                    import traceback
+    for pp_size in PP_SIZES[world]:
+        groups = make_groups(pp_size, timeout=timeout)
+        for case in _cases(pp_size):
+            key = (pp_size, tuple(case))
+            try:
+                _run_case(groups, *case)
+                results[key] = ("pass", "")
+            except Exception as e:  # noqa: BLE001  (reported per case by the pytest side)
+                import traceback
 
-                    results[pp_size, case] = ("fail", f"{e}\n{traceback.format_exc()}")
-                # A rank whose check failed after the case's last collective would let the
-                # others run on into the next case without it: agree, and stop together.
-                status = [None] * world
-                dist.all_gather_object(status, results[pp_size, case][0])
-                if "fail" in status:
-                    return
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
-_RESULTS = {}
+                results[key] = ("fail", f"{e}\n{traceback.format_exc()}")
+            # A rank whose check failed after the case's last collective would let the
+            # others run on into the next case without it: agree, and stop together.
+            status = [None] * world
+            dist.all_gather_object(status, results[key][0])
+            if "fail" in status:
+                return results
+    return results
 
 
 def _launch(world):
-    if world not in _RESULTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            ctx = mp.get_context("spawn")
-            procs = [
-                ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), tmp))
-                for r in range(world)
-            ]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=300)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            res = []
-            for r in range(world):
-                path = os.path.join(tmp, f"rank{r}.pt")
-                res.append(torch.load(path) if os.path.exists(path) else {})
-        _RESULTS[world] = res
-    return _RESULTS[world]
+    return run_ranks(_worker, world, timeout=600, pg_timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (4, 2), (4, 4)], ids=["pp2xdp1", "pp2xdp2", "pp4xdp1"])
