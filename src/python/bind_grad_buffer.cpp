@@ -70,7 +70,8 @@ void bind_grad_buffer(py::module_& m) {
       .def("begin_microbatch", &GradSync::begin_microbatch, py::arg("grad_enabled") = true,
            py::call_guard<py::gil_scoped_release>())
       .def("check_params_in_buffers", &GradSync::check_params_in_buffers)
-      .def("announce_hooks", &GradSync::announce_hooks, py::arg("params"), py::arg("microbatch") = -1)
+      .def("announce_hooks", &GradSync::announce_hooks, py::arg("params"),
+           py::arg("microbatch") = -1)
       .def("withdraw", &GradSync::withdraw, py::arg("param"), py::arg("microbatch"))
       .def("set_backward_microbatch", &GradSync::set_backward_microbatch, py::arg("mb"))
       .def("ledger_microbatch", &GradSync::microbatch)

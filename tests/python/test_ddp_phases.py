@@ -560,4 +560,3 @@ def test_fused_gemm_into_a_launched_bucket_is_refused_before_it_writes(group):
     assert_same_state(before, state(ddp))
     ddp.finish_grad_sync()
     check(ddp, reference(twin, x, y, [1]))
-
