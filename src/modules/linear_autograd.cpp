@@ -173,11 +173,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       g.b = qw.data;
       g.b_scale_inv = qw.scale_inv;
       saved[kInT] = qin.data_t;
-      saved[kInScaleInv] = qin.scale_inv;
+      saved[kInScaleInv] = qin.scale_inv_for_t();
       // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
       // reference (no copy), and a checkpoint's recompute gets the same cache back.
       saved[kWT] = qw.data_t;
-      saved[kWScaleInv] = qw.scale_inv;
+      saved[kWScaleInv] = qw.scale_inv_for_t();
     } else {
       g.a = gemm_in.contiguous();
       g.b = weight.detach().contiguous();
@@ -282,7 +282,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       }
       if (need_b) dbias = q.dbias;
       task.a = q.data_t;
-      task.a_scale_inv = q.scale_inv;
+      task.a_scale_inv = q.scale_inv_for_t();
       task.b = saved[kInT];
       task.b_scale_inv = saved[kInScaleInv];
     } else {
