@@ -23,7 +23,7 @@ def tile_scale(amax, fmax, power_2_scale=True, amax_epsilon=0.0):
     """float32 scale of one tile (block_quantize.h's rule), as a Python float."""
     if math.isnan(amax) or math.isinf(amax):
         return 1.0
-    a = max(amax, amax_epsilon)
+    a = max(amax, torch.tensor(amax_epsilon, dtype=torch.float32).item())  # a float32 field
     if not a > 0:
         return 1.0
     s = torch.tensor(fmax / a, dtype=torch.float64).float().item()

@@ -220,7 +220,7 @@ def test_inference_and_no_grad():
 
 
 def rel_err(got, ref):
-    return float((got.double() - ref).norm() / ref.norm())
+    return float((got.detach().double() - ref).norm() / ref.norm())
 
 
 def errors(recipe, x, dy, w, b, warmup=()):
