@@ -5,17 +5,20 @@ _block_ref.py (independent: per-tile Python loops, torch's own float8 conversion
 compared with the float64 product of the reference-dequantized operands within the FP32 summation
 bound gamma_(k+2) |a|·|b|ᵀ (block_gemm.h derives it).
 
-Evidence that these tests catch a broken mechanism (mutations tried on 2026-12-03, then reverted):
-1. power-of-two rounding dropped in block_scale() (block_quantize.h: `if (power_2_scale)` line
-   removed): test_cast_bytes_and_scales[*-p2-*] fail on the scale comparison (e.g. 2.0 vs
-   2.4615...), test_power_2_scales_are_powers_of_two fails.
-2. partial last tile scaled by the previous full tile's amax (tile end fixed at c0 + 128 in
-   quantize_band, reading past the row into the next): test_cast_bytes_and_scales[...-130-...]
-   and [...-300-...] fail on bytes.
-3. 1x128 transpose made from data's bytes instead of a re-cast (out_t[c, r] = out[r, c] in the
-   k1x128 branch): test_transpose_is_recast fails on bytes and on scale_inv_t.
-4. CPU GEMM ignoring the block scales (to_fp32 in gemm.cpp taking scale_inv[0][0] for every
-   tile): test_gemm_matches_reference fails far outside the bound.
+Evidence that these tests catch a broken mechanism (mutations run on 2026-12-03, then reverted):
+1. Power-of-two rounding dropped (block_quantize_cpu.cpp: block_scale(..., false, ...) in place
+   of p.power_2_scale): 36 of 88 fail: all 30 test_cast_bytes_and_scales[*-p2-*] ("bytes differ
+   (BlockShape.TILE_1x128)"), test_power_2_scales_are_powers_of_two, test_transpose_is_recast[*],
+   test_special_tiles, test_block_dequantize[*] (no longer exact).
+2. Scale index with floor instead of ceil (quantize_band: kb = cols / 128, so a partial last tile
+   is skipped and scale_inv rows are misaligned): 56 of 88 fail, every shape whose columns are not
+   a multiple of 128 (1x16, 3x130, 200x300, 130x257) in test_cast_bytes_and_scales, and
+   test_block_dequantize[*]; the 129x128 cases pass, as they should.
+3. 1x128 transpose taken from data's bytes instead of a re-cast (out_t[c, r] = out[r, c]):
+   test_transpose_is_recast[E4M3/E5M2] fail on the bytes (and 9 Linear tests in
+   test_linear_block_scaling.py fail on dW: "dW: 23040 of 23040 elements outside the bound").
+4. CPU GEMM using one scale for every tile (gemm.cpp to_fp32: dequantize(t, scale_inv[0])):
+   all 6 test_gemm_matches_reference fail, and 9 Linear tests.
 """
 
 import math

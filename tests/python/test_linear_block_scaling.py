@@ -10,18 +10,22 @@
 3. DistributedDataParallel (gloo, one rank) reduces exactly the single-process gradients.
 4. The issue's numerics target, against float64 without any quantization.
 
-Evidence that these tests catch a broken mechanism (mutations tried on 2026-12-03, then reverted):
-a. wgrad operand's scale taken from the forward orientation (linear_autograd.cpp:
-   `saved[kInScaleInv] = qin.scale_inv` instead of scale_inv_for_t()): test_gemms_match_emulation
-   fails in every case: gemm refuses "'b_scale_inv' has shape [...], which fits no scaling".
-   (shapes where that layout happens to fit a [in, tokens] operand would silently pair the wrong
-   scales: the dW comparison then fails far outside the bound.)
-b. weight cache ignoring the recipe kind (linear_core.cpp: `weight_cache_kind_ == ...` removed):
-   test_weight_cache_not_reused_across_recipes fails: gemm refuses "got 'a' in 1x128 tiles and
+Evidence that these tests catch a broken mechanism (mutations run on 2026-12-03, then reverted):
+a. wgrad operand's scales taken from the forward orientation (linear_autograd.cpp:
+   `saved[kInScaleInv] = qin.scale_inv` instead of scale_inv_for_t()): 13 of 15 fail. Where the
+   wrong layout happens to fit the [in, tokens] operand (256 x 256) it is silently wrong:
+   "dW: 30843 of 32768 elements outside the bound; worst error 1.031e+03, bound there 1.730e-02";
+   elsewhere gemm refuses: "'b_scale_inv' has shape [208, 2], which fits no scaling of a
+   [160, 208] operand".
+b. Weight cache ignoring the recipe kind (linear_core.cpp: `weight_cache_kind_ == ...` removed):
+   test_weight_cache_not_reused_across_recipes fails: "a block-scaled FP8 GEMM takes operand 'a'
+   in 1x128 tiles and operand 'b' in 1x128 tiles or 128x128 blocks ..., got 'a' in 1x128 tiles and
    'b' in per-tensor".
-c. dispatch removed (linear_core.cpp: the kBlock line in LinearCore::cast deleted, so the block
-   recipe falls through to delayed scaling): test_gemms_match_emulation fails on y far outside
-   the bound, and test_outliers_target fails (ratio ~1).
+c. Block dispatch removed (linear_core.cpp: the kBlock line of LinearCore::cast deleted, so the
+   recipe falls through to the per-tensor scaling state): all 6 test_gemms_match_emulation fail
+   ("y: 32685 of 32768 elements outside the bound"). The numerics tests do not catch this one:
+   the fall-through casts with the tensor's own amax on its first cast, i.e. like current
+   scaling, which also beats the saturating delayed scaling.
 """
 
 import pytest
