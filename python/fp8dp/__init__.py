@@ -12,7 +12,7 @@ from .ddp_config import DistributedDataParallelConfig
 from .mlp import LayerNormMLP, activation
 from .modules import LayerNormLinear, Linear
 from .optimizer import DistributedOptimizer
-from .recipe import DelayedScaling, Float8CurrentScaling, Format
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from .scaling import update_fp8_scales
 
 __version__ = "0.1.0"
@@ -40,6 +40,7 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "DistributedOptimizer",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "LayerNormLinear",

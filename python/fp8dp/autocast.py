@@ -8,7 +8,7 @@ import torch
 import torch.distributed
 
 from . import _C
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 _ProcessGroup = getattr(torch.distributed, "ProcessGroup", ())  # () where torch lacks distributed
 _groups: list = []  # fp8_group of each open context, innermost last (the C++ stack holds the rest)
@@ -22,7 +22,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
     """Run fp8dp modules in FP8 inside the block. Contexts nest; the innermost one wins.
 
     enabled: FP8 on or off for the block (an inner ``enabled=False`` turns it off).
-    fp8_recipe: a DelayedScaling or Float8CurrentScaling; default DelayedScaling().
+    fp8_recipe: a DelayedScaling, Float8CurrentScaling or Float8BlockScaling; default
+        DelayedScaling().
     fp8_group: the process group across which the next ``update_fp8_scales()`` reduces (MAX) the
         delayed-scaling amaxes of the step, when it is called without a group (as
         TransformerEngine reduces across fp8_group). None: no preference (the group given to
@@ -37,9 +38,10 @@ def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
         )
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
         raise ValueError(
-            f"fp8_recipe: expected DelayedScaling or Float8CurrentScaling, got {fp8_recipe!r}"
+            "fp8_recipe: expected DelayedScaling, Float8CurrentScaling or Float8BlockScaling, "
+            f"got {fp8_recipe!r}"
         )
     _C.autocast_enter(enabled, fp8_recipe.to_cpp())
     _groups.append(fp8_group)

@@ -160,3 +160,105 @@ class Float8CurrentScaling(_GemmAccumulation):
         r.amax_history_len = 1
         r.margin = float(self.margin)
         return self._accumulation_to_cpp(r)
+
+
+@dataclass(frozen=True)
+class QParams:
+    """How a Float8BlockScaling cast turns a tile's amax into its scale (TransformerEngine's
+    QParams): scale = fp8_max / max(amax, amax_epsilon), rounded down to a power of two when
+    ``power_2_scale``; a tile whose amax (after the epsilon) is 0 or not finite gets scale 1."""
+
+    power_2_scale: bool = True
+    """Round each scale down to a power of two (TransformerEngine's default). Default True: then
+    scaling and unscaling are exact (only the FP8 rounding remains), at the price of up to one bit
+    of the FP8 range left unused."""
+    amax_epsilon: float = 0.0
+    """Floor for a tile's amax before the scale is computed. Default 0.0 (none): a tiny but
+    non-zero tile is scaled up to the full FP8 range; a floor caps that scale at
+    fp8_max / amax_epsilon."""
+
+    def __post_init__(self):
+        if not isinstance(self.power_2_scale, bool):
+            raise ValueError(f"power_2_scale: expected True or False, got {self.power_2_scale!r}")
+        e = self.amax_epsilon
+        if (
+            not isinstance(e, (int, float))
+            or isinstance(e, bool)
+            or not math.isfinite(e)
+            or e < 0
+            or e > 3.4028234663852886e38
+        ):
+            raise ValueError(
+                f"amax_epsilon: expected a finite number >= 0 (that fits in float32), got {e!r}"
+            )
+
+    def _to_cpp(self) -> _C.BlockQParams:
+        q = _C.BlockQParams()
+        q.power_2_scale = self.power_2_scale
+        q.amax_epsilon = float(self.amax_epsilon)
+        return q
+
+
+_BLOCK_DIMS = {"x_block_scaling_dim": 1, "w_block_scaling_dim": 2, "grad_block_scaling_dim": 1}
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """DeepSeek-V3-style block scaling (TransformerEngine's Float8BlockScaling): one FP32 scale per
+    1x128 tile of activations and output gradients (along the GEMM's reduction dimension) and per
+    128x128 block of weights, each from that tile's own amax at the cast. One outlier then costs
+    the precision of its own tile only, not of the whole tensor. No amax history, no scaling
+    state, nothing for update_fp8_scales to do.
+
+    The wgrad GEMM reduces over the tokens, so the transposes of the input and of grad_output are
+    re-cast from the high-precision tensors in 1x128 tiles along the tokens (a 1x128 tile of x is
+    not one of xᵀ); a weight's 128x128 blocks serve both orientations. Shapes: a last tile shorter
+    than 128 is scaled from its own elements (what a zero-padded tile would get), so any shape the
+    per-tensor recipes take (multiples of 16) is taken here too.
+    """
+
+    fp8_format: Format = Format.E4M3
+    """Formats. Default E4M3 for every tensor (TransformerEngine's default for this recipe): with a
+    scale per tile, gradients need E5M2's range less than its extra mantissa bit. HYBRID keeps
+    E5M2 for grad_output."""
+    fp8_quant_fwd_inp: QParams = QParams()
+    """Scale rule of the input's tiles. Default QParams(): power-of-two scales, no epsilon."""
+    fp8_quant_fwd_weight: QParams = QParams()
+    """Scale rule of the weight's blocks. Default QParams()."""
+    fp8_quant_bwd_grad: QParams = QParams()
+    """Scale rule of grad_output's tiles. Default QParams()."""
+    x_block_scaling_dim: int = 1
+    """1: the input in 1x128 tiles (the only layout supported: cuBLASLt's VEC128 mode)."""
+    w_block_scaling_dim: int = 2
+    """2: the weight in 128x128 blocks (the only layout supported: cuBLASLt's BLK128x128 mode)."""
+    grad_block_scaling_dim: int = 1
+    """1: grad_output in 1x128 tiles (the only layout supported)."""
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            v = getattr(self, name)
+            if not isinstance(v, QParams):
+                raise ValueError(f"{name}: expected fp8dp.recipe.QParams, got {v!r}")
+        for name, want in _BLOCK_DIMS.items():
+            v = getattr(self, name)
+            if v != want or isinstance(v, bool):
+                layout = "1x128 tiles" if want == 1 else "128x128 blocks"
+                raise ValueError(
+                    f"{name}: only {want} is supported ({layout}, the layout cuBLASLt's "
+                    f"block-scaled GEMMs take for this tensor), got {v!r}"
+                )
+
+    def to_cpp(self) -> _C.Recipe:
+        r = _C.Recipe()
+        r.kind = _C.RecipeKind.BLOCK
+        r.fwd_format, r.bwd_format = self.fp8_format.fwd, self.fp8_format.bwd
+        r.amax_history_len = 1
+        r.margin = 0.0
+        # The block-scaled GEMMs scale every 128-wide K chunk's partial sum in FP32 anyway; TE's
+        # Float8BlockScaling splits the accumulator in all three GEMMs, and so does this.
+        r.split_accumulator_fprop = r.split_accumulator_dgrad = r.split_accumulator_wgrad = True
+        r.block_inp = self.fp8_quant_fwd_inp._to_cpp()
+        r.block_weight = self.fp8_quant_fwd_weight._to_cpp()
+        r.block_grad = self.fp8_quant_bwd_grad._to_cpp()
+        return r

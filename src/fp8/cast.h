@@ -14,9 +14,16 @@ at::ScalarType fp8_dtype(Format f);
 struct Quantized {
   at::Tensor data;       // x's shape, FP8 dtype of the format
   at::Tensor data_t;     // [last_dim, numel / last_dim]: the transposed 2-D view of x, quantized
-  at::Tensor scale_inv;  // float32 [1]
-  at::Tensor amax;       // float32 [1]: max |x| (NaN if x holds NaN)
+  at::Tensor scale_inv;  // float32 [1]; block-scaled casts (block_cast.h): data's per-tile scales
+  at::Tensor amax;       // float32 [1]: max |x| (NaN if x holds NaN); undefined for block casts
   at::Tensor dbias;      // [last_dim] of opts.dbias_dtype: column sums of x viewed as 2-D
+  // Block-scaled casts only: data_t's own per-tile scales (a 1x128 tile of x is not one of xᵀ).
+  at::Tensor scale_inv_t;
+
+  // The scale_inv that goes with data_t: per-tensor scaling shares one scale between the two.
+  const at::Tensor& scale_inv_for_t() const {
+    return scale_inv_t.defined() ? scale_inv_t : scale_inv;
+  }
 };
 
 struct QuantizeOptions {

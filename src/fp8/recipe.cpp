@@ -1,6 +1,7 @@
 // The fp8_autocast stack.
 #include "fp8/recipe.h"
 
+#include <cmath>
 #include <mutex>
 #include <vector>
 
@@ -24,6 +25,12 @@ std::vector<AutocastState>& stack() {
 void autocast_enter(bool enabled, const Recipe& recipe) {
   FP8DP_CHECK_ARG(!enabled || recipe.kind != RecipeKind::kDelayed || recipe.amax_history_len >= 1,
                   "fp8_autocast: amax_history_len must be >= 1, got ", recipe.amax_history_len);
+  if (enabled && recipe.kind == RecipeKind::kBlock) {
+    for (const BlockQParams* q : {&recipe.block_inp, &recipe.block_weight, &recipe.block_grad})
+      FP8DP_CHECK_ARG(std::isfinite(q->amax_epsilon) && q->amax_epsilon >= 0.0f,
+                      "fp8_autocast: Float8BlockScaling amax_epsilon must be finite and >= 0, got ",
+                      q->amax_epsilon);
+  }
   std::lock_guard<std::mutex> lock(stack_mutex());
   stack().push_back(AutocastState{enabled, recipe});
 }

@@ -9,7 +9,17 @@
 
 namespace fp8dp {
 
-enum class RecipeKind : int { kDelayed = 0, kCurrent = 1 };
+// kBlock: DeepSeek-style block scaling (fp8dp.Float8BlockScaling): one FP32 scale per 1x128 tile of
+// activations and gradients (along the GEMM's reduction dimension) and per 128x128 block of
+// weights, each from that tile's own amax (src/fp8/block_cast.h); no history, no scaling state.
+enum class RecipeKind : int { kDelayed = 0, kCurrent = 1, kBlock = 2 };
+
+// How a block-scaled cast turns a tile's amax into its scale (TransformerEngine's QParams):
+// scale = fp8_max / max(amax, amax_epsilon), rounded down to a power of two when power_2_scale.
+struct BlockQParams {
+  bool power_2_scale = true;
+  float amax_epsilon = 0.0f;
+};
 
 // The largest margin that still casts a tensor's own amax to a normal E4M3 number:
 // log2(448 / 2^-6) = 14.807. Past it the whole forward cast underflows (fp8dp.recipe.MAX_MARGIN).
@@ -29,6 +39,8 @@ struct Recipe {
   bool split_accumulator_fprop = false;
   bool split_accumulator_dgrad = true;
   bool split_accumulator_wgrad = true;
+  // kBlock only: scale rules of the three cast roles (input, weight, grad_output).
+  BlockQParams block_inp, block_weight, block_grad;
 };
 
 struct AutocastState {

@@ -8,7 +8,9 @@
 
 #include "common/check.h"
 #include "common/tensor_checks.h"
+#include "fp8/block_cast.h"
 #include "fp8/cast.h"
+#include "gemm/block_gemm.h"
 
 namespace fp8dp {
 namespace {
@@ -32,12 +34,10 @@ void check_operand(const at::Tensor& t, const at::Tensor& scale_inv, const char*
   if (is_fp8(t.scalar_type())) {
     FP8DP_CHECK_ARG(scale_inv.defined(), kFn, ": operand '", name, "' is FP8 but '", scale_name,
                     "' is undefined ('", scale_name,
-                    "' is required for an FP8 operand: float32 with one element)");
-    FP8DP_CHECK_ARG(scale_inv.scalar_type() == at::kFloat && scale_inv.numel() == 1, kFn, ": '",
-                    scale_name, "' must be float32 with one element, got ", scale_inv.scalar_type(),
-                    " with ", scale_inv.numel(), " elements");
-    FP8DP_CHECK_ARG(scale_inv.device() == t.device(), kFn, ": '", scale_name, "' is on ",
-                    scale_inv.device(), " but '", name, "' is on ", t.device());
+                    "' is required for an FP8 operand: float32 with one element, or per-block "
+                    "scales)");
+    // One element (per tensor), or a 2-D layout of 1x128 tiles / 128x128 blocks (block_cast.h).
+    scale_granularity(t, scale_inv, kFn, scale_name);
   }
 }
 
@@ -69,6 +69,7 @@ void check_gemm_args(const GemmArgs& g, GemmStrides strides) {
     FP8DP_CHECK_ARG(n % 16 == 0, kFn,
                     ": FP8 GEMM needs the output dimension n to be a multiple of 16, got n=", n,
                     " (a [", m, ", ", k, "], b [", n, ", ", k, "])");
+    if (is_block_scaled(g)) check_block_scaled_pair(g, kFn);
   }
   if (g.bias.defined()) {
     FP8DP_CHECK_ARG(g.bias.dim() == 1 && g.bias.size(0) == n, kFn, ": 'bias' must have shape [", n,
@@ -101,9 +102,14 @@ namespace {
 
 // Row-major FP32: a column-major operand is copied here, so that the CPU result is the same bytes
 // whichever layout the caller passed.
+// Block-scaled operands (Float8BlockScaling) are dequantized per tile / block, then multiplied in
+// FP32 like every other operand: the hardware's per-128-K-chunk scaling gives the same sum up to
+// the order of the FP32 additions (see block_gemm.h for the error bound).
 at::Tensor to_fp32(const at::Tensor& t, const at::Tensor& scale_inv) {
-  return is_fp8(t.scalar_type()) ? dequantize(t, scale_inv, at::kFloat)
-                                 : t.to(at::kFloat).contiguous();
+  if (!is_fp8(t.scalar_type())) return t.to(at::kFloat).contiguous();
+  if (scale_granularity(t, scale_inv, kFn, "scale_inv") != ScaleGranularity::kTensor)
+    return block_dequantize(t, scale_inv, at::kFloat);
+  return dequantize(t, scale_inv, at::kFloat);
 }
 
 at::Tensor gemm_cpu(const GemmArgs& g) {
@@ -129,7 +135,8 @@ at::Tensor gemm_cpu(const GemmArgs& g) {
 at::Tensor gemm(const GemmArgs& args) {
   check_gemm_args(args, GemmStrides::kContiguous);
 #if defined(FP8DP_WITH_CUDA)
-  if (args.a.is_cuda()) return gemm_cuda_checked(args);
+  if (args.a.is_cuda())
+    return is_block_scaled(args) ? gemm_block_cuda_checked(args) : gemm_cuda_checked(args);
 #endif
   return gemm_cpu(args);
 }

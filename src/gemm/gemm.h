@@ -17,10 +17,13 @@ namespace fp8dp {
 // GEMM's own memory traffic). FP8 operands must be row-major: Hopper's FP8 tensor cores take TN
 // only, so their transposes come from the cast kernels.
 struct GemmArgs {
-  at::Tensor a;             // [m, k]; FP8 (e4m3 / e5m2) or float32 / bfloat16 / float16
-  at::Tensor a_scale_inv;   // float32 [1] when a is FP8, else undefined
+  at::Tensor a;  // [m, k]; FP8 (e4m3 / e5m2) or float32 / bfloat16 / float16
+  // float32 [1] when a is FP8 (per tensor), or a 2-D block layout (Float8BlockScaling: [m,
+  // ceil(k/128)] per 1x128 tile, [ceil(m/128), ceil(k/128)] per 128x128 block; block_cast.h and
+  // block_gemm.h); undefined for high precision.
+  at::Tensor a_scale_inv;
   at::Tensor b;             // [n, k]; FP8 when a is FP8, else a's dtype
-  at::Tensor b_scale_inv;   // float32 [1] when b is FP8, else undefined
+  at::Tensor b_scale_inv;   // as a_scale_inv, for b [n, k]
   at::Tensor bias;          // optional [n], added to every row (fprop epilogue)
   at::Tensor out;           // optional preallocated [m, n] output (e.g. a main_grad view)
   bool accumulate = false;  // out += a·bᵀ (beta = 1); needs `out`

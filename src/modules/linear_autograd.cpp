@@ -211,11 +211,11 @@ at::Tensor fprop_gemm(const LinearCtx& c, const ForwardInputs& in, const GemmInp
     g.b = qw.data;
     g.b_scale_inv = qw.scale_inv;
     saved[kInT] = gin.q.data_t;
-    saved[kInScaleInv] = gin.q.scale_inv;
+    saved[kInScaleInv] = gin.q.scale_inv_for_t();
     // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
     // reference (no copy), and a checkpoint's recompute gets the same cache back.
     saved[kWT] = qw.data_t;
-    saved[kWScaleInv] = qw.scale_inv;
+    saved[kWScaleInv] = qw.scale_inv_for_t();
   } else {
     g.a = gin.hp.contiguous();
     g.b = in.weight.detach().contiguous();
@@ -344,7 +344,7 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
     }
     if (p.need_b) r.dbias = q.dbias;
     task.a = q.data_t;
-    task.a_scale_inv = q.scale_inv;
+    task.a_scale_inv = q.scale_inv_for_t();
     task.b = saved[kInT];
     task.b_scale_inv = saved[kInScaleInv];
   } else {

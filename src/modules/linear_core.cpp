@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "common/tensor_checks.h"
+#include "modules/block_dispatch.h"
 #include "modules/linear_autograd.h"
 
 namespace fp8dp {
@@ -58,6 +59,7 @@ Quantized LinearCore::cast(const at::Tensor& x, Role role, const AutocastState& 
                            QuantizeOptions opts) {
   const Format f = role == Role::kGradOutput ? ac.recipe.bwd_format : ac.recipe.fwd_format;
   if (ac.recipe.kind == RecipeKind::kCurrent) return cast_current(x, f, ac.recipe.margin, opts);
+  if (ac.recipe.kind == RecipeKind::kBlock) return cast_block(x, role, ac.recipe, opts);
   return scaling_.cast(x, role, ac.recipe, opts);
 }
 
@@ -68,12 +70,12 @@ Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& 
   // and no write since (the version counter: optimizer steps write in place; the distributed
   // optimizer's all-gather writes through the buffer and bumps it too, see GradSync).
   // True or None always refresh it.
-  const bool reuse = is_first_microbatch.has_value() && !*is_first_microbatch &&
-                     weight_cache_.data.defined() && weight_cache_format_ == ac.recipe.fwd_format &&
-                     weight_cache_.data.sizes() == weight.sizes() &&
-                     weight_cache_.data.device() == weight.device() &&
-                     weight_cache_ptr_ == weight.data_ptr() &&
-                     weight_cache_version_ == static_cast<uint32_t>(weight._version());
+  const bool reuse =
+      is_first_microbatch.has_value() && !*is_first_microbatch && weight_cache_.data.defined() &&
+      weight_cache_format_ == ac.recipe.fwd_format && weight_cache_kind_ == ac.recipe.kind &&
+      weight_cache_.data.sizes() == weight.sizes() &&
+      weight_cache_.data.device() == weight.device() && weight_cache_ptr_ == weight.data_ptr() &&
+      weight_cache_version_ == static_cast<uint32_t>(weight._version());
   if (!reuse && c10::InferenceMode::is_enabled()) {
     // Inference leaves training state alone (ScalingState::prepare_scale), the cache included:
     // it would hold inference tensors, cast with a scale that training may not have chosen (the
@@ -83,6 +85,7 @@ Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& 
   if (!reuse) {
     weight_cache_ = cast(weight.detach(), Role::kWeight, ac, QuantizeOptions{true, true, false});
     weight_cache_format_ = ac.recipe.fwd_format;
+    weight_cache_kind_ = ac.recipe.kind;  // per-tensor and block scales do not mix in one GEMM
     weight_cache_ptr_ = weight.data_ptr();
     weight_cache_version_ = static_cast<uint32_t>(weight._version());
   }

@@ -102,6 +102,7 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   ScalingState scaling_;
   Quantized weight_cache_;  // FP8 weight and its transpose, kept across micro-batches
   Format weight_cache_format_ = Format::kE4M3;
+  RecipeKind weight_cache_kind_ = RecipeKind::kDelayed;
   const void* weight_cache_ptr_ = nullptr;  // the weight the cache was made from, and its version
   uint32_t weight_cache_version_ = 0;
   at::Tensor dummy_;  // the cached dummy weight gradient of the fused route (C2 b)

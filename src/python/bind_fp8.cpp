@@ -1,6 +1,7 @@
 // Binds src/fp8: formats, recipes, the autocast stack and the tensor-level casts.
 #include <torch/csrc/utils/pybind.h>
 
+#include "fp8/block_cast.h"
 #include "fp8/cast.h"
 #include "fp8/recipe.h"
 #include "fp8/scaling_update.h"
@@ -17,7 +18,15 @@ void bind_fp8(py::module_& m) {
       .value("MOST_RECENT", AmaxAlgo::kMostRecent);
   py::enum_<RecipeKind>(m, "RecipeKind")
       .value("DELAYED", RecipeKind::kDelayed)
-      .value("CURRENT", RecipeKind::kCurrent);
+      .value("CURRENT", RecipeKind::kCurrent)
+      .value("BLOCK", RecipeKind::kBlock);
+  py::class_<BlockQParams>(m, "BlockQParams")
+      .def(py::init<>())
+      .def_readwrite("power_2_scale", &BlockQParams::power_2_scale)
+      .def_readwrite("amax_epsilon", &BlockQParams::amax_epsilon);
+  py::enum_<BlockShape>(m, "BlockShape")
+      .value("TILE_1x128", BlockShape::k1x128)
+      .value("BLOCK_128x128", BlockShape::k128x128);
 
   py::class_<Recipe>(m, "Recipe")
       .def(py::init<>())
@@ -29,7 +38,10 @@ void bind_fp8(py::module_& m) {
       .def_readwrite("margin", &Recipe::margin)
       .def_readwrite("split_accumulator_fprop", &Recipe::split_accumulator_fprop)
       .def_readwrite("split_accumulator_dgrad", &Recipe::split_accumulator_dgrad)
-      .def_readwrite("split_accumulator_wgrad", &Recipe::split_accumulator_wgrad);
+      .def_readwrite("split_accumulator_wgrad", &Recipe::split_accumulator_wgrad)
+      .def_readwrite("block_inp", &Recipe::block_inp)
+      .def_readwrite("block_weight", &Recipe::block_weight)
+      .def_readwrite("block_grad", &Recipe::block_grad);
   py::class_<AutocastState>(m, "AutocastState")
       .def_readonly("enabled", &AutocastState::enabled)
       .def_readonly("recipe", &AutocastState::recipe);
@@ -43,7 +55,8 @@ void bind_fp8(py::module_& m) {
       .def_readonly("data_t", &Quantized::data_t)
       .def_readonly("scale_inv", &Quantized::scale_inv)
       .def_readonly("amax", &Quantized::amax)
-      .def_readonly("dbias", &Quantized::dbias);
+      .def_readonly("dbias", &Quantized::dbias)
+      .def_readonly("scale_inv_t", &Quantized::scale_inv_t);
   m.def(
       "quantize",
       [](const at::Tensor& x, const at::Tensor& scale, Format format, bool data, bool transpose,
@@ -54,6 +67,18 @@ void bind_fp8(py::module_& m) {
       py::arg("x"), py::arg("scale"), py::arg("format"), py::arg("data") = true,
       py::arg("transpose") = false, py::arg("dbias") = false, py::arg("amax_into") = py::none(),
       py::arg("dbias_dtype") = at::kFloat);
+  m.def(
+      "block_quantize",
+      [](const at::Tensor& x, Format format, BlockShape shape, bool power_2_scale,
+         float amax_epsilon, bool data, bool transpose, bool dbias, at::ScalarType dbias_dtype) {
+        return block_quantize(x, format, shape, BlockQParams{power_2_scale, amax_epsilon},
+                              QuantizeOptions{data, transpose, dbias, dbias_dtype});
+      },
+      py::arg("x"), py::arg("format"), py::arg("shape"), py::arg("power_2_scale") = true,
+      py::arg("amax_epsilon") = 0.0f, py::arg("data") = true, py::arg("transpose") = false,
+      py::arg("dbias") = false, py::arg("dbias_dtype") = at::kFloat);
+  m.def("block_dequantize", &block_dequantize, py::arg("data"), py::arg("scale_inv"),
+        py::arg("dtype"));
   m.def("amax", &amax, py::arg("x"));
   m.def("transpose_fp8", &transpose_fp8, py::arg("data"));
   m.def("dequantize", &dequantize, py::arg("data"), py::arg("scale_inv"), py::arg("dtype"));

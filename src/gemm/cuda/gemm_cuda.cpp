@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/tensor_checks.h"
+#include "gemm/block_gemm.h"
 #include "gemm/cuda/cublaslt_gemm.h"
 #include "gemm/gemm.h"
 
@@ -44,7 +45,7 @@ at::Tensor gemm_cuda(const GemmArgs& args) {
                     b.device());
   }
   check_gemm_args(args, GemmStrides::kAny);
-  return gemm_cuda_checked(args);
+  return is_block_scaled(args) ? gemm_block_cuda_checked(args) : gemm_cuda_checked(args);
 }
 
 at::Tensor gemm_cuda_checked(const GemmArgs& args) {

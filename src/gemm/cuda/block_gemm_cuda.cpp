@@ -1,0 +1,104 @@
+// LibTorch layer of the block-scaled cuBLASLt GEMM (Float8BlockScaling): lays the per-tile scales
+// out as cuBLASLt reads them (cublaslt_block_gemm.h), allocates the output and calls
+// gemm_lt_block(). The arguments were checked by check_gemm_args (gemm.cpp), pair rule included.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common/check.h"
+#include "common/tensor_checks.h"
+#include "fp8/block_cast.h"
+#include "gemm/block_gemm.h"
+#include "gemm/cuda/cublaslt_block_gemm.h"
+
+namespace fp8dp {
+namespace {
+
+constexpr const char* kFn = "fp8dp.gemm";
+
+int64_t round_up4(int64_t v) { return (v + 3) / 4 * 4; }
+
+// Our row-major [rows, ceil(k/128)] tile scales -> [ceil(k/128)][round_up(rows, 4)], rows
+// contiguous (the padding is never read as a scale of a real row).
+at::Tensor tile_scales_for_lt(const at::Tensor& s) {
+  const int64_t rows = s.size(0), kb = s.size(1);
+  at::Tensor out = at::zeros({kb, round_up4(rows)}, s.options());
+  out.narrow(1, 0, rows).copy_(s.t());
+  return out;
+}
+
+// Our row-major [ceil(rows/128), ceil(k/128)] block scales -> rows padded to a multiple of 4.
+at::Tensor block_scales_for_lt(const at::Tensor& s) {
+  const int64_t rb = s.size(0), kb = s.size(1);
+  at::Tensor out = at::zeros({rb, round_up4(kb)}, s.options());
+  out.narrow(1, 0, kb).copy_(s);
+  return out;
+}
+
+}  // namespace
+
+at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
+  FP8DP_CHECK_ARG(gemm_lt_block_compiled(), kFn,
+                  ": this build's cuBLAS has no block-scaled FP8 GEMM (needs cuBLAS >= 12.9); "
+                  "Float8BlockScaling is not available, use DelayedScaling or "
+                  "Float8CurrentScaling");
+  const at::Tensor a = args.a.contiguous(), b = args.b.contiguous();
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+  FP8DP_CHECK_ARG(!(a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2),
+                  kFn,
+                  ": FP8 GEMM of two float8_e5m2 operands is not supported by the tensor cores; "
+                  "use float8_e4m3fn for one of them");
+  c10::cuda::CUDAGuard guard(a.device());
+  const bool b_blocks =
+      scale_granularity(b, args.b_scale_inv, kFn, "b_scale_inv") == ScaleGranularity::k128x128;
+
+  at::Tensor out = args.out;
+  if (!out.defined()) out = at::empty({m, n}, a.options().dtype(args.out_dtype));
+  FP8DP_CHECK_ARG(out.stride(0) % 16 == 0, kFn,
+                  ": FP8 GEMM needs the row stride of 'out' to be a multiple of 16, got ",
+                  out.stride(0));
+  if (m == 0 || n == 0) return out;
+  if (k == 0) {
+    if (!args.accumulate) out.zero_();
+    if (args.bias.defined()) out.add_(args.bias.to(out.scalar_type()));
+    return out;
+  }
+  const at::Tensor sa = tile_scales_for_lt(args.a_scale_inv.contiguous());
+  const at::Tensor sb = b_blocks ? block_scales_for_lt(args.b_scale_inv.contiguous())
+                                 : tile_scales_for_lt(args.b_scale_inv.contiguous());
+  // With a bias the GEMM writes FP32, the bias (and the accumulated output) is added in FP32 and
+  // the sum rounded once into out's dtype, as on the CPU (gemm.cpp); the BIAS epilogue is not used
+  // until it is verified with the block scale modes on the H200.
+  const bool via_fp32 = args.bias.defined();
+  at::Tensor dst = via_fp32 ? at::empty({m, n}, a.options().dtype(at::kFloat)) : out;
+
+  LtBlockGemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a = a.data_ptr();
+  p.a_type = to_dtype(a.scalar_type(), kFn, "operand 'a'");
+  p.lda = a.stride(0);
+  p.b = b.data_ptr();
+  p.b_type = to_dtype(b.scalar_type(), kFn, "operand 'b'");
+  p.ldb = b.stride(0);
+  p.a_scale_inv = sa.data_ptr<float>();
+  p.b_scale_inv = sb.data_ptr<float>();
+  p.b_blocks = b_blocks;
+  p.out = dst.data_ptr();
+  p.out_type = to_dtype(dst.scalar_type(), kFn, "'out'");
+  p.ldo = dst.stride(0);
+  p.accumulate = args.accumulate && !via_fp32;
+  FP8DP_CHECK_ARG(p.lda % 16 == 0 && p.ldb % 16 == 0, kFn,
+                  ": FP8 GEMM needs row strides that are multiples of 16, got ", p.lda, " and ",
+                  p.ldb);
+  gemm_lt_block(p, c10::cuda::getCurrentCUDAStream().stream());
+  if (via_fp32) {
+    dst.add_(args.bias.to(at::kFloat));
+    if (args.accumulate) dst.add_(out.to(at::kFloat));
+    out.copy_(dst);
+  }
+  return out;
+}
+
+}  // namespace fp8dp

@@ -1,0 +1,99 @@
+"""Float8BlockScaling on CUDA (issue 32): the CUDA casts give the CPU casts' bytes and scales bit for
+bit; the cuBLASLt block-scaled GEMM agrees with the float64 product of the dequantized operands
+within the Hopper accumulation bound (_linear_cases.accumulation_error: per 128-wide K chunk the
+tensor cores' ~2^-14 accumulator, then FP32); a Linear under the recipe agrees with its CPU run.
+Skipped without CUDA (the reason from fp8dp.cuda_available).
+
+Not yet run on a GPU when written (2026-12-03, no GPU that session): the lead runs it on the H200.
+"""
+
+import pytest
+import torch
+from _block_ref import dequant_blocks, dequant_rows
+from _linear_cases import accumulation_error
+
+import fp8dp
+from fp8dp import _C
+
+CUDA_OK, CUDA_REASON = fp8dp.cuda_available(return_reason=True)
+pytestmark = pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON or "no CUDA")
+
+FMT = {"E4M3": _C.Format.E4M3, "E5M2": _C.Format.E5M2}
+TILE, BLOCK = _C.BlockShape.TILE_1x128, _C.BlockShape.BLOCK_128x128
+
+
+def data(rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(
+        torch.randint(-10, 6, (rows, 1), generator=g)
+    )
+    x[:, :: max(1, cols // 3)] *= 1000
+    return x
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (3, 130), (129, 128), (200, 300), (1000, 4096)])
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("p2", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cuda_casts_match_cpu(shape, fmt, p2, dtype):
+    x = data(*shape, seed=1).clamp(-6e4, 6e4).to(dtype)
+    x[0, 0] = float("nan") if shape[1] > 1 else x[0, 0]
+    for kind in (TILE, BLOCK):
+        c = _C.block_quantize(x, FMT[fmt], kind, power_2_scale=p2, transpose=True)
+        g = _C.block_quantize(x.cuda(), FMT[fmt], kind, power_2_scale=p2, transpose=True)
+        for name in ("data", "data_t"):
+            assert torch.equal(
+                getattr(g, name).cpu().view(torch.uint8), getattr(c, name).view(torch.uint8)
+            ), f"{name} ({kind})"
+        assert torch.equal(g.scale_inv.cpu(), c.scale_inv)
+        assert torch.equal(g.scale_inv_t.cpu(), c.scale_inv_t)
+        d = _C.block_dequantize(g.data, g.scale_inv, torch.float32)
+        assert torch.equal(d.cpu(), _C.block_dequantize(c.data, c.scale_inv, torch.float32))
+
+
+@pytest.mark.parametrize("b_kind", ["tile", "block"])
+@pytest.mark.parametrize("mnk", [(256, 256, 256), (512, 384, 640), (128, 144, 4096)], ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_gemm_within_bound(b_kind, mnk, out_dtype):
+    m, n, k = mnk
+    a, b = data(m, k, seed=2), torch.randn(n, k) * 0.1
+    qa = _C.block_quantize(a.cuda(), FMT["E4M3"], TILE)
+    qb = _C.block_quantize(b.cuda(), FMT["E4M3"], TILE if b_kind == "tile" else BLOCK)
+    bias = torch.randn(n)
+    got = _C.gemm(
+        qa.data, qb.data, qa.scale_inv, qb.scale_inv, bias=bias.cuda(), out_dtype=out_dtype
+    ).cpu()
+    a64 = dequant_rows(qa.data.cpu().view(torch.uint8), qa.scale_inv.cpu(), "E4M3")
+    deq = dequant_rows if b_kind == "tile" else dequant_blocks
+    b64 = deq(qb.data.cpu().view(torch.uint8), qb.scale_inv.cpu(), "E4M3")
+    ref = a64 @ b64.T + bias.double()
+    out_u = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-24
+    bound = accumulation_error(k, "cuda") * (a64.abs() @ b64.abs().T) + out_u * ref.abs()
+    assert torch.all((got.double() - ref).abs() <= bound)
+    # beta = 1 into an FP32 buffer (fused main_grad)
+    acc = torch.randn(m, n).cuda()
+    before = acc.double().cpu()
+    _C.gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out=acc, accumulate=True)
+    ref_acc = before + a64 @ b64.T
+    bound = accumulation_error(k, "cuda") * (a64.abs() @ b64.abs().T) + 2.0**-23 * ref_acc.abs()
+    assert torch.all((acc.cpu().double() - ref_acc).abs() <= bound)
+
+
+def test_cuda_linear_matches_cpu():
+    """A Linear under Float8BlockScaling: the CUDA run's outputs and gradients are the CPU run's
+    within the difference of the two GEMMs' accumulation (both cast bit-identically)."""
+    torch.manual_seed(3)
+    cpu = fp8dp.Linear(384, 256, bias=True)
+    gpu = fp8dp.Linear(384, 256, bias=True, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    x, dy = torch.randn(512, 384), torch.randn(512, 256)
+    outs = []
+    for m, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        xr = x.to(dev).requires_grad_(True)
+        with fp8dp.fp8_autocast(fp8_recipe=fp8dp.Float8BlockScaling()):
+            y = m(xr)
+        y.backward(dy.to(dev))
+        outs.append((y.detach().cpu(), xr.grad.cpu(), m.weight.grad.cpu(), m.bias.grad.cpu()))
+    for name, c, g, k in zip(("y", "dx", "dW", "db"), outs[0], outs[1], (384, 256, 512, 512)):
+        scale = c.abs().max()
+        assert (c - g).abs().max() <= 2 * accumulation_error(k, "cuda") * k * scale, name
