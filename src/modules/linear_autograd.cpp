@@ -470,8 +470,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     LinearCore& core = *c->core;
     const LinearConfig& cfg = core.config();
     const BackwardPlan p = plan_backward(ctx, *c, cfg);
-    // What the forward announced to the sink's ledger will not be delivered (C14, ledger).
-    if (p.captured && c->sink != nullptr && c->announced) c->withdraw();
+    // What the forward announced to the sink's ledger will not be delivered when the gradient is
+    // captured (C14) or not wanted at all (autograd.grad / backward(inputs=) for other tensors).
+    if ((p.captured || !p.need_w) && c->sink != nullptr && c->announced) c->withdraw();
     check_no_bypassed_hooks(core, *c, p);
     // C11: a weight gradient this layer writes itself (fused: into main_grad during the GEMM) must
     // be one the sink still accepts (its bucket not launched or reduced). Ask now, before the
