@@ -60,6 +60,7 @@ def test_fp8_defaults_are_the_recipes():
             assert value is lib[key], f"{key}: demo default {value!r}, DelayedScaling {lib[key]!r}"
     assert FP8Section().recipe_object() == fp8dp.DelayedScaling()
     assert FP8Section(recipe="current").recipe_object() == fp8dp.Float8CurrentScaling()
+    assert FP8Section(recipe="block").recipe_object() == fp8dp.Float8BlockScaling()
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import yaml
 
 from fp8dp.ddp_config import DistributedDataParallelConfig
 from fp8dp.pipeline import _VIRTUAL as _SCHEDULES  # schedule -> its stages per pipeline rank
-from fp8dp.recipe import DelayedScaling, Float8CurrentScaling
+from fp8dp.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -218,7 +218,9 @@ class FP8Section:
     enabled: bool = True
     """Run every fp8dp projection in FP8. false gives the params_dtype baseline."""
     recipe: str = "delayed"
-    """"delayed" (DelayedScaling) or "current" (Float8CurrentScaling)."""
+    """"delayed" (DelayedScaling), "current" (Float8CurrentScaling) or "block"
+    (Float8BlockScaling: 1x128 tiles, 128x128 weight blocks, with the recipe's own defaults: the
+    delayed-scaling keys and split_accumulator_* do not apply, it splits every accumulator)."""
     amax_history_len: int = _library_default(DelayedScaling, "amax_history_len")
     """Delayed scaling: steps of amax history (DelayedScaling's default; the shipped configs set
     16, which reacts within a few steps in a short run)."""
@@ -240,9 +242,11 @@ class FP8Section:
         return {k: getattr(self, k) for k in ACCUMULATION_KEYS}
 
     def recipe_object(self):
-        """The run's recipe: fp8dp.Float8CurrentScaling or fp8dp.DelayedScaling."""
+        """The run's recipe: fp8dp.Float8CurrentScaling, fp8dp.Float8BlockScaling or fp8dp.DelayedScaling."""
         if self.recipe == "current":
             return Float8CurrentScaling(margin=self.margin, **self.accumulation())
+        if self.recipe == "block":
+            return Float8BlockScaling()
         return self._delayed()
 
     def _delayed(self) -> DelayedScaling:
@@ -256,7 +260,7 @@ class FP8Section:
     def __post_init__(self):
         self.margin = _as_float(self.margin)
         _bool("fp8.enabled", self.enabled)
-        _choice("fp8.recipe", self.recipe, ("delayed", "current"))
+        _choice("fp8.recipe", self.recipe, ("delayed", "current", "block"))
         try:
             # Every field, whichever recipe runs (Float8CurrentScaling checks its margin and
             # accumulation fields as DelayedScaling does).
