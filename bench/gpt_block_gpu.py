@@ -123,8 +123,8 @@ def make_model(hidden: int, layers: int, lib: str, ref=None):
 def make_step(model, x, dy, mode: str):
     """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_delayed_fastbwd' (fast accumulation in
     the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
-    'fp8dp_off', 'te_delayed', 'te_off', each optionally suffixed '@index' (the QKV split, QKV_SPLITS;
-    default unbind). Returns (step, loss) closures."""
+    'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', each optionally suffixed
+    '@index' (the QKV split, QKV_SPLITS; default unbind). Returns (step, loss) closures."""
     mode, _, split = mode.partition("@")
     split = split or QKV_SPLITS[0]
     if mode in ("fp8dp_delayed", "fp8dp_delayed_fastbwd"):
@@ -140,6 +140,12 @@ def make_step(model, x, dy, mode: str):
     elif mode == "fp8dp_current":
         recipe = fp8dp.Float8CurrentScaling(fp8_format=fp8dp.Format.HYBRID)
         ctx = lambda: fp8dp.fp8_autocast(fp8_recipe=recipe)  # noqa: E731
+    elif mode == "fp8dp_block":
+        recipe = fp8dp.Float8BlockScaling()
+        ctx = lambda: fp8dp.fp8_autocast(fp8_recipe=recipe)  # noqa: E731
+    elif mode == "te_block":
+        recipe = te_recipe.Float8BlockScaling()
+        ctx = lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # noqa: E731
     elif mode == "fp8dp_off":
         ctx = lambda: fp8dp.fp8_autocast(enabled=False)  # noqa: E731
     elif mode == "te_delayed":
@@ -184,12 +190,16 @@ class _nullcontext:
         return False
 
 
-def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_backward):
+def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_backward, block):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
     if fast_backward:
         modes.append("fp8dp_delayed_fastbwd")
+    if block:
+        modes.append("fp8dp_block")
     if te is not None and not skip_te:
         modes += ["te_delayed", "te_off"]
+        if block and getattr(te_recipe, "Float8BlockScaling", None):
+            modes.append("te_block")
     if compare_index:  # the same stack with the old QKV split, for the baseline and FP8 delayed
         modes += ["bf16@index", "fp8dp_delayed@index"]
     torch.manual_seed(1)
@@ -253,6 +263,11 @@ def main():
         action="store_true",
         help="also time fp8dp FP8 delayed with fast accumulation in dgrad and wgrad (other numerics)",
     )
+    ap.add_argument(
+        "--block",
+        action="store_true",
+        help="also time Float8BlockScaling (fp8dp, and TE's when it has the recipe); issue 32",
+    )
     ap.add_argument("--json", default="bench/results/gpt_block_gpu.json")
     args = ap.parse_args()
     if te is None:
@@ -277,6 +292,7 @@ def main():
                     energy,
                     args.compare_qkv_index,
                     args.fast_backward,
+                    args.block,
                 )
             )
         except Exception as e:  # one shape failing must not hide the others

@@ -5,7 +5,7 @@
 # even when an earlier one failed (except that nothing runs without a build); a summary of exit codes
 # comes last. Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log,
 # bench.log, bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json, bench_mlp.json,
-# bench_ckpt.json,
+# bench_block.json, bench_ckpt.json,
 # and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt.
 # Not in the default STEPS (they take minutes): "matrix" (the full NCCL test matrix: matrix.log,
 # matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The experiments of
@@ -110,6 +110,9 @@ wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/lin
 # LayerNormMLP (issue 31): fused module vs the separate-module stack, torch BF16 and TE's LayerNormMLP.
 wantb bench_mlp && run_step bench_mlp "$OUT/bench.log" 420 "$PY" bench/layernorm_mlp_gpu.py \
   --json "$OUT/bench_mlp.json"
+# Float8BlockScaling (issue 32): Linear under block scaling vs BF16, delayed and TE's block recipe.
+wantb bench_block && run_step bench_block "$OUT/bench.log" 240 "$PY" bench/block_scaling_gpu.py \
+  --json "$OUT/bench_block.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py ${GPT_ARGS:-} \
   --json "$OUT/bench_gpt.json"
 if want dev_profile_gpt; then
@@ -160,8 +163,8 @@ fi
 
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
-  for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_gpt \
-           bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
+  for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
+           bench_gpt bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
            dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_host_profile matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done

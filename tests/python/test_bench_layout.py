@@ -36,6 +36,7 @@ import run_cpu  # noqa: E402
 CPU = sorted(run_cpu.BENCHES)
 GPU = sorted(
     [
+        "block_scaling_gpu",
         "checkpoint_memory_gpu",
         "ddp_gpu",
         "gemm_cuda",

@@ -559,6 +559,7 @@ def _cuda_reason():
     return ok, reason
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("act", ACTS)
 def test_cuda_activation_cast_bytes_match_cpu(act, dtype):
@@ -601,6 +602,7 @@ def test_cuda_activation_cast_bytes_match_cpu(act, dtype):
         assert torch.equal(hp_cpu, hp_gpu.cpu())
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("act", ACTS)
 def test_cuda_module_matches_cpu(act):
     """The whole module on CUDA against the CPU: the activation bytes are identical (above); the
