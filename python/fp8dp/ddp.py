@@ -37,10 +37,15 @@ class _BackwardBegins:
     follow against it, not against the latest forward (pipelined forwards run ahead: ledger.h).
     Holds the DDP weakly, like _GradHook."""
 
-    def __init__(self, ddp, microbatch: int, nodes: list):
+    def __init__(self, ddp, microbatch: int, nodes: list, announce: bool = False):
         self._ddp = weakref.ref(ddp)
         self._mb = microbatch
         self._nodes = nodes  # (index, AccumulateGrad node) the forward announced
+        # A recompute's outputs (a forward inside a backward: DDP itself under a checkpoint) are
+        # announced here, when a backward through them begins, not by the forward: a reentrant
+        # checkpoint runs a nested backward through its recompute, a non-reentrant one never does
+        # (it only takes the recomputed saved tensors).
+        self._announce = announce
         self._task = None
 
     def __call__(self, _grad) -> None:
@@ -52,6 +57,8 @@ class _BackwardBegins:
         if task == self._task:  # one output of several: the backward's first call did it
             return
         self._task = task
+        if self._announce:
+            ddp._sync.announce_hooks([i for i, _ in self._nodes], self._mb)
         # torch.autograd.grad(loss, inputs) captures the gradients of its inputs and runs no
         # AccumulateGrad node: the hooks the forward announced for them will not fire, so the
         # announcements are taken back (C14; exact for torch layers and fp8dp's alike).
@@ -410,16 +417,25 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         self._check_parameters()
-        # C11: a forward that builds a graph is refused once the iteration's sync has started (or
-        # finished, or the optimizer stepped); without overlap_param_gather this also waits for
-        # the parameter all-gathers in flight before the module reads its weights.
-        self._sync.begin_microbatch(torch.is_grad_enabled())
+        # A forward inside a backward is the recompute of activation checkpointing around this
+        # module (torch.utils.checkpoint(ddp, ...)): it repeats a micro-batch that already began,
+        # so it starts no new one (nor is refused by the phase it lands in: the sync of the
+        # iteration may have started during this backward) and announces to the ledger only when
+        # a backward runs through it (_BackwardBegins).
+        recompute = torch._C._current_graph_task_id() != -1
+        if not recompute:
+            # C11: a forward that builds a graph is refused once the iteration's sync has started
+            # (or finished, or the optimizer stepped); without overlap_param_gather this also
+            # waits for the parameter all-gathers in flight before the module reads its weights.
+            self._sync.begin_microbatch(torch.is_grad_enabled())
         out = self.module(*args, **kwargs)
         if self._ledger:
             mb, nodes = self._sync.ledger_microbatch(), []
             region = _ReentrantRegion(self, mb)
-            self._sync.announce_hooks(_hooked_params(out, self._index, region, nodes))
-            hook = _BackwardBegins(self, mb, nodes)
+            params = _hooked_params(out, self._index, region, nodes)
+            if not recompute:
+                self._sync.announce_hooks(params)
+            hook = _BackwardBegins(self, mb, nodes, announce=recompute)
             for t in torch.utils._pytree.tree_leaves(out):
                 # (not on a leaf, e.g. a parameter returned as is: its hooks would pile up)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:

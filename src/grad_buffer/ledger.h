@@ -12,7 +12,8 @@
 // micro-batch whose backward begins (set_backward_microbatch); an autograd contribution counts
 // against that one. When it owes nothing more (one backward through several micro-batches'
 // outputs summed), the oldest micro-batch that still owes the parameter one takes it; when none
-// does, it is reported as counted twice.
+// does, it is reported as counted twice. A forward inside a backward (the recompute of a
+// checkpoint around DDP itself) begins no micro-batch: it repeats one (ddp.py).
 #pragma once
 
 #include <algorithm>

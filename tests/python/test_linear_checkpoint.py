@@ -406,3 +406,53 @@ def test_checkpoint_ledger_exact_under_ddp(group, mode, ledger, wgrad, fp8, fp8_
         main_grads[m] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
     for name, g in main_grads["plain"].items():
         assert torch.equal(g, main_grads[mode][name]), name
+
+
+# A checkpoint around DistributedDataParallel itself (checkpoint(ddp, x)): its recompute calls
+# DDP's forward inside the backward. That forward repeats a micro-batch that already began: it
+# must neither begin a new one (the ledger would count the micro-batch's autograd-hook gradient
+# against the empty "recompute micro-batch", then against the oldest one still owing, while that
+# one's backward_dw() is queued) nor announce a graph that no backward runs through (non-reentrant).
+# Found by the stateful test (docs/stateful_testing.md, finding 13): backward_dw() of every
+# micro-batch queued until after the last one, which is checkpointed.
+# Mutation (2026-12-03): DDP.forward with `recompute = False` (begin_microbatch and announce_hooks
+# in every forward): the 4 nonreentrant/delayed cases fail at finish_grad_sync with "gradient
+# ledger: ... 'blocks.0.fc1.weight': micro-batch 1: 3 of 2 (duplicated 1); micro-batch 5: 1 of 2
+# (missing 1)".
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("wgrad", list(WGRADS))
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+@pytest.mark.parametrize("save_on_cpu", [False, True], ids=["", "save_on_cpu"])
+def test_checkpoint_around_ddp_ledger_exact(group, mode, wgrad, fp8, save_on_cpu):
+    n_mb = 3
+    batches = data(n_mb, seed=13)
+    delay = wgrad == "delayed"
+    main_grads = {}
+    for m in ("plain", mode):
+        model = Stack(2, None, **WGRADS[wgrad])
+        cfg = fp8dp.DistributedDataParallelConfig(
+            delay_wgrad_compute=delay, overlap_grad_reduce=False, bucket_size=2000, grad_ledger=True
+        )
+        ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+        recipe = fp8dp.DelayedScaling() if fp8 else None
+        for _ in range(2):  # two iterations: the ledger checks each one at finish_grad_sync
+            ddp.zero_grad_buffer()
+            for k, (x, dy) in enumerate(batches):
+                last = k == n_mb - 1
+                x = x.clone().requires_grad_(True)  # (reentrant checkpointing needs it)
+                saving = torch.autograd.graph.save_on_cpu() if save_on_cpu else None
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    with saving or contextlib.nullcontext(), autocast(recipe):
+                        if m == "plain":
+                            y = ddp(x, first=k == 0)
+                        else:
+                            y = checkpoint(ddp, x, k == 0, use_reentrant=MODES[m])
+                    y.backward(dy)
+            if delay:  # every micro-batch's weight gradients, queued until now (oldest first)
+                for layer in model.fp8_layers():
+                    while layer._core.queued_wgrads:
+                        layer.backward_dw()
+            ddp.finish_grad_sync()  # raises when the ledger finds a lost or doubled gradient
+        main_grads[m] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    for name, g in main_grads["plain"].items():
+        assert torch.equal(g, main_grads[mode][name]), name
