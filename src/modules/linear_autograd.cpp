@@ -56,6 +56,7 @@ struct LinearCtx : torch::CustomClassHolder {
   std::shared_ptr<GradSink> sink;
   int64_t sink_weight = -1, sink_bias = -1;
   int64_t microbatch = -1;  // the sink's micro-batch at forward (the ledger's attribution)
+  int64_t iteration = -1;   // the sink's iteration at the announcement
   // Whether the forward told the ledger what this use will deliver (see announce()).
   bool announced = false;
   bool announced_weight = false, announced_bias = false;
@@ -79,6 +80,7 @@ struct LinearCtx : torch::CustomClassHolder {
     if (announced_weight) sink->announce(sink_weight);
     if (announced_bias) sink->announce(sink_bias);
     announced = true;
+    iteration = sink->iteration();
   }
 
   // Takes the announcement back: torch.autograd.grad captured the gradient (C14), so nothing of
@@ -87,6 +89,19 @@ struct LinearCtx : torch::CustomClassHolder {
     if (announced_weight) sink->withdraw(sink_weight, microbatch);
     if (announced_bias) sink->withdraw(sink_bias, microbatch);
     announced = announced_weight = announced_bias = false;
+  }
+
+  // A use whose graph is freed while its announcement stands delivers nothing: its backward never
+  // ran (torch.autograd.grad or backward(inputs=) that did not reach this layer, or a loss dropped
+  // without a backward), so the announcement goes with the graph. Only within the iteration that
+  // made it: a later iteration's ledger owes it nothing. (Under DDP's forward, a forgotten
+  // backward is still reported: DDP announced the autograd-hook contributions too.)
+  ~LinearCtx() override {
+    if (!announced || released || !sink) return;
+    try {
+      if (sink->iteration() == iteration) withdraw();
+    } catch (...) {  // a destructor must not throw; the ledger then reports the use at finish
+    }
   }
 
   void release() {

@@ -189,6 +189,41 @@ def test_autograd_grad_of_another_tensor_keeps_the_ledger_exact(group, wgrad, fp
     untouched(m, 0.0)
 
 
+@pytest.mark.parametrize("through", ["ddp", "module"])
+@pytest.mark.parametrize("wgrad", list(WGRADS))
+def test_autograd_grad_not_reaching_a_layer_keeps_the_ledger_exact(
+    group, wgrad, through, fp8_states_released
+):
+    """grad_ledger on, two layers, autograd.grad(loss, last.weight): the first layer's backward
+    never runs (nothing it computes is wanted), so it cannot withdraw what its forward announced;
+    its announcement goes with its graph when that is freed (LinearCtx's destructor). Stateful
+    finding (autograd family, seed 11, after the checkpoint fix: "'layers.1.weight': micro-batch
+    1: 0 of 1 (missing 1)"). While the graph is alive the use still counts as owed.
+
+    Mutation (2026-12-03): LinearCtx's destructor made a no-op: all 6 cases fail at the second
+    finish_grad_sync(), the ledger reporting the first layer's weight "missing 1".
+    """
+    x, dy = inputs()
+    first = make("Linear", **WGRADS[wgrad])
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(first, fp8dp.Linear(OUT, OUT, **WGRADS[wgrad]))
+    cfg = fp8dp.DistributedDataParallelConfig(
+        delay_wgrad_compute=first.delay_wgrad_compute, bucket_size=10000, grad_ledger=True
+    )
+    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+    ddp.zero_grad_buffer()
+    loss = forward_loss(ddp if through == "ddp" else model, x, dy, False)
+    torch.autograd.grad(loss, model[1].weight)
+    with pytest.raises(RuntimeError, match="missing 1"):
+        ddp.finish_grad_sync()  # the graph (and the first layer's use) is still alive
+    ddp.zero_grad_buffer()
+    loss = forward_loss(ddp if through == "ddp" else model, x, dy, False)
+    torch.autograd.grad(loss, model[1].weight)
+    del loss
+    ddp.finish_grad_sync()
+    untouched(first, 0.0)
+
+
 @pytest.mark.parametrize("wgrad", list(WGRADS))
 def test_autograd_grad_runs_the_weight_hook(wgrad, fp8_states_released):
     """As for nn.Linear: a hook on the weight sees the captured gradient and may replace it."""
