@@ -11,7 +11,8 @@
 # matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The experiments of
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
-# (profile.log, profile_gpt_SHAPE.json), dev_host_profile (dev_host_profile.json). The 2-GPU parts
+# (profile.log, profile_gpt_SHAPE.json), dev_profile_modules (profile_modules.json),
+# dev_host_profile (dev_host_profile.json). The 2-GPU parts
 # (tests/distributed's NCCL cases, the reduce-scatter and DDP benchmarks) run when two or more GPUs
 # are visible: the NCCL tests on 2, the benchmarks on all.
 set -uo pipefail
@@ -123,6 +124,9 @@ if want dev_profile_gpt; then
       ${PROFILE_ARGS:-} --json "$OUT/profile_gpt_$s.json"
   done
 fi
+# Kernel time per step of single modules: the block-scaled Linear, LayerNormMLP vs separate modules.
+want dev_profile_modules && run_step dev_profile_modules "$OUT/profile.log" 200 "$PY" \
+  dev/profile_modules.py --json "$OUT/profile_modules.json"
 # Host time of one Linear step by Python function and operator (HOST_PROFILE_ARGS adds arguments).
 want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" dev/host_profile.py \
   ${HOST_PROFILE_ARGS:-} --json "$OUT/dev_host_profile.json"
@@ -165,7 +169,7 @@ fi
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
            bench_gpt bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
-           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_host_profile matrix demo sanitizer; do
+           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8

@@ -1,0 +1,92 @@
+"""Which CUDA kernels one training step of a single module runs, and how long each takes: the
+block-scaled Linear (issue 32) and the fused LayerNormMLP against the separate modules (issue 31).
+torch.profiler over a few steps after warm-up; per case the top kernels by total CUDA time.
+
+    python3 dev/profile_modules.py [--cases linear_block,mlp_gelu_fp8,...] [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+from layernorm_mlp_gpu import SeparateMLP, ffn_of  # noqa: E402
+from linear_step import make_step  # noqa: E402
+
+import fp8dp  # noqa: E402
+
+
+def linear_case(recipe, t=8192, k=8192, n=8192):
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    m = fp8dp.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
+    return make_step(m, x, dy, recipe, update_scales=isinstance(recipe, fp8dp.DelayedScaling))
+
+
+def mlp_case(fused, act, fp8, h=2048, tokens=4096):
+    ffn = ffn_of(h, act)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    if fused:
+        norm = "LayerNorm" if act == "gelu" else "RMSNorm"
+        m = fp8dp.LayerNormMLP(
+            h, ffn, bias=act == "gelu", activation=act, normalization=norm,
+            params_dtype=torch.bfloat16, device="cuda",
+        )  # fmt: skip
+    else:
+        m = SeparateMLP(h, ffn, act)
+    recipe = fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID) if fp8 else None
+    return make_step(m, x, dy, recipe, update_scales=fp8)
+
+
+CASES = {
+    "linear_block": lambda: linear_case(fp8dp.Float8BlockScaling()),
+    "linear_delayed": lambda: linear_case(fp8dp.DelayedScaling()),
+    "mlp_gelu_fp8": lambda: mlp_case(True, "gelu", True),
+    "sep_gelu_fp8": lambda: mlp_case(False, "gelu", True),
+    "mlp_gelu_off": lambda: mlp_case(True, "gelu", False),
+    "sep_gelu_off": lambda: mlp_case(False, "gelu", False),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out = {}
+    for name in args.cases.split(","):
+        step = CASES[name]()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t > 0:
+                rows.append((t / args.steps / 1e3, e.count // args.steps, e.key[:110]))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        print(f"\n== {name}: {total:.3f} ms of kernels per step", flush=True)
+        for ms, n, key in rows[: args.top]:
+            print(f"  {ms:8.3f} ms  {n:3d}x  {key}")
+        out[name] = {"kernel_ms": total, "top": rows[: args.top]}
+        del step
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
