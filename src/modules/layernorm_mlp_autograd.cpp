@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <array>
+#include <utility>
 
 #include "common/check.h"
 #include "fp8/activation.h"
@@ -27,6 +28,7 @@
 #include "gemm/gemm.h"
 #include "modules/layernorm_mlp.h"
 #include "modules/linear_autograd.h"
+#include "modules/sink_use.h"
 
 namespace fp8dp {
 namespace {
@@ -60,14 +62,11 @@ enum Saved : size_t {
   kNumSaved
 };
 
-// One GEMM's weight-gradient routing state (LinearCtx of linear_autograd.cpp, for one of two).
-struct GemmUse {
+// One GEMM's weight-gradient routing state (LinearCtx of linear_autograd.cpp, for one of two);
+// SinkUse holds the sink binding and the ledger announcement.
+struct GemmUse : SinkUse {
   std::shared_ptr<LinearCore> core;
   at::Tensor weight, bias, main_grad;
-  std::shared_ptr<GradSink> sink;
-  int64_t sink_weight = -1, sink_bias = -1;
-  int64_t microbatch = -1;
-  bool announced = false;
 
   // Forward: bind to the core's sink and announce what this use will deliver itself (C8 ledger).
   void bind(const AutocastState& ac, bool need_wgrad) {
@@ -85,11 +84,9 @@ struct GemmUse {
   }
 
   void announce(const LinearConfig& cfg, const AutocastState& ac) {
-    if (cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute) sink->announce(sink_weight);
-    if (cfg.delay_wgrad_compute && !ac.enabled && bias.defined() && bias.requires_grad() &&
-        sink_bias >= 0)
-      sink->announce(sink_bias);
-    announced = true;
+    SinkUse::announce(cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute,
+                      cfg.delay_wgrad_compute && !ac.enabled && bias.defined() &&
+                          bias.requires_grad() && sink_bias >= 0);
   }
 };
 
@@ -360,6 +357,16 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
         routing(c->fc1, c->needs_grad(ctx, kW1), c->needs_grad(ctx, kB1), ac, mod, "fc1");
     const Routing r2 =
         routing(c->fc2, c->needs_grad(ctx, kW2), c->needs_grad(ctx, kB2), ac, mod, "fc2");
+    for (auto [u, r] : {std::pair<GemmUse*, const Routing*>{&c->fc1, &r1}, {&c->fc2, &r2}}) {
+      // What the forward announced will not be delivered when the gradient is captured (C14) or
+      // not wanted at all (linear_autograd.cpp).
+      if ((r->captured || !r->need_w) && u->sink != nullptr && u->announced) u->withdraw();
+      // C11: a gradient this module writes itself must be one the sink still accepts: asked
+      // before any cast records an amax and before a GEMM writes main_grad.
+      if (r->need_w && (r->fused || r->delayed) && u->sink != nullptr && !r->captured)
+        u->sink->check_accepting(u->sink_weight, r->delayed ? Route::kDelayed : Route::kFused,
+                                 false);
+    }
     const bool need_dz = need_x || need_ln;                  // fc1 dgrad
     const bool need_dh = need_dz || r1.need_w || r1.need_b;  // anything below the activation
     const variable_list saved = ctx->get_saved_variables();

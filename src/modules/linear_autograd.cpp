@@ -19,6 +19,7 @@
 #include "common/check.h"
 #include "gemm/gemm.h"
 #include "modules/linear_core.h"
+#include "modules/sink_use.h"
 
 namespace fp8dp {
 namespace {
@@ -46,20 +47,14 @@ enum Saved : size_t {
 };
 
 // What backward needs besides the saved activations (held in the autograd context as a capsule).
-struct LinearCtx : torch::CustomClassHolder {
+struct LinearCtx : torch::CustomClassHolder, SinkUse {
   std::shared_ptr<LinearCore> core;
   AutocastState ac;
   std::vector<int64_t> x_shape;
   at::ScalarType act_dtype = at::kFloat;
   at::Tensor weight, bias, main_grad;  // parameters (identity, not activations) and main_grad
-  // DistributedDataParallel's gradient sink when the module is bound to one (linear_core.h).
-  std::shared_ptr<GradSink> sink;
-  int64_t sink_weight = -1, sink_bias = -1;
-  int64_t microbatch = -1;  // the sink's micro-batch at forward (the ledger's attribution)
-  int64_t iteration = -1;   // the sink's iteration at the announcement
-  // Whether the forward told the ledger what this use will deliver (see announce()).
-  bool announced = false;
-  bool announced_weight = false, announced_bias = false;
+  // (SinkUse: DistributedDataParallel's gradient sink when the module is bound to one, and what
+  // this use announced to its ledger.)
   bool has_ln_bias = false;
   bool released = false;
   // Autograd numbers only the inputs that are defined: edge[i] of input i (x, weight, bias,
@@ -74,34 +69,9 @@ struct LinearCtx : torch::CustomClassHolder {
   // DDP's forward announces from the graph): the weight gradient when fused or delayed, the bias
   // gradient when the deferred GEMM makes it (delayed, not FP8).
   void announce(const LinearConfig& cfg) {
-    announced_weight = cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute;
-    announced_bias = cfg.delay_wgrad_compute && !ac.enabled && bias.defined() &&
-                     bias.requires_grad() && sink_bias >= 0;
-    if (announced_weight) sink->announce(sink_weight);
-    if (announced_bias) sink->announce(sink_bias);
-    announced = true;
-    iteration = sink->iteration();
-  }
-
-  // Takes the announcement back: torch.autograd.grad captured the gradient (C14), so nothing of
-  // this use will be delivered (autograd.grad accumulates nothing, the bias included).
-  void withdraw() {
-    if (announced_weight) sink->withdraw(sink_weight, microbatch);
-    if (announced_bias) sink->withdraw(sink_bias, microbatch);
-    announced = announced_weight = announced_bias = false;
-  }
-
-  // A use whose graph is freed while its announcement stands delivers nothing: its backward never
-  // ran (torch.autograd.grad or backward(inputs=) that did not reach this layer, or a loss dropped
-  // without a backward), so the announcement goes with the graph. Only within the iteration that
-  // made it: a later iteration's ledger owes it nothing. (Under DDP's forward, a forgotten
-  // backward is still reported: DDP announced the autograd-hook contributions too.)
-  ~LinearCtx() override {
-    if (!announced || released || !sink) return;
-    try {
-      if (sink->iteration() == iteration) withdraw();
-    } catch (...) {  // a destructor must not throw; the ledger then reports the use at finish
-    }
+    SinkUse::announce(cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute,
+                      cfg.delay_wgrad_compute && !ac.enabled && bias.defined() &&
+                          bias.requires_grad() && sink_bias >= 0);
   }
 
   void release() {

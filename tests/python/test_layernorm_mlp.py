@@ -619,3 +619,74 @@ def test_cuda_module_matches_cpu(act):
     rel = float((yc.cpu().float() - y.float()).norm() / y.float().norm())
     assert rel < 2.0**-6, rel
     assert math.isfinite(rel)
+
+
+@pytest.mark.parametrize("through", ["ddp", "module"])
+@pytest.mark.parametrize("target", ["fc2.weight", "x"])
+@pytest.mark.parametrize("wgrad", ["fused", "delayed"])
+def test_ddp_autograd_grad_keeps_the_ledger_exact(group, wgrad, target, through):
+    """C14 under the ledger, as for Linear (test_linear_autograd_grad.py): autograd.grad(loss,
+    fc2.weight) captures fc2's gradient and does not want fc1's; autograd.grad(loss, x) wants
+    neither. What the forward announced for those uses is withdrawn in the backward, so
+    finish_grad_sync() finds nothing missing and main_grad stays zero. Mutation (2026-12-03): the
+    MLP backward's withdraw / check_accepting loop skipped: all 8 cases fail at finish_grad_sync()
+    with "'fc1.weight': micro-batch 1: 0 of 1 (missing 1)" and the same for fc2.weight."""
+    kw = {"fuse_wgrad_accumulation": True} if wgrad == "fused" else {"delay_wgrad_compute": True}
+    m = make_mlp("gelu", "LayerNorm", **kw)
+    cfg = fp8dp.DistributedDataParallelConfig(
+        delay_wgrad_compute=wgrad == "delayed", bucket_size=10000, grad_ledger=True
+    )
+    ddp = fp8dp.DistributedDataParallel(m, cfg, process_group=group)
+    ((x, dy),) = data(torch.bfloat16, n=1)
+    x = x.clone().requires_grad_(target == "x")
+    ddp.zero_grad_buffer()
+    with autocast("delayed"):
+        y = (ddp if through == "ddp" else m)(x)
+    loss = (y.float() * dy.float()).sum()
+    got = torch.autograd.grad(loss, x if target == "x" else m.fc2.weight)[0]
+    assert got is not None and torch.isfinite(got).all()
+    ddp.finish_grad_sync()
+    for name, p in m.named_parameters():
+        assert torch.count_nonzero(p.main_grad) == 0, name
+    assert not m.need_backward_dw()
+
+
+@pytest.mark.parametrize("fp8", ["off", "delayed"])
+def test_fused_gemm_into_a_launched_bucket_is_refused_before_it_writes(group, fp8):
+    """C11, as for Linear (test_ddp_phases.py): micro-batch 0's forward under no_sync(), then
+    micro-batch 1 outside it launches every bucket; micro-batch 0's backward, run late in its
+    no_sync() context, would have fc2's fused GEMM accumulate into a bucket being reduced. The
+    MLP asks the sink before any cast or GEMM (GradSink::check_accepting), so the refusal leaves
+    main_grad and the phase as they were, and finish_grad_sync() still reduces micro-batch 1's
+    gradients (micro-batch 0's is lost, as the error says; with grad_ledger on, finish_grad_sync
+    would report it missing). Mutation (2026-12-03, the check skipped): both cases fail, the GEMM
+    writes first and deliver() refuses after ("assert 'failed' == 'sync_started'")."""
+    m = make_mlp("gelu", "LayerNorm", fuse_wgrad_accumulation=True)
+    cfg = fp8dp.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=64)
+    ddp = fp8dp.DistributedDataParallel(m, cfg, process_group=group)
+    (x0, dy0), (x1, dy1) = data(torch.bfloat16, n=2)
+
+    # The first iteration in order: readiness learns its counts.
+    ddp.zero_grad_buffer()
+    for i, (x, dy) in enumerate(((x0, dy0), (x1, dy1))):
+        with ddp.no_sync() if i == 0 else contextlib_null(), autocast(fp8):
+            y = ddp(x)
+        with ddp.no_sync() if i == 0 else contextlib_null():
+            y.backward(dy)
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    with ddp.no_sync(), autocast(fp8):
+        y0 = ddp(x0)
+    with autocast(fp8):
+        y1 = ddp(x1)
+    y1.backward(dy1)
+    assert ddp.phase == "sync_started"
+    before = {n: p.main_grad.clone() for n, p in m.named_parameters()}
+    with ddp.no_sync(), pytest.raises(RuntimeError, match=r"arrived in phase 'sync_started'"):
+        y0.backward(dy0)
+    assert ddp.phase == "sync_started"
+    for n, p in m.named_parameters():
+        assert torch.equal(p.main_grad, before[n]), n
+    ddp.finish_grad_sync()  # one rank: the reduced main_grad is micro-batch 1's, bit for bit
+    for n, p in m.named_parameters():
+        assert torch.equal(p.main_grad, before[n]), n

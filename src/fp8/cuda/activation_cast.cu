@@ -97,8 +97,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           const uint32_t q = quantize_like_cpu<F>(v[j], scale);
-          if (j < 4) w.x |= q << (8 * j);
-          else w.y |= q << (8 * (j - 4));
+          if (j < 4)
+            w.x |= q << (8 * j);
+          else
+            w.y |= q << (8 * (j - 4));
         }
         *reinterpret_cast<uint2*>(out + i0) = w;
       } else {

@@ -25,10 +25,10 @@ namespace fp8dp {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;          // every kernel: 8 warps
+constexpr int kThreads = 256;  // every kernel: 8 warps
 constexpr int kWarps = kThreads / kWarp;
 constexpr int kPerLane = kBlockLen / kWarp;  // 4 elements of a 128-long tile per lane
-constexpr int kBandCols = 64;          // columns of a band staged in shared memory
+constexpr int kBandCols = 64;                // columns of a band staged in shared memory
 
 // Block-wide max of amax bits, returned to every thread (all threads must call it).
 __device__ __forceinline__ uint32_t block_max_all(uint32_t bits) {
@@ -173,7 +173,8 @@ __global__ void __launch_bounds__(kThreads)
   if (out != nullptr && cc < nc) {  // the second read of the block comes from the cache
 #pragma unroll 8
     for (int r = ry; r < nr; r += kThreads / kBlockLen)
-      out[(r0 + r) * cols + c0 + cc] = quantize_like_cpu<F>(to_float(in[(r0 + r) * cols + c0 + cc]), s);
+      out[(r0 + r) * cols + c0 + cc] =
+          quantize_like_cpu<F>(to_float(in[(r0 + r) * cols + c0 + cc]), s);
   }
   if (out_t != nullptr) {
     for (int half = 0; half * kBandCols < nc; ++half) {
@@ -216,9 +217,9 @@ void launch(const BlockQuantizeParams& p, cudaStream_t st) {
     }
     return;
   }
-  blocks_kernel<F, T><<<check_grid(kbt * kb), kThreads, 0, st>>>(
-      in, p.out, p.scale_inv, p.out_t, p.scale_inv_t, p.rows, p.cols, p.power_2_scale,
-      p.amax_epsilon);
+  blocks_kernel<F, T><<<check_grid(kbt * kb), kThreads, 0, st>>>(in, p.out, p.scale_inv, p.out_t,
+                                                                 p.scale_inv_t, p.rows, p.cols,
+                                                                 p.power_2_scale, p.amax_epsilon);
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
