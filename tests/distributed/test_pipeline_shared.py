@@ -340,3 +340,48 @@ def test_shared_parameter_matches_unpipelined_float64(layout, case):
             pytest.fail(f"rank {r} did not run {case}; failures by rank: {failed}")
         status, detail = rank_res[key]
         assert status == "pass", f"rank {r}: {detail}"
+
+
+def _tie_on_rank0_only(rank, world):
+    """A model tied on rank 0 only: building the Pipeline must raise on both ranks (the ranks
+    agree on the ties before any group is made), so each rank returns the error it got."""
+    import fp8dp
+    from fp8dp.pipeline import Pipeline, make_groups
+
+    groups = make_groups(2, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    torch.manual_seed(0)
+    blocks = [fp8dp.Linear(16, 16, delay_wgrad_compute=True) for _ in range(2)]
+    if rank == 0:
+        blocks[1].weight = blocks[0].weight
+    ex = torch.empty(16, 16)
+    try:
+        Pipeline(
+            blocks,
+            groups,
+            schedule="1f1b",
+            n_microbatches=2,
+            loss_fn=F.mse_loss,
+            microbatch_input=ex,
+            activation=ex,
+            microbatch_output=ex,
+            ddp_config=fp8dp.DistributedDataParallelConfig(delay_wgrad_compute=True),
+        )
+        return "no error"
+    except Exception as e:  # noqa: BLE001  (the message is what the test checks)
+        return f"{type(e).__name__}: {e}"
+
+
+def test_ranks_that_tie_differently_fail_together():
+    """Ranks that found different ties fail together at construction, with one message naming
+    each rank's ties, instead of hanging. Evidence (tried, then reverted, when the test had its
+    own launcher): check_ranks_agree removed, rank 0 (which ties W) calls new_group for a group
+    rank 1 never makes and waits for it: "rank 0: RuntimeError: Wait timeout" after 30 s."""
+    for r, out in enumerate(run_ranks(_tie_on_rank0_only, 2, pg_timeout_s=TIMEOUT_S)):
+        assert out.startswith(
+            "ValueError: Pipeline shared parameters (build the same model, with the same ties"
+        ), f"rank {r}: {out}"
+        assert (
+            "disagree on shared parameters: rank 0 [stage 0: blocks.0.weight, stage 1: blocks.1"
+            in out
+        ), out
+        assert "rank 1 none" in out, out

@@ -1,20 +1,11 @@
 """How fp8dp.pipeline finds parameters shared between stages (C15, pipeline_shared.py), one
 process: by object identity across stages and by declared names; its errors name the argument,
-what was expected and what came; which local stages run on a deep copy. And, on 2 gloo ranks,
-that ranks which found different ties fail together at construction instead of hanging.
+what was expected and what came; which local stages run on a deep copy. (That ranks which found
+different ties fail together: tests/distributed/test_pipeline_shared.py.)"""
 
-Evidence (tried, then reverted): check_ranks_agree removed, the 2-rank test's ranks no longer
-raise the ValueError: rank 0 (which ties W) calls new_group for a group rank 1 never makes and
-waits for it; the test fails with "rank 0: RuntimeError: Wait timeout" after the 30 s timeout."""
-
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fp8dp.pipeline import split_blocks, stage_ranks
 from fp8dp.pipeline_shared import find_shared, untie_local_stages
@@ -96,72 +87,3 @@ def test_a_local_stage_reaching_an_earlier_ones_object_runs_on_a_copy():
     assert torch.equal(head.lin.weight, blocks[0].w)
     r1 = untie_local_stages(blocks, ranges, owners[1])
     assert r1[1][1] is blocks[1] and r1[2][2] is blocks[2]  # nothing shared: as passed
-
-
-def _worker(rank, init_file, out_dir):
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=30)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timeout
-    )
-    import torch.nn.functional as F
-
-    import fp8dp
-    from fp8dp.pipeline import Pipeline, make_groups
-
-    groups = make_groups(2, timeout=timeout)
-    torch.manual_seed(0)
-    blocks = [fp8dp.Linear(16, 16, delay_wgrad_compute=True) for _ in range(2)]
-    if rank == 0:  # a model tied on one rank only
-        blocks[1].weight = blocks[0].weight
-    ex = torch.empty(16, 16)
-    try:
-        Pipeline(
-            blocks,
-            groups,
-            schedule="1f1b",
-            n_microbatches=2,
-            loss_fn=F.mse_loss,
-            microbatch_input=ex,
-            activation=ex,
-            microbatch_output=ex,
-            ddp_config=fp8dp.DistributedDataParallelConfig(delay_wgrad_compute=True),
-        )
-        out = "no error"
-    except Exception as e:  # noqa: BLE001
-        out = f"{type(e).__name__}: {e}"
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    os._exit(0)
-
-
-@pytest.mark.distributed  # starts 2 ranks (its own spawn: its ranks exit with os._exit)
-@pytest.mark.slow
-def test_ranks_that_tie_differently_fail_together():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=_worker, args=(r, os.path.join(tmp, "init"), tmp)) for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-        res = [
-            (
-                torch.load(os.path.join(tmp, f"rank{r}.pt"))
-                if os.path.exists(os.path.join(tmp, f"rank{r}.pt"))
-                else "died"
-            )
-            for r in range(2)
-        ]
-    for r, out in enumerate(res):
-        assert out.startswith(
-            "ValueError: Pipeline shared parameters (build the same model, with the same ties"
-        ), f"rank {r}: {out}"
-        assert (
-            "disagree on shared parameters: rank 0 [stage 0: blocks.0.weight, stage 1: blocks.1"
-            in out
-        )
-        assert "rank 1 none" in out, out
