@@ -137,7 +137,7 @@ def gen_config(case_seed: int, ws: int) -> dict:
     # micro-batch of the run and False ever after (C8: a weight changed by the optimizer since it
     # was cached must be re-quantized, never reused stale); rarely None.
     ifm = rng.choices(["k==0", "first_of_run", "none"], weights=[8, 1, 1])[0]
-    return dict(
+    c = dict(
         case_seed=case_seed,
         ws=ws,
         D=D,
@@ -161,6 +161,11 @@ def gen_config(case_seed: int, ws: int) -> dict:
         forget_dw=rng.random() < 0.05,  # misuse: one backward_dw() left out in the last step
         ddp=ddp,
     )
+    # FP8 recipe (drawn last, so that the fields above keep their values for a seed): per-tensor
+    # current scaling or Float8BlockScaling; neither keeps state across casts, so the twin that
+    # makes the reference casts the same bytes.
+    c["recipe"] = rng.choice(["current", "block"]) if fp8 else "current"
+    return c
 
 
 def runs(c, j, k):

@@ -155,7 +155,11 @@ def distinct_params(model):
     return list(model.named_parameters())
 
 
-RECIPE = fp8dp.Float8CurrentScaling()
+def recipe_of(c):
+    """The case's FP8 recipe (property_gen.py draws it; older regressions lack it: current)."""
+    if c.get("recipe", "current") == "block":
+        return fp8dp.Float8BlockScaling()
+    return fp8dp.Float8CurrentScaling()
 
 
 def reference(c, model, step_data):
@@ -192,7 +196,7 @@ def reference(c, model, step_data):
         for r in range(ws * n_mb):
             twin.zero_grad(set_to_none=True)
             twin.microbatch = r % n_mb
-            with fp8dp.fp8_autocast(enabled=True, fp8_recipe=RECIPE):
+            with fp8dp.fp8_autocast(enabled=True, fp8_recipe=recipe_of(c)):
                 out = twin(ids[r], x[r], is_first_microbatch=None)
             loss = mse(out, y[r]) / n_mb
             if loss.requires_grad:

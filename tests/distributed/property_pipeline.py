@@ -223,7 +223,7 @@ def reference(c, blocks, x, y, dp):
                 for t in twins:
                     t.zero_grad(set_to_none=True)
                 h = x[d, k * T : (k + 1) * T]
-                with fp8dp.fp8_autocast(enabled=True, fp8_recipe=property_model.RECIPE):
+                with fp8dp.fp8_autocast(enabled=True, fp8_recipe=property_model.recipe_of(c)):
                     for t in twins:
                         h = t(None, h, is_first_microbatch=None)
                 # The pipeline's loss is each micro-batch's mse, and main_grad is divided by n_mb
@@ -281,7 +281,7 @@ def run_case(c, found, timeout_s: float) -> int:
     for step in range(c["steps"]):
         x, y = _data(c, step, dp)
         ref, mag = reference(c, blocks, x, y, dp)
-        with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=property_model.RECIPE):
+        with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=property_model.recipe_of(c)):
             pp.step(
                 *((x[groups.dp_rank],) if pp.is_first else ()),
                 target=y[groups.dp_rank] if pp.is_last else None,

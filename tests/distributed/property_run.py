@@ -23,7 +23,6 @@ from property_gen import (
     queued_per_microbatch,
 )
 from property_model import (
-    RECIPE,
     WORST,
     GenModel,
     distinct_params,
@@ -32,6 +31,7 @@ from property_model import (
     grad_tolerance,
     make_data,
     mse,
+    recipe_of,
     reference,
 )
 
@@ -100,7 +100,7 @@ def run_case(c, group, found):
             r = rank * n_mb + k
             model.microbatch = k
             with ctx:
-                with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=RECIPE):
+                with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=recipe_of(c)):
                     out = ddp(ids[r], x[r], is_first_microbatch=first_microbatch(c, step, k))
                 if k == 0:
                     # The parameters this step uses, read after the first forward: with

@@ -46,9 +46,10 @@ def _brief(c: dict) -> str:
         flags = [k for k in ("bias", "fuse", "delay") if m[k]]
         mods.append(f"{m['kind']}({','.join(flags)})")
     keep = {
-        k: c[k]
+        k: c.get(k)
         for k in (
             "fp8",
+            "recipe",
             "pattern",
             "ops",
             "residual",
@@ -130,8 +131,17 @@ def test_gradient_accounting_property(world_size, tmp_path):
                 f"\n    minimal ({r['shrunk']['signature']}): " f"{_brief(r['shrunk']['config'])}"
             )
         failures.append(msg)
+    # The recipe axis (issue 32): the generated FP8 cases that ran include both recipes.
+    recipes = collections.Counter(
+        rs[0]["config"].get("recipe") or "current"  # (pipeline cases: current)
+        for rs in by_case.values()
+        if rs[0]["config"].get("fp8") and rs[0]["status"] == "pass"
+    )
+    if sum(recipes.values()) >= 10:
+        assert recipes["current"] and recipes["block"], f"FP8 cases by recipe: {dict(recipes)}"
     print(
         f"world size {world_size}: {len(by_case)} cases ({n_pipe} through fp8dp.pipeline), "
+        f"FP8 recipes {dict(recipes)}, "
         f"{len(failures)} failing, "
         f"{rejected} rejected as allowed (seed {seed})"
     )

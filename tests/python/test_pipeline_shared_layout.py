@@ -3,7 +3,6 @@ process: by object identity across stages and by declared names; its errors name
 what was expected and what came; which local stages run on a deep copy. (That ranks which found
 different ties fail together: tests/distributed/test_pipeline_shared.py.)"""
 
-
 import pytest
 import torch
 
