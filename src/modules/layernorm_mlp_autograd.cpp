@@ -113,16 +113,6 @@ struct MLPCtx : torch::CustomClassHolder {
   }
 };
 
-// torch.autograd.grad(..., inputs=weight): the gradient is captured, not accumulated
-// (linear_autograd.cpp's rule).
-bool gradient_captured(const at::Tensor& param) {
-  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
-  if (exec == nullptr || exec->empty()) return false;
-  const auto acc = torch::autograd::impl::try_get_grad_accumulator(param);
-  if (!acc) return false;
-  const auto it = exec->find(acc.get());
-  return it != exec->end() && !it->second.needed_;
-}
 
 // The routing decisions of one GEMM's weight gradient in this backward.
 struct Routing {

@@ -82,18 +82,6 @@ struct LinearCtx : torch::CustomClassHolder, SinkUse {
   }
 };
 
-// True when autograd hands the weight's gradient back to the caller instead of accumulating it
-// (torch.autograd.grad(..., inputs=weight)): its AccumulateGrad node is in the graph task as a
-// capture only, not to be executed. A plain backward() has no exec_info at all; backward(inputs=)
-// marks the node as needed.
-bool gradient_captured(const at::Tensor& param) {
-  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
-  if (exec == nullptr || exec->empty()) return false;
-  const auto acc = torch::autograd::impl::try_get_grad_accumulator(param);
-  if (!acc) return false;  // not a leaf: nothing accumulates it here
-  const auto it = exec->find(acc.get());
-  return it != exec->end() && !it->second.needed_;
-}
 
 // ---- forward, step by step ----
 
@@ -492,6 +480,19 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 }  // namespace
 
 bool in_backward_pass() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+// True when autograd hands the weight's gradient back to the caller instead of accumulating it
+// (torch.autograd.grad(..., inputs=weight)): its AccumulateGrad node is in the graph task as a
+// capture only, not to be executed. A plain backward() has no exec_info at all; backward(inputs=)
+// marks the node as needed.
+bool gradient_captured(const at::Tensor& param) {
+  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  if (exec == nullptr || exec->empty()) return false;
+  const auto acc = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!acc) return false;  // not a leaf: nothing accumulates it here
+  const auto it = exec->find(acc.get());
+  return it != exec->end() && !it->second.needed_;
+}
 
 bool has_tensor_pre_hooks(const at::Tensor& t) {
   return t.defined() && t.requires_grad() && !torch::autograd::impl::hooks(t).empty();

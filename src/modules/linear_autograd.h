@@ -33,4 +33,8 @@ bool in_backward_pass();
 // may still count (the bindings ask Python to tell, WeightAttrs::tensor_hooks).
 bool has_tensor_pre_hooks(const at::Tensor& t);
 
+// Whether the running backward hands param's gradient back to the caller (torch.autograd.grad
+// with param among its inputs) instead of accumulating it (C14).
+bool gradient_captured(const at::Tensor& param);
+
 }  // namespace fp8dp
