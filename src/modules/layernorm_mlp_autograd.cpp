@@ -113,7 +113,6 @@ struct MLPCtx : torch::CustomClassHolder {
   }
 };
 
-
 // The routing decisions of one GEMM's weight gradient in this backward.
 struct Routing {
   bool need_w = false, need_b = false, captured = false, fused = false, delayed = false;

@@ -82,7 +82,6 @@ struct LinearCtx : torch::CustomClassHolder, SinkUse {
   }
 };
 
-
 // ---- forward, step by step ----
 
 // The forward's tensor inputs (undefined = absent).
