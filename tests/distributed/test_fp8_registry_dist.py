@@ -71,15 +71,18 @@ def _scenario(name, rank):
 
     recipe = fp8dp.DelayedScaling(amax_history_len=4)
     out = {}
-    if name in ("count_differs", "modules_differ", "recipe_differs"):
+    if name in ("count_differs", "modules_differ", "recipe_differs", "block_on_one_rank"):
         model = _model(["fc1", "fc2", "fc3"], rank)
         used = {
             "count_differs": [["fc1", "fc2"], ["fc1", "fc2", "fc3"]],
             "modules_differ": [["fc1", "fc2"], ["fc1", "fc3"]],
             "recipe_differs": [["fc1", "fc2"], ["fc1", "fc2"]],
+            "block_on_one_rank": [["fc1", "fc2"], ["fc1", "fc2"]],
         }[name][rank]
         if name == "recipe_differs" and rank == 1:
             recipe = fp8dp.DelayedScaling(amax_history_len=4, margin=1)
+        if name == "block_on_one_rank" and rank == 0:  # issue 32: no scaling state on rank 0
+            recipe = fp8dp.Float8BlockScaling()
         _step(model, used, rank, recipe)
         before = _histories(model)
         try:
@@ -150,14 +153,17 @@ MISMATCH = {
         f"rank 0: 'fc1: {LINEAR} [E4M3/E5M2 history=4 max margin=0]'",
         f"rank 1: 'fc1: {LINEAR} [E4M3/E5M2 history=4 max margin=1]'",
     ),
+    # Float8BlockScaling keeps no scaling state: rank 0 has none to reduce (seen 2026-12-03)
+    "block_on_one_rank": (0, "rank 0: none (0 states)", f"rank 1: 'fc1: {LINEAR} [E4M3/E5M2"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MISMATCH))
 def test_mismatch_fails_on_every_rank_naming_the_first_difference(name):
     """Item 3 (different counts: was SIGABRT in gloo; same count, other modules: was a silently
-    wrong scale) and item 10 (another recipe on one rank): every rank raises, before any
-    collective of variable size and with its FP8 state untouched."""
+    wrong scale) and item 10 (another recipe on one rank; also Float8BlockScaling on one rank and
+    delayed scaling on the other): every rank raises, before any collective of variable size and
+    with its FP8 state untouched."""
     pos, on0, on1 = MISMATCH[name]
     for r in _run(tuple(sorted(MISMATCH))):
         r = r[name]
