@@ -108,7 +108,7 @@ def gen_pipeline_config(case_seed: int, ws: int, torch_version: str = torch.__ve
         for _ in range(rng.randint(1, 2)):
             a, b = sorted(rng.sample(range(n_blocks), 2))
             cross_ties.append([a, rng.choice(_slots(blocks[a])), b, rng.choice(_slots(blocks[b]))])
-    return dict(
+    c = dict(
         case_seed=case_seed,
         ws=ws,
         pattern="pipeline",
@@ -122,6 +122,9 @@ def gen_pipeline_config(case_seed: int, ws: int, torch_version: str = torch.__ve
         ddp=ddp,
         cross_ties=cross_ties,
     )
+    # The FP8 recipe, drawn last (property_gen.py does the same for its cases).
+    c["recipe"] = rng.choice(["current", "block"]) if fp8 else "current"
+    return c
 
 
 def _slots(cb) -> list:

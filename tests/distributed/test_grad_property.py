@@ -133,7 +133,7 @@ def test_gradient_accounting_property(world_size, tmp_path):
         failures.append(msg)
     # The recipe axis (issue 32): the generated FP8 cases that ran include both recipes.
     recipes = collections.Counter(
-        rs[0]["config"].get("recipe") or "current"  # (pipeline cases: current)
+        rs[0]["config"].get("recipe") or "current"  # (regressions before the axis: current)
         for rs in by_case.values()
         if rs[0]["config"].get("fp8") and rs[0]["status"] == "pass"
     )

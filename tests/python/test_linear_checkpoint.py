@@ -65,6 +65,7 @@ RECIPES = {
     "none": None,
     "delayed": lambda: fp8dp.DelayedScaling(amax_history_len=4),
     "current": lambda: fp8dp.Float8CurrentScaling(),
+    "block": lambda: fp8dp.Float8BlockScaling(),
 }
 
 
