@@ -20,7 +20,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <array>
-#include <utility>
 
 #include "common/check.h"
 #include "fp8/activation.h"
@@ -29,6 +28,7 @@
 #include "modules/layernorm_mlp.h"
 #include "modules/linear_autograd.h"
 #include "modules/sink_use.h"
+#include "modules/wgrad_route.h"
 
 namespace fp8dp {
 namespace {
@@ -84,9 +84,7 @@ struct GemmUse : SinkUse {
   }
 
   void announce(const LinearConfig& cfg, const AutocastState& ac) {
-    SinkUse::announce(cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute,
-                      cfg.delay_wgrad_compute && !ac.enabled && bias.defined() &&
-                          bias.requires_grad() && sink_bias >= 0);
+    announce_use(*this, cfg, ac.enabled, bias);
   }
 };
 
@@ -113,81 +111,26 @@ struct MLPCtx : torch::CustomClassHolder {
   }
 };
 
-// The routing decisions of one GEMM's weight gradient in this backward.
-struct Routing {
-  bool need_w = false, need_b = false, captured = false, fused = false, delayed = false;
+// One GEMM's gradients in this backward: the weight's route (wgrad_route.h) and the bias's need.
+struct Routing : WgradRoute {
+  bool need_b = false;
 };
 
-Routing routing(const GemmUse& u, bool need_w, bool need_b, const AutocastState& ac,
-                const std::string& mod, const char* which) {
-  const LinearConfig& cfg = u.core->config();
+Routing routing(const GemmUse& u, bool need_w, bool need_b) {
   Routing r;
-  r.need_w = need_w;
+  static_cast<WgradRoute&>(r) = plan_wgrad(u.core->config(), u, u.weight, need_w);
   r.need_b = need_b;
-  r.captured = need_w && gradient_captured(u.weight);
-  r.fused = cfg.fuse_wgrad_accumulation && !r.captured;
-  r.delayed = cfg.delay_wgrad_compute && !r.captured;
-  // Tensor hooks would never see a fused or delayed gradient: refused before anything is cast or
-  // written (linear_autograd.cpp).
-  FP8DP_CHECK(!(need_w && (r.fused || r.delayed) && u.core->has_tensor_hooks(u.weight)), mod,
-              ": parameter '", which, ".weight' has a tensor hook (register_hook), but with ",
-              r.fused ? "fuse_wgrad_accumulation=True" : "delay_wgrad_compute=True",
-              " its gradient never passes through autograd, so the hook would not see it; remove "
-              "the hook, use register_wgrad_accumulation_and_reduce_hooks (runs after "
-              "backward_dw) or read main_grad, or build the layer without ",
-              r.fused ? "fuse_wgrad_accumulation" : "delay_wgrad_compute");
-  FP8DP_CHECK(!(need_w && need_b && r.delayed && !ac.enabled && u.core->has_tensor_hooks(u.bias)),
-              mod, ": parameter '", which,
-              ".bias' has a tensor hook (register_hook), but with delay_wgrad_compute=True and "
-              "FP8 off its gradient is computed by backward_dw() and never passes through "
-              "autograd, so the hook would not see it; remove the hook or build the layer "
-              "without delay_wgrad_compute");
   return r;
 }
 
 // Runs or queues one weight gradient (task filled with its operands) and returns what autograd
 // gets for the weight; dbias may be set by the immediate high-precision route (C4).
-at::Tensor route_wgrad(GemmUse& u, const Routing& r, WgradTask task, const AutocastState& ac,
-                       at::Tensor& dbias) {
-  if (!r.need_w) return at::Tensor();
-  LinearCore& core = *u.core;
+at::Tensor route_gemm_wgrad(GemmUse& u, const Routing& r, WgradTask task, const AutocastState& ac,
+                            at::Tensor& dbias) {
   task.weight = u.weight;
   task.bias = u.bias;
   if (r.fused) task.main_grad = u.main_grad;
-  const bool bound = u.sink != nullptr && !r.captured;
-  at::Tensor dweight;
-  if (bound) {
-    if ((r.fused || r.delayed) && !u.announced) u.announce(core.config(), ac);
-    if (r.delayed) {
-      task.sink = u.sink;
-      task.sink_weight = u.sink_weight;
-      task.sink_bias = u.sink_bias;
-      task.weight_token = u.sink->expect(u.sink_weight, u.microbatch, core.sink_name());
-      if (task.dy.defined() && u.sink_bias >= 0)
-        task.bias_token = u.sink->expect(u.sink_bias, u.microbatch, core.sink_name());
-      core.enqueue(std::move(task));
-    } else {
-      const WgradResult w = run_wgrad(task);
-      if (r.fused) {
-        u.sink->deliver(u.sink_weight, at::Tensor(), Route::kFused,
-                        GradSink::Token{u.microbatch, -1, {}});
-      } else {
-        dweight = w.dweight;
-      }
-      if (w.dbias.defined()) dbias = w.dbias;
-    }
-    return dweight;
-  }
-  if (r.fused) core.mark_grad_added_to_main_grad();  // C2 (b): before the GEMM
-  if (r.delayed) {
-    core.enqueue(std::move(task));
-  } else {
-    const WgradResult w = run_wgrad(task);
-    dweight = w.dweight;
-    if (w.dbias.defined()) dbias = w.dbias;
-  }
-  if (r.fused) dweight = core.dummy_wgrad(u.weight);
-  return dweight;
+  return route_wgrad(*u.core, u, r, u.weight, u.bias, ac.enabled, std::move(task), dbias);
 }
 
 // The FP8 cast of the activation (forward, da undefined) or of its derivative (backward) for
@@ -342,20 +285,14 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
     const Activation act = c->cfg.activation;
     const bool need_x = c->needs_grad(ctx, kX);
     const bool need_ln = c->needs_grad(ctx, kLnW) || c->needs_grad(ctx, kLnB);
-    const Routing r1 =
-        routing(c->fc1, c->needs_grad(ctx, kW1), c->needs_grad(ctx, kB1), ac, mod, "fc1");
-    const Routing r2 =
-        routing(c->fc2, c->needs_grad(ctx, kW2), c->needs_grad(ctx, kB2), ac, mod, "fc2");
-    for (auto [u, r] : {std::pair<GemmUse*, const Routing*>{&c->fc1, &r1}, {&c->fc2, &r2}}) {
-      // What the forward announced will not be delivered when the gradient is captured (C14) or
-      // not wanted at all (linear_autograd.cpp).
-      if ((r->captured || !r->need_w) && u->sink != nullptr && u->announced) u->withdraw();
-      // C11: a gradient this module writes itself must be one the sink still accepts: asked
-      // before any cast records an amax and before a GEMM writes main_grad.
-      if (r->need_w && (r->fused || r->delayed) && u->sink != nullptr && !r->captured)
-        u->sink->check_accepting(u->sink_weight, r->delayed ? Route::kDelayed : Route::kFused,
-                                 false);
-    }
+    const Routing r1 = routing(c->fc1, c->needs_grad(ctx, kW1), c->needs_grad(ctx, kB1));
+    const Routing r2 = routing(c->fc2, c->needs_grad(ctx, kW2), c->needs_grad(ctx, kB2));
+    // Hooks the routes would bypass, the sink's acceptance (C11), the ledger's announcements of
+    // gradients that will not come (C14): before any cast records an amax or a GEMM writes.
+    prepare_wgrad(*c->fc1.core, c->fc1, r1, c->fc1.weight, c->fc1.bias, r1.need_b, ac.enabled, mod,
+                  "fc1.");
+    prepare_wgrad(*c->fc2.core, c->fc2, r2, c->fc2.weight, c->fc2.bias, r2.need_b, ac.enabled, mod,
+                  "fc2.");
     const bool need_dz = need_x || need_ln;                  // fc1 dgrad
     const bool need_dh = need_dz || r1.need_w || r1.need_b;  // anything below the activation
     const variable_list saved = ctx->get_saved_variables();
@@ -401,7 +338,7 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
         db2 = bias_grad_hp(dy, c->fc2.bias.scalar_type());
       }
     }
-    dw2 = route_wgrad(c->fc2, r2, std::move(t2), ac, db2);
+    dw2 = route_gemm_wgrad(c->fc2, r2, std::move(t2), ac, db2);
 
     // ---- activation derivative (+ cast for fc1), fc1 dgrad dz, weight gradient
     at::Tensor dz, db1, dw1;
@@ -443,7 +380,7 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
           db1 = bias_grad_hp(dh, c->fc1.bias.scalar_type());
         }
       }
-      dw1 = route_wgrad(c->fc1, r1, std::move(t1), ac, db1);
+      dw1 = route_gemm_wgrad(c->fc1, r1, std::move(t1), ac, db1);
     }
 
     // ---- norm backward

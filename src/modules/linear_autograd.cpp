@@ -20,6 +20,7 @@
 #include "gemm/gemm.h"
 #include "modules/linear_core.h"
 #include "modules/sink_use.h"
+#include "modules/wgrad_route.h"
 
 namespace fp8dp {
 namespace {
@@ -68,11 +69,7 @@ struct LinearCtx : torch::CustomClassHolder, SinkUse {
   // The ledger learns what this use will deliver to the sink itself (the rest, through autograd,
   // DDP's forward announces from the graph): the weight gradient when fused or delayed, the bias
   // gradient when the deferred GEMM makes it (delayed, not FP8).
-  void announce(const LinearConfig& cfg) {
-    SinkUse::announce(cfg.fuse_wgrad_accumulation || cfg.delay_wgrad_compute,
-                      cfg.delay_wgrad_compute && !ac.enabled && bias.defined() &&
-                          bias.requires_grad() && sink_bias >= 0);
-  }
+  void announce(const LinearConfig& cfg) { announce_use(*this, cfg, ac.enabled, bias); }
 
   void release() {
     for (at::Tensor* t : {&weight, &bias, &main_grad}) *t = at::Tensor();
@@ -220,16 +217,10 @@ void bind_weight_gradient(LinearCtx& c, const at::Tensor& weight) {
 
 // ---- backward, step by step ----
 
-// Which gradients this backward computes, and by which route the weight's goes.
+// Which gradients this backward computes, and by which route the weight's goes (wgrad_route.h).
 struct BackwardPlan {
   bool need_x = false, need_w = false, need_b = false, need_ln = false, need_dgrad = false;
-  // C14: torch.autograd.grad(loss, weight) wants the gradient back, as nn.Linear gives it, and
-  // nothing accumulated: fusion into main_grad and deferral to backward_dw() apply only to a
-  // gradient that autograd accumulates. So a captured one is computed now and returned, and
-  // main_grad, the wgrad queue and the sink are left alone.
-  bool captured = false;
-  bool fused = false, delayed = false;
-  bool bound = false;  // the weight gradient goes to DistributedDataParallel's sink
+  WgradRoute w;
 };
 
 // Refusals that hold whatever backward would compute, checked before anything is read or written.
@@ -254,34 +245,8 @@ BackwardPlan plan_backward(AutogradContext* ctx, const LinearCtx& c, const Linea
   p.need_b = c.needs_grad(ctx, 2);
   p.need_ln = c.needs_grad(ctx, 3) || c.needs_grad(ctx, 4);
   p.need_dgrad = p.need_x || p.need_ln;
-  p.captured = p.need_w && gradient_captured(c.weight);
-  p.fused = cfg.fuse_wgrad_accumulation && !p.captured;
-  p.delayed = cfg.delay_wgrad_compute && !p.captured;
-  p.bound = c.sink != nullptr && !p.captured;
+  p.w = plan_wgrad(cfg, c, c.weight, p.need_w);
   return p;
-}
-
-// A tensor hook on the weight (weight.register_hook) must see, and may replace, the gradient
-// that accumulates. The fused and the delayed routes never hand it to autograd, so the hook
-// would be skipped or fed a stand-in: refuse, before the grad_output cast records its amax
-// and before anything reaches main_grad or the queue. The same for the bias when its gradient
-// is deferred with the weight's (delayed, FP8 off: C4).
-void check_no_bypassed_hooks(LinearCore& core, const LinearCtx& c, const BackwardPlan& p) {
-  const LinearConfig& cfg = core.config();
-  FP8DP_CHECK(!(p.need_w && (p.fused || p.delayed) && core.has_tensor_hooks(c.weight)), cfg.name,
-              ": parameter 'weight' has a tensor hook (weight.register_hook), but with ",
-              p.fused ? "fuse_wgrad_accumulation=True" : "delay_wgrad_compute=True",
-              " its gradient never passes through autograd, so the hook would not see it; "
-              "remove the hook, use register_wgrad_accumulation_and_reduce_hooks (runs after "
-              "backward_dw) or read main_grad, or build the layer without ",
-              p.fused ? "fuse_wgrad_accumulation" : "delay_wgrad_compute");
-  FP8DP_CHECK(
-      !(p.need_w && p.need_b && p.delayed && !c.ac.enabled && core.has_tensor_hooks(c.bias)),
-      cfg.name,
-      ": parameter 'bias' has a tensor hook (bias.register_hook), but with "
-      "delay_wgrad_compute=True and FP8 off its gradient is computed by backward_dw() "
-      "and never passes through autograd, so the hook would not see it; remove the hook "
-      "or build the layer without delay_wgrad_compute");
 }
 
 // The data gradient (before the norm's backward) and the bias gradient when it is computed
@@ -337,52 +302,6 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
     }
   }
   return r;
-}
-
-// Bound to DistributedDataParallel: what this module computes itself goes to the sink, and
-// autograd gets only real gradients (none for the weight when fused or delayed), so the DDP hook
-// adds exactly the other uses' gradients (C8). Returns the weight gradient for autograd; sets
-// dbias when the weight-gradient GEMM made it.
-at::Tensor weight_grad_to_sink(LinearCtx& c, const BackwardPlan& p, WgradTask task,
-                               at::Tensor& dbias) {
-  LinearCore& core = *c.core;
-  if ((p.fused || p.delayed) && !c.announced) c.announce(core.config());  // a reentrant recompute
-  if (p.delayed) {
-    task.sink = c.sink;
-    task.sink_weight = c.sink_weight;
-    task.sink_bias = c.sink_bias;
-    task.weight_token = c.sink->expect(c.sink_weight, c.microbatch, core.sink_name());
-    if (task.dy.defined() && c.sink_bias >= 0)
-      task.bias_token = c.sink->expect(c.sink_bias, c.microbatch, core.sink_name());
-    core.enqueue(std::move(task));  // C3: backward_dw() runs it and delivers
-    return {};
-  }
-  const WgradResult r = run_wgrad(task);
-  if (r.dbias.defined()) dbias = r.dbias;
-  if (!p.fused) return r.dweight;
-  c.sink->deliver(c.sink_weight, at::Tensor(), Route::kFused,
-                  GradSink::Token{c.microbatch, -1, {}});
-  return {};
-}
-
-// Not bound (or captured): the weight gradient goes through autograd (C2 a), or into main_grad
-// with a dummy for autograd (C2 b), or to the queue (C3). Returns the weight gradient for
-// autograd; sets dbias when the weight-gradient GEMM made it.
-at::Tensor weight_grad_to_autograd(LinearCore& core, const LinearCtx& c, const BackwardPlan& p,
-                                   WgradTask task, at::Tensor& dbias) {
-  // C2 (b): the flag is set here, before the GEMM (and before a deferred one), so any consumer
-  // that sees the dummy gradient knows that it must not add it.
-  if (p.fused) core.mark_grad_added_to_main_grad();
-  at::Tensor dweight;
-  if (p.delayed) {
-    core.enqueue(std::move(task));  // C3: backward_dw() runs it
-  } else {
-    const WgradResult r = run_wgrad(task);
-    dweight = r.dweight;
-    if (r.dbias.defined()) dbias = r.dbias;
-  }
-  if (p.fused) dweight = core.dummy_wgrad(c.weight);
-  return dweight;
 }
 
 // The gradients of the inputs: dx (through the norm's backward for LayerNormLinear, with the
@@ -442,15 +361,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     LinearCore& core = *c->core;
     const LinearConfig& cfg = core.config();
     const BackwardPlan p = plan_backward(ctx, *c, cfg);
-    // What the forward announced to the sink's ledger will not be delivered when the gradient is
-    // captured (C14) or not wanted at all (autograd.grad / backward(inputs=) for other tensors).
-    if ((p.captured || !p.need_w) && c->sink != nullptr && c->announced) c->withdraw();
-    check_no_bypassed_hooks(core, *c, p);
-    // C11: a weight gradient this layer writes itself (fused: into main_grad during the GEMM) must
-    // be one the sink still accepts (its bucket not launched or reduced). Ask now, before the
-    // grad_output cast records its amax and before the GEMM writes: a refusal changes nothing.
-    if (p.need_w && (p.fused || p.delayed) && p.bound)
-      c->sink->check_accepting(c->sink_weight, p.delayed ? Route::kDelayed : Route::kFused, false);
+    // Hooks the route would bypass, the sink's acceptance (C11), the ledger's announcement of a
+    // gradient that will not come (C14): before the grad_output cast records its amax and
+    // before anything is written, so that a refusal changes nothing.
+    prepare_wgrad(core, *c, p.w, c->weight, c->bias, p.need_b, c->ac.enabled, cfg.name, "");
     // Unpacking runs the saved-tensor hooks: a non-reentrant checkpoint recomputes its region
     // here, with the grad mode it chooses.
     const variable_list saved = ctx->get_saved_variables();
@@ -459,14 +373,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     WgradTask task;
     task.weight = c->weight;
     task.bias = c->bias;
-    if (p.fused) task.main_grad = c->main_grad;
+    if (p.w.fused) task.main_grad = c->main_grad;
     DgradResult d = dgrad_and_wgrad_operands(core, *c, p, saved, dy, task);
-    at::Tensor dweight;
-    if (p.need_w && p.bound) {
-      dweight = weight_grad_to_sink(*c, p, std::move(task), d.dbias);
-    } else if (p.need_w) {
-      dweight = weight_grad_to_autograd(core, *c, p, std::move(task), d.dbias);
-    }
+    const at::Tensor dweight =
+        route_wgrad(core, *c, p.w, c->weight, c->bias, c->ac.enabled, std::move(task), d.dbias);
     const InputGrads ig = input_grads(*c, p, saved, d.dgrad, grads);
     // Drop the parameter references and the core; autograd frees the saved tensors (the queued
     // task holds its own references to its operands).
