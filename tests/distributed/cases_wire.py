@@ -306,7 +306,7 @@ def check_identical_on_all_ranks_nan(ddp):
 
 
 @case()
-def buffer_wire_is_the_default_path(rank, ws):
+def fp32_wire_is_the_default_path(rank, ws):
     """grad_reduce_wire='fp32' is the default and gives bit for bit what the default config
     gives (the wire code is not on that path)."""
     assert fp8dp.DistributedDataParallelConfig().grad_reduce_wire == "fp32"
