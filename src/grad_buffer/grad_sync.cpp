@@ -484,7 +484,10 @@ std::string GradSync::local_errors() const {
     if (!missing.empty())
       err << "finish_grad_sync: bucket(s) still incomplete, these parameters were not reported "
              "ready as often as in the first iteration: "
-          << join(missing) << " (a skipped backward_dw() or a hook that did not fire?)";
+          << join(missing)
+          << " (a skipped backward_dw(), a hook that did not fire, or fewer micro-batches outside "
+             "no_sync() than in the first iteration, which learned these counts? Only the last "
+             "micro-batch of an iteration runs outside no_sync())";
   }
   if (opts_.grad_ledger) {
     const std::string l = ledger_->check();

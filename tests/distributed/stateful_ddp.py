@@ -52,6 +52,7 @@ class IterModel:
     def __init__(self):
         self.mb = 0  # micro-batches accepted since the last zero
         self.sync_mb = False  # one of them ran outside no_sync()
+        self.n_sync_mb = 0  # how many ran outside no_sync()
         self.started = False  # start_grad_sync() called
         self.finished = False  # finish_grad_sync() (or step()) done
         self.stepped = False  # the optimizer stepped since the last zero
@@ -91,6 +92,7 @@ class DDPLifecycle:
         if spec["dist_opt"]:
             self.opt = fp8dp.DistributedOptimizer(torch.optim.SGD, self.ddp, lr=spec["lr"])
         self.it = IterModel()
+        self.learned_sync_mb = 0  # micro-batches outside no_sync() in fp8dp's learning iteration
         self.zero_model()
         self.stale = False  # a .grad set by op_stale_grad, until the next zero
         self.saved = None  # (model state_dict, optimizer state_dict, P) of save_checkpoint
@@ -352,6 +354,7 @@ class DDPLifecycle:
                 )
         self.it.mb += 1
         self.it.sync_mb |= not no_sync
+        self.it.n_sync_mb += not no_sync
         if dw_now:
             for i in self.delayed:
                 self._pop_model(i)
@@ -383,6 +386,12 @@ class DDPLifecycle:
         self._pop_model(layer)
         return tag, self.check_local()
 
+    def _learn_sync_mb(self):
+        """A finish that reduced: the first one after a micro-batch outside no_sync() is where
+        fp8dp learned its readiness counts."""
+        if self.learned_sync_mb == 0 and self.it.sync_mb:
+            self.learned_sync_mb = self.it.n_sync_mb
+
     def op_start_grad_sync(self):
         tag, bad, _ = self.attempt("ok", self.ddp.start_grad_sync, "start_grad_sync()")
         self.it.started = True
@@ -395,6 +404,14 @@ class DDPLifecycle:
     def expect_finish(self) -> str:
         if self.dw_pending():
             return "refuse"  # C5: an incomplete bucket at finish is an error naming it
+        # fp8dp learns how often each parameter is reported ready per iteration from the first
+        # iteration that finishes with a micro-batch outside no_sync(). When that one ran several
+        # outside it (a misuse it accepted, microbatch_in_wrong_phase), a later iteration with
+        # another number of them is incomplete at finish, refused with an error naming the
+        # parameters (phases family, seed 12: learned 2, then 1 -> "ready 1 of 2").
+        learned = self.learned_sync_mb
+        if learned > 1 and self.it.sync_mb and self.it.n_sync_mb != learned:
+            return "may_refuse"
         # An iteration without a micro-batch outside no_sync() (none at all, or all inside) is not
         # a partial one: finish_grad_sync() reduces what is there, in every iteration (as
         # Megatron's does). Was "may_refuse" while fp8dp refused it after the first iteration
@@ -407,6 +424,7 @@ class DDPLifecycle:
         if bad or tag == "refused":
             return tag, bad
         if not self.it.finished:
+            self._learn_sync_mb()
             self._reduce_model()
         self.it.finished = True
         return tag, self.check_reduced()
@@ -475,6 +493,7 @@ class DDPLifecycle:
         if bad or tag == "refused":
             return tag, bad
         if not self.it.finished:
+            self._learn_sync_mb()
             self._reduce_model()
         self.it.finished = self.it.stepped = True
         bad = self.check_reduced()

@@ -447,6 +447,35 @@ def test_second_microbatch_outside_no_sync_is_refused_at_its_forward(group):
     check(ddp, reference(twin, x, y, [0]))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_learning_iteration_with_two_synced_microbatches(group, overlap):
+    """The first iteration ran two micro-batches outside no_sync() (a misuse that iteration cannot
+    tell: it is the one that learns how often each parameter is reported ready), the next one
+    runs one: its finish_grad_sync() is refused, naming the parameters ("ready 1 of 2") and the
+    likely cause, and changes nothing; one more micro-batch outside no_sync() then completes the
+    iteration with both micro-batches' gradients. (Stateful phases family, seed 12; the model
+    expected the finish to succeed. The refusal is kept: counting one report as two would
+    reduce buckets whose other uses have not arrived.)"""
+    model = mlp()
+    ddp = wrap(model, group, overlap_grad_reduce=overlap)
+    x, y = batch(9)
+    ddp.zero_grad_buffer()
+    for k in range(2):
+        loss_of(ddp(x[k]), y[k]).backward()
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    loss_of(ddp(x[0]), y[0]).backward()
+    before = state(ddp)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)ready 1 of 2.*fewer micro-batches outside no_sync\(\)"
+    ):
+        ddp.finish_grad_sync()
+    assert_same_state(before, state(ddp))
+    loss_of(ddp(x[1]), y[1]).backward()
+    ddp.finish_grad_sync()
+    check(ddp, reference(model, x, y, [0, 1]))
+
+
 def test_earlier_backward_dw_in_its_no_sync_context_after_a_launch(group):
     """Overlap on: micro-batch 0 under no_sync() defers its backward_dw(); micro-batch 1's
     backward (outside) completes and launches layer 0's bucket (phase sync_started). Micro-batch
