@@ -93,7 +93,9 @@ class DistributedOptimizer:
         other code); writes through the parameter itself (``model.load_state_dict``,
         ``ddp.broadcast_params``, ``with torch.no_grad(): p.copy_(w)``) need no call: step()
         finds them. Waits for a parameter all-gather still in flight first, since it still
-        writes the parameters."""
+        writes the parameters. The FP8 weight caches of the model's fp8dp layers are made again
+        at their next forward, even one with is_first_microbatch=False (C8: never stale)."""
+        self._ddp._sync.note_params_written()
         self._copy_params_to_masters(moved=None)
 
     def _param_versions(self) -> list:

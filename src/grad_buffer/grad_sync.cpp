@@ -660,6 +660,11 @@ void GradSync::copy_shards(const std::vector<at::Tensor>& masters) {
   if (finished_) stepped_ = true;  // the optimizer step of this iteration's gradients
 }
 
+void GradSync::note_params_written() {
+  std::lock_guard<std::mutex> lock(mu_);
+  param_sync_->bump_param_versions();
+}
+
 void GradSync::start_param_sync() {
   std::lock_guard<std::mutex> lock(mu_);
   param_sync_->start();

@@ -146,6 +146,10 @@ class GradSync : public GradSink {
   // Waits for bucket group `group`'s all-gather (stream-ordered on CUDA: the current stream waits;
   // blocking on the CPU), or for every group's with group = -1. A no-op when none is in flight.
   void finish_param_sync(int64_t group = -1);
+  // The parameters were written in a way their version counters do not see (through p.data:
+  // DistributedOptimizer.reload_model_params says so): bumps the counters, so that whatever was
+  // derived from the old values (the FP8 weight cache, C8) is made again.
+  void note_params_written();
   // True while any group's parameter all-gather was started and not finished.
   bool param_sync_pending() const { return param_sync_->pending(); }
   // copy_shards(), start_param_sync(), finish_param_sync(): the non-overlapped step.

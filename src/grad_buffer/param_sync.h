@@ -53,10 +53,11 @@ class ParamSync {
   bool pending() const { return in_flight_ > 0; }
   // Finishes any all-gather in flight, then broadcasts every param buffer from root.
   void broadcast(int root);
-
- private:
+  // Bumps every parameter's version counter: its buffer was written through a view (the
+  // writes above) or through p.data (GradSync::note_params_written), which the counters miss.
   void bump_param_versions();
 
+ private:
   std::vector<at::Tensor>& params_;
   std::vector<Buffer>& buffers_;
   std::vector<BucketGroup>& groups_;

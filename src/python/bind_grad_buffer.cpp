@@ -100,6 +100,7 @@ void bind_grad_buffer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("finish_param_sync", &GradSync::finish_param_sync, py::arg("group") = -1,
            py::call_guard<py::gil_scoped_release>())
+      .def("note_params_written", &GradSync::note_params_written)
       .def_property_readonly("param_sync_pending", &GradSync::param_sync_pending)
       .def_property_readonly("rank", &GradSync::rank)
       .def_property_readonly("world_size", &GradSync::world_size)

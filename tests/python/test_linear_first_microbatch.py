@@ -16,6 +16,8 @@ from _linear_cases import (
     make_recipe,
 )
 
+import fp8dp
+
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -117,3 +119,29 @@ def test_dummy_wgrad(zero_out, device):
     assert m.weight.grad is not None and m.weight.grad.shape == m.weight.shape
     if zero_out:
         assert torch.count_nonzero(m.weight.grad) == 0
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_reload_model_params_refreshes_the_weight_cache(group, recipe_name):
+    """A write through p.data is invisible to the version counter that guards the FP8 weight
+    cache; DistributedOptimizer.reload_model_params() is the call that says the weights changed,
+    so the next forward re-casts even with is_first_microbatch=False: its output is bitwise the
+    one a refreshing forward gives. Stateful finding (params family, seed 12: a .data write +
+    reload_model_params(), then a micro-batch with is_first_microbatch=False reused the stale
+    FP8 weight, main_grad 0.95 off). Mutation (2026-12-03): reload_model_params() without
+    GradSync::note_params_written(): both cases fail, the reused output being the old weight's."""
+    torch.manual_seed(0)
+    m = fp8dp.Linear(32, 32, bias=False)
+    ddp = fp8dp.DistributedDataParallel(
+        m, fp8dp.DistributedDataParallelConfig(use_distributed_optimizer=True), process_group=group
+    )
+    opt = fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=0.0)
+    x = torch.randn(16, 32)
+    recipe = make_recipe(recipe_name)
+    with fp8dp.fp8_autocast(fp8_recipe=recipe), torch.no_grad():
+        ddp(x, is_first_microbatch=True)  # the cache: the old weight
+        m.weight.data.copy_(torch.randn(32, 32))
+        opt.reload_model_params()
+        reused = ddp(x, is_first_microbatch=False)
+        fresh = ddp(x, is_first_microbatch=True)
+    assert torch.equal(reused, fresh)
