@@ -7,7 +7,7 @@ Evidence that these tests catch a moved or broken benchmark (2026-12-03, each re
 
 1. A reference benchmark moved (`git mv bench/gemm_cuda.py dev/`): 3 fail:
    test_every_bench_file_is_a_reference_benchmark_or_a_helper (the listing lacks 'gemm_cuda'),
-   test_gpu_benchmark_parses_its_arguments[gemm_cuda] ("can't open file .../bench/gemm_cuda.py"),
+   test_gpu_benchmark_parses_its_arguments[gemm_cuda] ("FileNotFoundError: ... bench/gemm_cuda.py"),
    test_gpu_check_runs_every_gpu_benchmark_and_names_only_existing_paths
    (['bench/gemm_cuda.py'] == []).
 2. A helper moved (`git mv bench/linear_step.py dev/`): test_cpu_benchmark_runs[linear_cpu] and
@@ -19,6 +19,7 @@ Evidence that these tests catch a moved or broken benchmark (2026-12-03, each re
    test_benchmarks_do_not_probe_the_library_version fails (['accounting_cpu.py:136'] == []).
 """
 
+import json
 import os
 import py_compile
 import re
@@ -79,8 +80,14 @@ def test_every_bench_file_is_a_reference_benchmark_or_a_helper():
     assert not [f for f in os.listdir(BENCH) if f.endswith((".cu", ".cpp"))], "experiments: dev/"
 
 
+# The two that start ranks (torchrun) take 13-18 s even at smoke size: slow (pyproject's markers).
+STARTS_RANKS = {"ddp_cpu", "pipeline_bubble_cpu"}
+
+
 @needs_extension
-@pytest.mark.parametrize("name", CPU)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in STARTS_RANKS else n for n in CPU]
+)
 def test_cpu_benchmark_runs(name, tmp_path):
     """bench/run_cpu.py --smoke --only NAME: tiny shapes, 1-2 iterations, its JSON written."""
     cmd = [sys.executable, os.path.join(BENCH, "run_cpu.py"), "--smoke", "--only", name]
@@ -91,19 +98,49 @@ def test_cpu_benchmark_runs(name, tmp_path):
     assert (tmp_path / f"{name}.json").stat().st_size > 0
 
 
-@needs_extension
-@pytest.mark.parametrize("name", GPU)
-def test_gpu_benchmark_parses_its_arguments(name):
-    """`--help` imports the benchmark and its helpers and builds its parser, without a GPU."""
+# Every GPU benchmark's `--help`, run in ONE process (runpy, each as __main__): importing torch
+# once instead of once per benchmark keeps this under make test-fast's budget.
+_HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+out = {}
+for path in sys.argv[1:]:
+    buf = io.StringIO()
+    sys.argv = [path, "--help"]
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(path, run_name="__main__")
+        out[path] = [None, buf.getvalue()]
+    except SystemExit as e:
+        out[path] = [e.code, buf.getvalue()]
+    except BaseException as e:  # an import or parser error: reported per benchmark
+        out[path] = ["error", f"{type(e).__name__}: {e}"]
+print("HELP-RESULTS" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_results():
+    paths = [os.path.join(BENCH, f"{n}.py") for n in GPU]
     r = subprocess.run(
-        [sys.executable, os.path.join(BENCH, f"{name}.py"), "--help"],
+        [sys.executable, "-c", _HELP_RUNNER, *paths],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "usage:" in r.stdout
+    line = [x for x in r.stdout.splitlines() if x.startswith("HELP-RESULTS")]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(line[-1][len("HELP-RESULTS") :])
+    return {os.path.basename(p)[:-3]: v for p, v in res.items()}
+
+
+@needs_extension
+@pytest.mark.parametrize("name", GPU)
+def test_gpu_benchmark_parses_its_arguments(name, help_results):
+    """`--help` imports the benchmark and its helpers and builds its parser, without a GPU."""
+    code, text = help_results[name]
+    assert code == 0, text[-3000:]
+    assert "usage:" in text
 
 
 def test_gpu_check_runs_every_gpu_benchmark_and_names_only_existing_paths():

@@ -29,6 +29,7 @@ def assert_same(a, b, what):
     torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.slow  # the family takes ~15-30 s on 2 cores (pyproject's markers)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
