@@ -25,11 +25,13 @@ test-cpp: build
 # Only the test folders that exist (tests/distributed arrives with the DDP work).
 PYTEST_DIRS := $(wildcard tests/python tests/distributed)
 
-# pytest-xdist, when .venv has it (extra "test"): min(nproc, 8) workers, each test file in one worker
-# (--dist loadfile), because the tests of a file share one launch of ranks (harness.py), which a
-# second worker would start again. Expanded when a recipe runs, after setup installed it.
-XDIST_N := $(shell n=$$(nproc); [ $$n -gt 8 ] && n=8; echo $$n)
-XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(XDIST_N) --dist loadfile")
+# pytest-xdist, when .venv has it (extra "test"): min(nproc, 16) workers. --dist loadgroup: each
+# file of tests/distributed in one worker (its tests share one launch of ranks, harness.py, which a
+# second worker would start again; tests/distributed/conftest.py groups them), every other test
+# wherever a worker is free, so no long file of single-process tests (the GPU ones) sets the pace.
+# Expanded when a recipe runs, after setup installed it.
+XDIST_N := $(shell n=$$(nproc); [ $$n -gt 16 ] && n=16; echo $$n)
+XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(XDIST_N) --dist loadgroup")
 
 test-python: build
 	$(PY) -m pytest -q $(XDIST) --durations=20 $(PYTEST_DIRS)
