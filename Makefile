@@ -32,9 +32,14 @@ PYTEST_DIRS := $(wildcard tests/python tests/distributed)
 # Expanded when a recipe runs, after setup installed it.
 XDIST_N := $(shell n=$$(nproc); [ $$n -gt 16 ] && n=16; echo $$n)
 XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(XDIST_N) --dist loadgroup")
+# Threads per pytest process: the cores over the workers (at least 1). With torch's default, every
+# core in every worker, 16 workers ran 16 threads each on the 16-core GPU machine and pytest kept
+# 13 cores busy for its 6.7 minutes (2026-12-03). Ranks that tests start take 1 thread each
+# (torchrun, harness.py).
+TEST_THREADS := $(shell n=$$(( $$(nproc) / $(XDIST_N) )); [ $$n -lt 1 ] && n=1; echo $$n)
 
 test-python: build
-	$(PY) -m pytest -q $(XDIST) --durations=20 $(PYTEST_DIRS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q $(XDIST) --durations=20 $(PYTEST_DIRS)
 
 # Between edits: the C++ tests and every Python test not marked slow (pyproject.toml's markers:
 # slow = more than ~10 s on 2 cores, or a parametrized family of more than ~15 s; every test that
@@ -42,7 +47,7 @@ test-python: build
 # an incremental build); `make test` runs everything.
 test-fast: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
-	$(PY) -m pytest -q $(XDIST) -m "not slow" --durations=10 $(PYTEST_DIRS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q $(XDIST) -m "not slow" --durations=10 $(PYTEST_DIRS)
 
 # The wheel as a user installs it (pip --no-build-isolation), imported from a fresh environment.
 test-wheel: build

@@ -50,6 +50,23 @@ SCHEDULES = [
 ]
 
 
+def runnable_schedules(backend: str, say: bool, torch_version: str = torch.__version__) -> list:
+    """SCHEDULES less those this torch cannot run on the backend (fp8dp.pipeline.check_backend:
+    zbv on gloo needs torch >= 2.13), each left out with a line that says why."""
+    from fp8dp.pipeline import check_backend
+
+    keep = []
+    for name, v in SCHEDULES:
+        try:
+            check_backend(name, backend, torch_version)
+        except ValueError as e:
+            if say:
+                print(f"[bubble] leaving out {name}/{v}: {e}", flush=True)
+            continue
+        keep.append((name, v))
+    return keep
+
+
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=256)
@@ -143,7 +160,8 @@ def worker(args) -> None:
     ex = torch.empty(rows, h)
     recipe = fp8dp.DelayedScaling(amax_history_len=16)
     pipes = {}
-    for key in SCHEDULES:
+    schedules = runnable_schedules("gloo", say=rank == 0)
+    for key in schedules:
         name, v = key
         torch.manual_seed(1)  # the same weights for every schedule
         pp = Pipeline(
@@ -186,7 +204,7 @@ def worker(args) -> None:
     per_rank = [None] * ws
     dist.all_gather_object(per_rank, {k: v for k, v in rows_out.items()})
     if rank == 0:
-        report(args, per_rank, ws)
+        report(args, per_rank, ws, schedules)
     dist.destroy_process_group()
 
 
@@ -194,13 +212,13 @@ def _sum(its, key):
     return sum(r.get(key, 0.0) for r in its)
 
 
-def report(args, per_rank, ws) -> None:
+def report(args, per_rank, ws, schedules) -> None:
     results = []
     print(
         f"{'schedule':18s} {'rank':>4s} {'step ms':>8s} {'compute':>8s} {'wait':>8s} "
         f"{'bubble %':>8s} {'W steps':>8s} {'W in bubble':>11s}"
     )
-    for sched, v in SCHEDULES:
+    for sched, v in schedules:
         name = f"{sched}/{v}"
         ranks = []
         for r in range(ws):

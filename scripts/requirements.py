@@ -6,7 +6,7 @@ the pins live in one place.
 GROUP is "dependencies", "build" (build-system.requires) or an extra of [project.optional-dependencies];
 an extra that names fp8dp itself ("fp8dp[demo,format]") brings in those extras, except the excluded
 ones. Prints one requirement per line; with --missing, only those the running interpreter does not
-satisfy (not installed, or not the pinned version). Standard library only: it runs before anything
+satisfy (not installed, or outside the pin: ==, >= or <). Standard library only: it runs before anything
 is installed.
 """
 
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
-_REQ = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*(?:(==|>=)\s*([^\s;,]+))?\s*$")
+_REQ = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*(?:(==|>=|<)\s*([^\s;,]+))?\s*$")
 
 
 def _load() -> dict:
@@ -88,12 +88,16 @@ def satisfied(req: str) -> bool:
         have = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return False
+    if op is None:
+        return True
     if op == "==":
         return have == want
+    have_v = [int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", have)[:3]]
+    want_v = [int(p) for p in want.split(".")[:3]]
     if op == ">=":
-        as_ints = [int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", have)[:3]]
-        return as_ints >= [int(p) for p in want.split(".")[:3]]
-    return True
+        return have_v >= want_v
+    # op "<": "<9.2" takes 9.1.1, not 9.2.0 (compared over the fields given)
+    return have_v[: len(want_v)] < want_v
 
 
 def main(argv: list) -> int:

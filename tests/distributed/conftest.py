@@ -12,15 +12,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests.distributed.
 import harness  # noqa: E402
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     """The tests of one file here share its launches of ranks (_LAUNCHES, module fixtures), so under
     pytest-xdist (`--dist loadgroup`, the Makefile's) they run in one worker, which launches once;
-    the tests elsewhere spread over all workers one by one. tryfirst: xdist reads the group marks
-    in its own hook of this name."""
+    the tests elsewhere spread over all workers one by one. A wrapper, marking before the yield:
+    xdist reads the group marks in its own hook of this name (it appends "@group" to the node
+    ids, which pytest 9.2 ignores: pyproject pins pytest below it)."""
     for item in items:
         if os.path.dirname(str(item.path)) == HERE:
             item.add_marker(pytest.mark.xdist_group(os.path.basename(str(item.path))))
+    return (yield)
 
 
 _LAUNCHES = {}  # (run, world size) -> harness.Launch, or the reason it cannot launch here

@@ -5,7 +5,8 @@ CUDA (CUDA kernels, cuBLASLt). The CUDA runs skip at once, with the reason from
 fp8dp.cuda_available(return_reason=True), where the build has no CUDA or torch sees no GPU, so CI
 on a CPU machine pays nothing for them.
 
-`fp8_states_released`: after the test, nothing keeps its FP8 modules alive.
+`fp8_states_released`: after the test, nothing keeps its FP8 modules alive. Every test also
+starts with the last file's FP8 modules released (pytest-xdist interleaves files).
 
 `group`: a gloo process group of one rank (this process), for the tests of
 DistributedDataParallel and its optimizer; one per test module.
@@ -33,6 +34,21 @@ def _release_fp8_states():
         if hasattr(sys, name):
             setattr(sys, name, None)
     gc.collect()
+
+
+_LAST_FILE = [None]
+
+
+@pytest.fixture(autouse=True)
+def _fp8_states_of_another_file_released(request):
+    """Under pytest-xdist's load distribution (the Makefile's) a worker runs the tests of many files
+    in turn. A file whose tests leave FP8 modules to the garbage collector (an autograd graph's
+    reference cycle) must not leave them to the next file's update_fp8_scales(): release them
+    whenever the file changes, as a worker that ran whole files did at no cost."""
+    path = str(request.node.path)
+    if _LAST_FILE[0] not in (None, path):
+        _release_fp8_states()
+    _LAST_FILE[0] = path
 
 
 @pytest.fixture
