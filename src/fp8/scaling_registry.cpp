@@ -134,9 +134,12 @@ std::vector<ScalingState*> collect(Registry& reg) {
   for (int64_t id : reg.order) {
     ScalingState* st = reg.states.at(id);
     if (!states.empty()) {
+      // Named by identity: the state on the unexpected device is usually a module the caller
+      // forgot was still alive (an old model, a graph kept by a stored tensor).
       FP8DP_CHECK(states.front()->amax_history().device() == st->amax_history().device(),
-                  "update_fp8_scales: FP8 states live on different devices (",
-                  states.front()->amax_history().device(), " and ", st->amax_history().device(),
+                  "update_fp8_scales: FP8 states live on different devices ('",
+                  states.front()->identity(), "' on ", states.front()->amax_history().device(),
+                  ", '", st->identity(), "' on ", st->amax_history().device(),
                   "); one process updates the states of one device");
     }
     states.push_back(st);

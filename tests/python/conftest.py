@@ -6,7 +6,7 @@ fp8dp.cuda_available(return_reason=True), where the build has no CUDA or torch s
 on a CPU machine pays nothing for them.
 
 `fp8_states_released`: after the test, nothing keeps its FP8 modules alive. Every test also
-starts with the last file's FP8 modules released (pytest-xdist interleaves files).
+starts with the FP8 modules of the last file or device released (pytest-xdist interleaves them).
 
 `group`: a gloo process group of one rank (this process), for the tests of
 DistributedDataParallel and its optimizer; one per test module.
@@ -36,19 +36,22 @@ def _release_fp8_states():
     gc.collect()
 
 
-_LAST_FILE = [None]
+_LAST = [None]  # (file, device) of the last test this process ran
 
 
 @pytest.fixture(autouse=True)
-def _fp8_states_of_another_file_released(request):
-    """Under pytest-xdist's load distribution (the Makefile's) a worker runs the tests of many files
-    in turn. A file whose tests leave FP8 modules to the garbage collector (an autograd graph's
-    reference cycle) must not leave them to the next file's update_fp8_scales(): release them
-    whenever the file changes, as a worker that ran whole files did at no cost."""
-    path = str(request.node.path)
-    if _LAST_FILE[0] not in (None, path):
+def _fp8_states_of_another_device_released(request):
+    """Under pytest-xdist's load distribution (the Makefile's) a worker runs any subset of a file's
+    tests, of many files in turn: a CPU test that leaves its FP8 modules to the garbage collector
+    (an autograd graph's reference cycle) may be followed at once by a CUDA test whose
+    update_fp8_scales() would meet them (seen on the GPU machine). Release them whenever the
+    file or the device changes (a test without the `device` fixture runs on the CPU): one
+    gc.collect() per switch instead of one per test."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    key = (str(request.node.path), params.get("device", "cpu"))
+    if _LAST[0] not in (None, key):
         _release_fp8_states()
-    _LAST_FILE[0] = path
+    _LAST[0] = key
 
 
 @pytest.fixture
