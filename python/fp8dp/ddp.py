@@ -17,9 +17,9 @@ from .scaling import set_fp8_identities
 
 class _GradHook:
     """The hook a parameter (or its module's delayed-wgrad path) calls when its gradient is ready.
-    It holds the DDP weakly: a module keeps its wgrad hooks in C++, where Python's cycle collector
-    cannot see them, so a strong reference would keep every DDP (and its buffers and NCCL
-    communicator) alive for good once the model is dropped."""
+    It holds the DDP weakly, so that a dropped DDP (its buffers, its NCCL communicator) is freed
+    at once by reference counting, not at some later run of the cycle collector: the model holds
+    this hook (a module's wgrad hooks, a parameter's autograd hook) and the DDP holds the model."""
 
     def __init__(self, ddp, i: int):
         self._ddp = weakref.ref(ddp)

@@ -116,6 +116,11 @@ class _FP8LinearBase(torch.nn.Module):
             zero_out_wgrad=lambda: bool(getattr(module().weight, "zero_out_wgrad", False)),
             mark_grad_added_to_main_grad=mark_added,
         )
+        # The wgrad hooks live here, where the GC sees them, for the same reason: a hook that
+        # reaches the module (DistributedDataParallel's, a user's closure over the model) held by
+        # the core kept the module, its FP8 state and its graph alive for the life of the process.
+        # The core gets one caller through the weak reference, on the first registration.
+        self._wgrad_hooks = []
 
     def __deepcopy__(self, memo):
         """A copy with its own parameters and its own C++ core, the FP8 scaling state copied over
@@ -124,7 +129,7 @@ class _FP8LinearBase(torch.nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k != "_core":
+            if k not in ("_core", "_wgrad_hooks"):  # a copy is bound to no hook, like a new module
                 new.__dict__[k] = copy.deepcopy(v, memo)
         new._make_core(**self._core_args)
         new._init_param_attrs()  # Parameter's deep copy keeps no attributes
@@ -156,7 +161,16 @@ class _FP8LinearBase(torch.nn.Module):
         """Call ``hook()`` (no arguments) at the end of every backward_dw()."""
         if not callable(hook):
             raise ValueError(f"hook: expected a callable taking no arguments, got {hook!r}")
-        self._core.register_wgrad_hook(hook)
+        if not self._wgrad_hooks:
+            module = weakref.ref(self)
+
+            def run_wgrad_hooks():
+                m = module()
+                for h in list(m._wgrad_hooks) if m is not None else ():
+                    h()
+
+            self._core.register_wgrad_hook(run_wgrad_hooks)
+        self._wgrad_hooks.append(hook)
 
     # ---- FP8 state in the state dict --------------------------------------------------------
     def get_extra_state(self):

@@ -1,9 +1,12 @@
 """A dropped DistributedDataParallel is freed at once, with its buffers and communicator.
 
-fp8dp modules keep their delayed-wgrad hooks in C++, where Python's cycle collector cannot see
-them; a hook that held the DDP strongly made model -> hook -> DDP -> model a cycle nobody could
+fp8dp modules once kept their delayed-wgrad hooks in C++, where Python's cycle collector cannot
+see them; a hook that held the DDP strongly made model -> hook -> DDP -> model a cycle nobody could
 free. On GPUs every leaked DDP kept its NCCL communicator, and the 1536-cell NCCL test matrix ran
-the device out of memory after ~360 cells. These tests fail if a hook holds the DDP strongly."""
+the device out of memory after ~360 cells. The DDP's hooks hold it weakly, so reference counting
+alone frees it (the first test fails if a hook holds the DDP strongly); the modules now keep the
+hooks in Python, so a user's hook that holds the model is freed by the cycle collector (the
+second test, which failed while the core held the hooks)."""
 
 import gc
 import weakref
@@ -54,3 +57,36 @@ def test_dropped_ddp_is_freed_without_the_cycle_collector(
         assert model_ref() is None, "the wrapped model outlived its last reference"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_a_wgrad_hook_that_holds_its_module_does_not_keep_it_alive(kind):
+    """A hook closing over its own module (Megatron-style: the hook reaches the model) makes a
+    cycle module -> hook -> module. The GC frees it, FP8 scaling state included: while the C++ core
+    held the hooks, such a module lived as long as the process, and its CPU FP8 state failed a
+    later CUDA test's update_fp8_scales() ("FP8 states live on different devices", make test on
+    the GPU machine, 2026-12-03)."""
+    make = {
+        "Linear": lambda: fp8dp.Linear(32, 48, delay_wgrad_compute=True),
+        "LayerNormLinear": lambda: fp8dp.LayerNormLinear(32, 48, delay_wgrad_compute=True),
+        "LayerNormMLP": lambda: fp8dp.LayerNormMLP(32, 48, delay_wgrad_compute=True),
+    }[kind]
+    gc.collect()
+    before = len(fp8dp._C.fp8_registry_descriptions())
+
+    def build_and_train():
+        m = make()
+        calls = []
+        m.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(m.training))
+        with fp8dp.fp8_autocast(fp8_recipe=fp8dp.DelayedScaling(amax_history_len=4)):
+            y = m(torch.randn(16, 32))
+        y.square().sum().backward()
+        m.backward_dw()
+        assert calls == [True]  # the hook ran, once
+        assert len(fp8dp._C.fp8_registry_descriptions()) > before  # the FP8 state exists
+        return weakref.ref(m)
+
+    ref = build_and_train()
+    gc.collect()
+    assert ref() is None, "the module outlived its last reference"
+    assert len(fp8dp._C.fp8_registry_descriptions()) == before, "its FP8 scaling state lives on"
