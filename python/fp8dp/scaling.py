@@ -10,10 +10,12 @@ non-empty FP8 cast records its amax in row 0 of its history. Once per step, afte
 backward and before the next forward, ``update_fp8_scales``:
 
 1. checks that every rank has the same states, in the same order, with the same recipe: one
-   ``all_reduce(MAX)`` of three int64s (a hash h of every state's identity and recipe, -h, and
-   whether any amax was recorded since the last update), so that ranks that differ can never
-   reach the variable-size collective below; the hash is recomputed only when a state, an
-   identity or a recipe changed,
+   ``all_reduce(MAX)`` of five int64s (a hash h of every state's identity and recipe, -h,
+   whether any amax was recorded since the last update, and r, -r for the recipes without state,
+   current and block scaling, that training forwards used since the last update, compared among
+   the ranks that ran one), so that ranks that differ can never reach the variable-size
+   collective below, and ranks that train with other numerics are stopped; the hashes are
+   recomputed only when a state, an identity or a recipe changed,
 2. gathers row 0 of every state into one flat tensor, ordered by identity (not by creation or by
    first cast), and reduces it with ONE ``all_reduce(MAX)`` across the amax-reduction group (below),
 3. computes the new scales from the histories and rolls every history by one row.
@@ -63,7 +65,7 @@ def set_fp8_identities(module: torch.nn.Module) -> None:
 
 
 def _check_device(group) -> torch.device:
-    """Where the check's three int64s live: NCCL needs a CUDA tensor, other backends take CPU."""
+    """Where the check's five int64s live: NCCL needs a CUDA tensor, other backends take CPU."""
     if torch.distributed.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -88,7 +90,7 @@ def _raise_mismatch(group) -> None:
             (
                 f"rank {r}: {lst[first]!r}"
                 if first < len(lst)
-                else f"rank {r}: none ({len(lst)} states)"
+                else f"rank {r}: none ({len(lst)} entries)"
             )
             for r, lst in enumerate(lists)
         )
@@ -96,7 +98,7 @@ def _raise_mismatch(group) -> None:
     counts = ", ".join(str(len(lst)) for lst in lists)
     raise RuntimeError(
         "update_fp8_scales: the ranks' FP8 scaling states differ (C9), so their amaxes cannot be "
-        f"reduced together; {detail} (states per rank: {counts}). Every rank must cast the same "
+        f"reduced together; {detail} (entries per rank: {counts}). Every rank must cast the same "
         "fp8dp modules with the same recipe in a step, and name them alike "
         "(fp8dp.DistributedDataParallel names them by fp8dp.scaling.set_fp8_identities)."
     )
@@ -141,6 +143,9 @@ def _amax_group(group):
     return step_group if group is None else group
 
 
+_NONE = -(2**62) - 1  # below every -h of a 62-bit hash h: the MAX's neutral element in the check
+
+
 def update_fp8_scales(group=None) -> None:
     """Reduce the step's amaxes (MAX) across the amax-reduction group and update every
     delayed-scaling state of this process: new scales, histories rolled once.
@@ -152,23 +157,32 @@ def update_fp8_scales(group=None) -> None:
     the last update: calling it twice in one step, or in a step with only empty or inference
     casts, rolls nothing. Raises RuntimeError on every rank, before any amax is reduced or any
     state changed, when the ranks' states differ (a module cast in FP8 on some ranks only, other
-    names or shapes, another recipe), naming the first differing state."""
+    names or shapes, another recipe, also between current and block scaling), naming the first
+    differing state or recipe."""
     group = _amax_group(group)
-    sig_hash, observed, _ = _C.fp8_registry_signature()
+    sig_hash, observed, _, recipes_hash = _C.fp8_registry_signature()
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        # A rank that noted no stateless recipe (no training forward this step) sends the MAX's
+        # neutral element for the recipes' pair, so only the ranks that trained are compared.
+        r, minus_r = (recipes_hash, -recipes_hash) if recipes_hash >= 0 else (_NONE, _NONE)
         check = torch.tensor(
-            [sig_hash, -sig_hash, int(observed)], dtype=torch.int64, device=_check_device(group)
+            [sig_hash, -sig_hash, int(observed), r, minus_r],
+            dtype=torch.int64,
+            device=_check_device(group),
         )
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
-        high, minus_low, any_observed = check.tolist()
-        if high != -minus_low:
+        high, minus_low, any_observed, r_high, r_minus_low = check.tolist()
+        if high != -minus_low or r_high != -r_minus_low and r_high != _NONE:
             _raise_mismatch(group)
+        _C.fp8_registry_forget_recipes()  # the ranks agreed on this step's stateless recipes
         if not any_observed:
             return
         amaxes = _C.fp8_registry_amaxes()
         if amaxes.numel() > 0:  # the same size on every rank: the check passed
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
         _C.fp8_registry_update(amaxes)
-    elif observed:
-        _C.fp8_registry_update_local()  # nothing to reduce: each state's row 0 is its amax
+    else:
+        _C.fp8_registry_forget_recipes()
+        if observed:
+            _C.fp8_registry_update_local()  # nothing to reduce: each state's row 0 is its amax

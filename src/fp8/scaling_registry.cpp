@@ -4,14 +4,18 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/check.h"
+#include "fp8/recipe.h"
 #include "fp8/scaling_state.h"
 #include "fp8/scaling_update.h"
 
@@ -29,12 +33,43 @@ struct Registry {
   // recomputed only then, so the per-step check costs a comparison.
   std::atomic<uint64_t> generation{1};
   uint64_t cached_generation = 0;
-  std::vector<int64_t> order;  // allocated states by (identity, creation)
-  std::vector<std::string> descriptions;
-  int64_t hash = 0;
+  std::vector<int64_t> order;             // allocated states by (identity, creation)
+  std::vector<std::string> descriptions;  // the states', then the noted recipes'
+  int64_t hash = 0;                       // of the states' descriptions
+  int64_t recipes_hash = -1;              // of the noted recipes' descriptions; -1: none
   // A non-empty cast recorded an amax (or a checkpoint brought one) since the last update.
   std::atomic<bool> observed{false};
+  // Stateless recipes of the training forwards since the last update, by their fields (a key
+  // compared per forward; the text is made only when the signature is recomputed).
+  std::set<std::array<double, 10>> recipes;
 };
+
+std::array<double, 10> recipe_key(const Recipe& r) {
+  const bool block = r.kind == RecipeKind::kBlock;
+  return {static_cast<double>(r.kind),
+          static_cast<double>(r.fwd_format),
+          static_cast<double>(r.bwd_format),
+          block ? 0.0 : r.margin,
+          block ? double(r.block_inp.power_2_scale) : 0.0,
+          block ? double(r.block_weight.power_2_scale) : 0.0,
+          block ? double(r.block_grad.power_2_scale) : 0.0,
+          block ? r.block_inp.amax_epsilon : 0.0,
+          block ? r.block_weight.amax_epsilon : 0.0,
+          block ? r.block_grad.amax_epsilon : 0.0};
+}
+
+std::string describe_recipe(const std::array<double, 10>& k) {
+  std::ostringstream os;
+  const auto fmt = [](double f) { return format_name(static_cast<Format>(static_cast<int>(f))); };
+  os << "recipe without state: ";
+  if (static_cast<RecipeKind>(static_cast<int>(k[0])) == RecipeKind::kBlock) {
+    os << "Float8BlockScaling " << fmt(k[1]) << "/" << fmt(k[2]) << " power_2_scale=" << k[4] << ","
+       << k[5] << "," << k[6] << " amax_epsilon=" << k[7] << "," << k[8] << "," << k[9];
+  } else {
+    os << "Float8CurrentScaling " << fmt(k[1]) << "/" << fmt(k[2]) << " margin=" << k[3];
+  }
+  return os.str();
+}
 
 Registry& registry() {
   static Registry r;
@@ -68,6 +103,10 @@ void refresh(Registry& reg) {
     reg.descriptions.push_back(reg.states.at(id)->describe());
   }
   reg.hash = hash_of(reg.descriptions);
+  std::vector<std::string> recipes;
+  for (const auto& key : reg.recipes) recipes.push_back(describe_recipe(key));
+  reg.recipes_hash = recipes.empty() ? -1 : hash_of(recipes);
+  reg.descriptions.insert(reg.descriptions.end(), recipes.begin(), recipes.end());
   reg.cached_generation = gen;
 }
 
@@ -94,12 +133,28 @@ void registry_touch() { touch(); }
 
 void registry_mark_observed() { registry().observed.store(true); }
 
+void registry_note_recipe(const Recipe& recipe) {
+  if (recipe.kind == RecipeKind::kDelayed) return;
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  if (reg.recipes.insert(recipe_key(recipe)).second) touch();
+}
+
+void registry_forget_recipes() {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  if (reg.recipes.empty()) return;
+  reg.recipes.clear();
+  touch();
+}
+
 RegistrySignature registry_signature() {
   auto& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mu);
   refresh(reg);
   RegistrySignature sig;
   sig.hash = reg.hash;
+  sig.recipes_hash = reg.recipes_hash;
   sig.observed = reg.observed.load();
   sig.size = static_cast<int64_t>(reg.order.size());
   return sig;

@@ -12,6 +12,7 @@
 namespace fp8dp {
 
 class ScalingState;
+struct Recipe;
 
 // The registry (update_fp8_scales is Python glue around these calls and two all_reduces).
 // Its states are the allocated ones, ordered by (identity, creation): the same order on every
@@ -19,13 +20,15 @@ class ScalingState;
 // registry_signature(): a 62-bit hash of every state's describe() in that order (recomputed only
 // when the set, an identity or a recipe changed since the last call) and whether any non-empty
 // cast recorded an amax (or a checkpoint brought a step's amaxes) since the last update.
-// registry_descriptions(): the describe() strings in that order (for the error on a mismatch).
+// registry_descriptions(): the describe() strings in that order (for the error on a mismatch),
+// then the stateless recipes noted since the last update (registry_note_recipe).
 // registry_amaxes() concatenates row 0 of every state, in that order, into one flat float32
 // tensor, NaN and Inf as 0 (no observation); registry_update(reduced) writes the (cross-rank
 // MAX-reduced) values back and runs update_scaling on every state: new scales from the history,
 // history rolled once.
 struct RegistrySignature {
   int64_t hash = 0;  // in [0, 2^62): h and -h both fit an int64 for the cross-rank MAX check
+  int64_t recipes_hash = -1;  // the noted stateless recipes' (registry_note_recipe); -1: none
   bool observed = false;
   int64_t size = 0;
 };
@@ -52,5 +55,15 @@ void registry_remove(int64_t id, bool allocated);
 void registry_touch();
 // A non-empty cast recorded an amax (or a checkpoint brought one) since the last update.
 void registry_mark_observed();
+
+// Recipes without scaling state (current and block scaling) that a training forward used since
+// the last update. They have their own hash in the signature (compared across the ranks that
+// noted any: a rank that ran no training forward this step has nothing to disagree with) and
+// follow the states in the descriptions, as "recipe without state: ...", so ranks that train
+// with another such recipe (block on one, current on another) fail the check, naming the
+// recipes: no state records them otherwise. A delayed recipe is not noted (its states describe
+// it). update_fp8_scales forgets them once the ranks agreed.
+void registry_note_recipe(const Recipe& recipe);
+void registry_forget_recipes();
 
 }  // namespace fp8dp

@@ -10,6 +10,7 @@
 #include "common/tensor_checks.h"
 #include "fp8/activation.h"
 #include "fp8/activation_kernel.h"
+#include "fp8/scaling_registry.h"
 #include "modules/linear_autograd.h"
 
 namespace fp8dp {
@@ -106,6 +107,8 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
   const bool grad = at::GradMode::is_enabled();
   const bool need_wgrad1 = grad && fc1_weight.requires_grad();
   const bool need_wgrad2 = grad && fc2_weight.requires_grad();
+  // C9: a training forward's recipe without state joins the next update_fp8_scales check.
+  if (ac.enabled && (need_wgrad1 || need_wgrad2) && !recompute) registry_note_recipe(ac.recipe);
   if (need_wgrad1) check_bound(*fc1_, fc1_weight, fc1_bias, mod, "fc1");
   if (need_wgrad2) check_bound(*fc2_, fc2_weight, fc2_bias, mod, "fc2");
   if (ac.enabled) {

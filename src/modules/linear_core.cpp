@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "common/tensor_checks.h"
+#include "fp8/scaling_registry.h"
 #include "modules/block_dispatch.h"
 #include "modules/linear_autograd.h"
 
@@ -227,6 +228,8 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
   const AutocastState ac = recompute && forward_autocast_ ? *forward_autocast_ : autocast_current();
   if (!recompute && !c10::InferenceMode::is_enabled()) forward_autocast_ = ac;
   const bool need_wgrad = at::GradMode::is_enabled() && weight.requires_grad();
+  // C9: a training forward's recipe without state joins the next update_fp8_scales check.
+  if (ac.enabled && need_wgrad && !recompute) registry_note_recipe(ac.recipe);
   if (need_wgrad) {
     if (const auto sink = grad_sink()) {
       // The sink knows the parameter it was bound to; a weight re-assigned (or unfrozen) after

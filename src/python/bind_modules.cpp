@@ -188,13 +188,14 @@ void bind_modules(py::module_& m) {
 
   m.def("fp8_registry_signature", [] {
     const RegistrySignature sig = registry_signature();
-    return py::make_tuple(sig.hash, sig.observed, sig.size);
+    return py::make_tuple(sig.hash, sig.observed, sig.size, sig.recipes_hash);
   });
   m.def("fp8_registry_descriptions", &registry_descriptions);
   m.def("fp8_registry_amaxes", &registry_amaxes);
   m.def("fp8_registry_update", &registry_update, py::arg("reduced"));
   m.def("fp8_registry_update_local", &registry_update_local);
   m.def("fp8_registry_size", &registry_size);
+  m.def("fp8_registry_forget_recipes", &registry_forget_recipes);
 }
 
 }  // namespace fp8dp::python

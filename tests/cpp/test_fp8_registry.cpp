@@ -102,6 +102,43 @@ TEST(Fp8Registry, SignatureChangesOnlyWithTheSet) {
   EXPECT_NE(registry_signature().hash, h1);
 }
 
+// Recipes without state have their own hash: noted once however many forwards use them, apart
+// from the states' hash, listed after the states, and gone after registry_forget_recipes().
+TEST(Fp8Registry, StatelessRecipesHaveTheirOwnHash) {
+  registry_forget_recipes();
+  const RegistrySignature s0 = registry_signature();
+  EXPECT_EQ(s0.recipes_hash, -1);
+  registry_note_recipe(delayed());  // states describe a delayed recipe: not noted
+  EXPECT_EQ(registry_signature().recipes_hash, -1);
+  Recipe current;
+  current.kind = RecipeKind::kCurrent;
+  registry_note_recipe(current);
+  const RegistrySignature s1 = registry_signature();
+  EXPECT_EQ(s1.hash, s0.hash);  // the states' hash is the states' alone
+  EXPECT_GE(s1.recipes_hash, 0);
+  EXPECT_LT(s1.recipes_hash, int64_t{1} << 62);
+  registry_note_recipe(current);
+  EXPECT_EQ(registry_signature().recipes_hash, s1.recipes_hash);
+  Recipe margin = current;
+  margin.margin = 1.0f;
+  registry_note_recipe(margin);
+  EXPECT_NE(registry_signature().recipes_hash, s1.recipes_hash);
+  Recipe block;
+  block.kind = RecipeKind::kBlock;
+  block.bwd_format = Format::kE4M3;
+  registry_forget_recipes();
+  registry_note_recipe(block);
+  const std::vector<std::string> d = registry_descriptions();
+  ASSERT_FALSE(d.empty());
+  EXPECT_EQ(d.back(),
+            "recipe without state: Float8BlockScaling E4M3/E4M3 power_2_scale=1,1,1 "
+            "amax_epsilon=0,0,0");
+  EXPECT_NE(registry_signature().recipes_hash, s1.recipes_hash);
+  registry_forget_recipes();
+  EXPECT_EQ(registry_signature().recipes_hash, -1);
+  EXPECT_EQ(registry_descriptions().size(), d.size() - 1);
+}
+
 TEST(Fp8Registry, RestoreRefusesImpossibleScales) {
   ScalingState st;
   st.cast(at::tensor({1.0f}), Role::kInput, delayed(), QuantizeOptions{});

@@ -96,8 +96,8 @@ def test_fp8_group_reduces_amaxes_within_the_group_only(results):
         expected = torch.maximum(results[ranks[0]]["local1"], results[ranks[1]]["local1"])
         for r in ranks:
             torch.testing.assert_close(results[r]["row1"], expected, rtol=0, atol=0)
-            # The check (3 int64s) and the amaxes (3 roles), both over the pair.
-            assert results[r]["calls1"] == [(3, ranks), (3, ranks)]
+            # The check (5 int64s) and the amaxes (3 roles), both over the pair.
+            assert results[r]["calls1"] == [(5, ranks), (3, ranks)]
     # The pairs saw different maxima, so a reduction across the world would have shown.
     assert not torch.equal(results[0]["row1"], results[2]["row1"])
 
@@ -106,7 +106,7 @@ def test_without_fp8_group_the_next_step_reduces_across_the_world(results):
     expected = torch.stack([r["local2"] for r in results]).amax(dim=0)
     for r in results:
         torch.testing.assert_close(r["row2"], expected, rtol=0, atol=0)
-        assert r["calls2"] == [(3, [0, 1, 2, 3]), (3, [0, 1, 2, 3])]
+        assert r["calls2"] == [(5, [0, 1, 2, 3]), (3, [0, 1, 2, 3])]
 
 
 def test_conflicting_groups_are_refused_before_any_collective(results):

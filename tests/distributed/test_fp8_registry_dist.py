@@ -1,7 +1,8 @@
 """C9 across 2 processes (gloo, CPU): update_fp8_scales reduces the amaxes of the same states, in
 the same order (by identity), on every rank, and fails on every rank, naming the first differing
 state, when the ranks' FP8 states differ: identities, an empty micro-batch on one rank, a
-different recipe on one rank, update_fp8_scales twice in one step.
+different recipe on one rank (also between block and current scaling, which keep no state),
+update_fp8_scales twice in one step.
 
 Each rank names its modules with fp8dp.scaling.set_fp8_identities(model), as
 fp8dp.DistributedDataParallel does. The process group (harness.run_ranks) has a 60 s timeout, so
@@ -29,6 +30,10 @@ Evidence that these tests catch the defects (run on 2026-12-01, then restored):
    rank recorded nothing): in step 2 rank 1, which ran no micro-batch, returns while rank 0 waits
    in the check's all_reduce; rank 0 fails with "RuntimeError: [.../gloo/transport/tcp/pair.cc:553]
    Connection closed by peer" (a hang until the timeout if rank 1 had stayed alive).
+5. registry_note_recipe made a no-op (2026-12-03, the stateless recipes out of the check):
+   block_against_current and current_margin_differs pass the update without a word ("update_fp8_
+   scales must fail on every rank"), block_on_one_rank names "none (0 entries)" instead of the
+   recipe, and the agreeing stateless recipes are not seen.
 """
 
 import pytest
@@ -71,18 +76,20 @@ def _scenario(name, rank):
 
     recipe = fp8dp.DelayedScaling(amax_history_len=4)
     out = {}
-    if name in ("count_differs", "modules_differ", "recipe_differs", "block_on_one_rank"):
+    if name in MISMATCH:
         model = _model(["fc1", "fc2", "fc3"], rank)
         used = {
             "count_differs": [["fc1", "fc2"], ["fc1", "fc2", "fc3"]],
             "modules_differ": [["fc1", "fc2"], ["fc1", "fc3"]],
-            "recipe_differs": [["fc1", "fc2"], ["fc1", "fc2"]],
-            "block_on_one_rank": [["fc1", "fc2"], ["fc1", "fc2"]],
-        }[name][rank]
+        }.get(name, [["fc1", "fc2"], ["fc1", "fc2"]])[rank]
         if name == "recipe_differs" and rank == 1:
             recipe = fp8dp.DelayedScaling(amax_history_len=4, margin=1)
         if name == "block_on_one_rank" and rank == 0:  # issue 32: no scaling state on rank 0
             recipe = fp8dp.Float8BlockScaling()
+        if name == "block_against_current":  # neither keeps state: only the noted recipes differ
+            recipe = fp8dp.Float8BlockScaling() if rank == 0 else fp8dp.Float8CurrentScaling()
+        if name == "current_margin_differs":
+            recipe = fp8dp.Float8CurrentScaling(margin=rank)
         _step(model, used, rank, recipe)
         before = _histories(model)
         try:
@@ -120,6 +127,33 @@ def _scenario(name, rank):
         fp8dp.update_fp8_scales()
         out["hist2"] = model["fc1"]._core.amax_history.clone()
         out["scale2"] = model["fc1"]._core.scale.clone()
+    elif name == "stateless_agree":
+        # Both ranks train with current scaling, then block scaling; rank 0 alone also runs a
+        # forward under no_grad with another recipe (an evaluation on one rank): no training
+        # forward, so nothing to agree on. Every update passes, and the second sees block only.
+        model = _model(["fc1", "fc2"], rank)
+        out["errors"] = []
+        for r in (fp8dp.Float8CurrentScaling(), fp8dp.Float8BlockScaling()):
+            _step(model, ["fc1", "fc2"], rank, r)
+            if rank == 0:
+                with (
+                    torch.no_grad(),
+                    fp8dp.fp8_autocast(fp8_recipe=fp8dp.Float8CurrentScaling(margin=3)),
+                ):
+                    model["fc1"](torch.randn(16, N))
+            out.setdefault("noted", []).append(list(fp8dp._C.fp8_registry_descriptions()))
+            try:
+                fp8dp.update_fp8_scales()
+            except RuntimeError as e:
+                out["errors"].append(str(e))
+        out["after"] = list(fp8dp._C.fp8_registry_descriptions())
+        # A step in which only rank 0 trains: rank 1 has no recipe to disagree with.
+        if rank == 0:
+            _step(model, ["fc1"], rank, fp8dp.Float8CurrentScaling())
+        try:
+            fp8dp.update_fp8_scales()
+        except RuntimeError as e:
+            out["errors"].append(str(e))
     else:
         raise AssertionError(name)
     return out
@@ -131,10 +165,14 @@ def _worker(rank, world, names):
     {scenario: result}."""
     import gc
 
+    import fp8dp
+
     results = {}
     for name in names:
         results[name] = _scenario(name, rank)
         gc.collect()  # the scenario's modules leave the registry before the next one
+        # and so do the recipes a failed update kept (a refused update changes nothing)
+        fp8dp._C.fp8_registry_forget_recipes()
     return results
 
 
@@ -146,15 +184,32 @@ def _run(names):
 LINEAR = "Linear(in_features=32, out_features=32)"
 MISMATCH = {
     # first differing position, then what each rank has there
-    "count_differs": (2, "rank 0: none (2 states)", f"rank 1: 'fc3: {LINEAR} [E4M3/E5M2"),
+    "count_differs": (2, "rank 0: none (2 entries)", f"rank 1: 'fc3: {LINEAR} [E4M3/E5M2"),
     "modules_differ": (1, f"rank 0: 'fc2: {LINEAR} [E4M3/E5M2", f"rank 1: 'fc3: {LINEAR}"),
     "recipe_differs": (
         0,
         f"rank 0: 'fc1: {LINEAR} [E4M3/E5M2 history=4 max margin=0]'",
         f"rank 1: 'fc1: {LINEAR} [E4M3/E5M2 history=4 max margin=1]'",
     ),
-    # Float8BlockScaling keeps no scaling state: rank 0 has none to reduce (seen 2026-12-03)
-    "block_on_one_rank": (0, "rank 0: none (0 states)", f"rank 1: 'fc1: {LINEAR} [E4M3/E5M2"),
+    # Float8BlockScaling keeps no scaling state: rank 0 has none to reduce (seen 2026-12-03),
+    # only the recipe its training forwards used
+    "block_on_one_rank": (
+        0,
+        "rank 0: 'recipe without state: Float8BlockScaling E4M3/E4M3",
+        f"rank 1: 'fc1: {LINEAR} [E4M3/E5M2",
+    ),
+    # No state on either rank: before the stateless recipes joined the check, nothing compared
+    # them and the ranks reduced gradients of two numerics without a word (issue 32's note)
+    "block_against_current": (
+        0,
+        "rank 0: 'recipe without state: Float8BlockScaling E4M3/E4M3",
+        "rank 1: 'recipe without state: Float8CurrentScaling E4M3/E5M2 margin=0'",
+    ),
+    "current_margin_differs": (
+        0,
+        "rank 0: 'recipe without state: Float8CurrentScaling E4M3/E5M2 margin=0'",
+        "rank 1: 'recipe without state: Float8CurrentScaling E4M3/E5M2 margin=1'",
+    ),
 }
 
 
@@ -206,3 +261,19 @@ def test_empty_microbatch_on_one_rank_and_update_twice():
     torch.testing.assert_close(res[0]["hist2"], res[1]["hist2"], rtol=0, atol=0)
     torch.testing.assert_close(res[0]["scale2"], res[1]["scale2"], rtol=0, atol=0)
     assert res[0]["hist2"][1, 0] > 0, "step 2's amax (rank 0's) was rolled into row 1 on both"
+
+
+def test_stateless_recipes_that_agree_pass_and_are_forgotten():
+    """Current then block scaling on both ranks, and a no_grad forward with a third recipe on rank
+    0 only: no update fails (an evaluation is no training forward); each step's update sees that
+    step's recipe only, and leaves none behind. Then a step that only rank 0 trains (current
+    scaling): no failure either, as for delayed scaling's empty rank."""
+    res = [r["stateless_agree"] for r in _run(("stateless_agree",))]
+    for rank, r in enumerate(res):
+        assert r["errors"] == [], (rank, r["errors"])
+        current, block = r["noted"]
+        assert current == ["recipe without state: Float8CurrentScaling E4M3/E5M2 margin=0"]
+        assert len(block) == 1 and block[0].startswith(
+            "recipe without state: Float8BlockScaling E4M3/E4M3"
+        ), block
+        assert r["after"] == []

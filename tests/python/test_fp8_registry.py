@@ -404,8 +404,8 @@ def test_identities_order_the_registry_and_the_signature():
     train(zeta, x, dy)
     h0 = fp8dp._C.fp8_registry_signature()[0]
     train(alpha, x, dy)
-    h1, observed, size = fp8dp._C.fp8_registry_signature()
-    assert h1 != h0 and observed and size >= 2
+    h1, observed, size, recipes_hash = fp8dp._C.fp8_registry_signature()
+    assert h1 != h0 and observed and size >= 2 and recipes_hash == -1  # delayed: no note
     names = {"zeta", "inner.alpha"}
     assert _ours(fp8dp._C.fp8_registry_descriptions(), names) == [
         "inner.alpha: LayerNormLinear(in_features=32, out_features=48) "
