@@ -209,6 +209,29 @@ def test_one_gpu_two_ranks_stops_before_joining(one_gpu_two_ranks, tmp_path, fla
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_prints_and_the_others_wait_for_it(
+    one_gpu_two_ranks, tmp_path, monkeypatch, rank
+):
+    """Every rank of the node meets the same error; rank 0 prints it and exits at once, the others
+    wait (torchrun then ends them). Without the wait, rank 1 exited first on the one-GPU H200, and
+    torchrun stopped rank 0 before it printed: the job failed with no error line."""
+    import fp8dp.train.__main__ as train_main
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    waits = []
+    monkeypatch.setattr(train_main.time, "sleep", waits.append)
+    rc, out, err = _main("--config", _tiny_config(tmp_path), "--device", "cuda")
+    assert rc == 2
+    if rank == 0:
+        assert _one_error(rc, err) == f"run.device: cuda: {TOO_MANY}"
+        assert waits == []
+    else:
+        assert err == ""
+        assert waits == [train_main._FAIL_WAIT_S] and train_main._FAIL_WAIT_S >= 10
+
+
 def test_device_flag_overrides_set(one_gpu_two_ranks, tmp_path, fp8_states_released):
     """The command the error suggests, on the same machine: 2 CPU ranks on gloo (here rank 0 of
     them, in a world of one), even where the config asks for cuda."""

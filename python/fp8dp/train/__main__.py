@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -77,10 +78,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+# How long a rank other than 0 waits before it exits with an error that every rank meets (a bad
+# flag, config or device request): torchrun stops all ranks once one has exited with an error, so a
+# rank 1 that exited first stopped rank 0 before it printed, and the job failed without a word (the
+# one-GPU H200, 2026-12-04). Rank 0 prints and exits at once; torchrun then ends the waiting ranks.
+_FAIL_WAIT_S = 30.0
+
+
 def _fail(e: Exception) -> int:
     if os.environ.get("RANK", "0") == "0":
         # One line, whatever the exception's text: a launcher's log shows one line per rank.
         print(f"fp8dp.train: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(_FAIL_WAIT_S)
     return 2
 
 
