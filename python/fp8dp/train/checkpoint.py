@@ -20,7 +20,13 @@ import torch.distributed as dist
 
 from .config import ParallelSection, RunSection
 
-_RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.save_every", "out.dir"}
+_RESUMABLE_CHANGES = {
+    "train.steps",
+    "train.eval_every",
+    "train.save_every",
+    "train.fp8_stats_every",
+    "out.dir",
+}
 _STATE_KEYS = {"step", "model", "optimizer", "rng"}
 
 
@@ -158,6 +164,7 @@ def _read_and_check(
     old = {
         **_flatten({"parallel": dataclasses.asdict(ParallelSection())}),
         **_flatten({"run": dataclasses.asdict(RunSection())}),
+        "fp8.head": True,  # before fp8.head existed the head ran in FP8 with the blocks
         **_flatten(meta["config"]),
     }
     new = _flatten(config)

@@ -162,6 +162,12 @@ class TrainSection:
     """Clip the global gradient norm (over all ranks' shards, after the reduction) to this before
     the optimizer step; 0 = no clipping. Default 0 (the demo's small runs need none; 1.0 is usual
     for large models)."""
+    fp8_stats_every: int = 0
+    """Every this many steps (and at step 1), probe one micro-batch: per fp8dp projection, what
+    the FP8 casts do to its GEMM operands and GEMMs (fill of the format's range, saturated and
+    flushed shares, relative errors; fp8dp/train/fp8_stats.py), appended to
+    <out.dir>/<run>/fp8_stats.jsonl by rank 0. 0 = never. Delayed and current scaling, data
+    parallel only; it reads and changes nothing."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device, for the model FLOPs utilisation in the metrics (fp8dp/
     train/flops.py says how FLOPs are counted); null = no MFU. E.g. 989 for an H200's BF16."""
@@ -176,6 +182,7 @@ class TrainSection:
             _int(f"train.{k}", getattr(self, k))
         _int("train.warmup_steps", self.warmup_steps, lo=0)
         _int("train.save_every", self.save_every, lo=0)
+        _int("train.fp8_stats_every", self.fp8_stats_every, lo=0)
         _int("train.seed", self.seed, lo=0)
         for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2"):
             setattr(self, k, _as_float(getattr(self, k)))
@@ -221,6 +228,10 @@ class FP8Section:
     """"delayed" (DelayedScaling), "current" (Float8CurrentScaling) or "block"
     (Float8BlockScaling: 1x128 tiles, 128x128 weight blocks, with the recipe's own defaults: the
     delayed-scaling keys and split_accumulator_* do not apply, it splits every accumulator)."""
+    head: bool = True
+    """The output head (final norm + the d_model x 256 logits projection) in FP8 with the
+    blocks. false keeps it in params_dtype, as Megatron-core (a plain output layer) and
+    DeepSeek-V3 do; at 256 outputs it is a small share of the FLOPs."""
     amax_history_len: int = _library_default(DelayedScaling, "amax_history_len")
     """Delayed scaling: steps of amax history (DelayedScaling's default; the shipped configs set
     16, which reacts within a few steps in a short run)."""
@@ -260,6 +271,7 @@ class FP8Section:
     def __post_init__(self):
         self.margin = _as_float(self.margin)
         _bool("fp8.enabled", self.enabled)
+        _bool("fp8.head", self.head)
         _choice("fp8.recipe", self.recipe, ("delayed", "current", "block"))
         try:
             # Every field, whichever recipe runs (Float8CurrentScaling checks its margin and
@@ -470,6 +482,17 @@ class TrainConfig:
                 f"{self.model.seq_len} = {tokens}"
             )
         par = self.parallel
+        if self.train.fp8_stats_every > 0 and self.fp8.enabled:
+            if self.fp8.recipe == "block":
+                raise ValueError(
+                    "train.fp8_stats_every: expected 0 with fp8.recipe block (the probe emulates "
+                    f"per-tensor scales only), got {self.train.fp8_stats_every}"
+                )
+            if par.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "train.fp8_stats_every: expected 0 with parallel.pipeline_parallel_size > 1 "
+                    f"(the probe runs on the data-parallel path), got {self.train.fp8_stats_every}"
+                )
         if par.pipeline_parallel_size > 1:
             # fp8dp.pipeline's blocks: the embedding, each transformer block, the norm + head.
             blocks, stages = self.model.n_layer + 2, par.pipeline_parallel_size * par.virtual_stages

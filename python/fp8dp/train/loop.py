@@ -115,9 +115,12 @@ def clip_grad_norm(ddp, max_norm: float, device) -> float:
     return norm
 
 
-def _dp_step(cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device) -> tuple:
+def _dp_step(
+    cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device, probe=None
+) -> tuple:
     """One data-parallel optimizer step (the module docstring's); returns the mean training
-    loss over all ranks and the gradient norm before clipping (None without train.clip_grad)."""
+    loss over all ranks and the gradient norm before clipping (None without train.clip_grad).
+    probe: an fp8_stats.FP8Probe that watches this step's first micro-batch, or None."""
     t = cfg.train
     ddp.zero_grad_buffer()
     loss_sum = 0.0
@@ -126,7 +129,8 @@ def _dp_step(cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, 
         x, y = x.to(device), y.to(device)
         # Only the last micro-batch may launch collectives; the others just accumulate.
         sync = ddp.no_sync() if i < n_micro - 1 else contextlib.nullcontext()
-        with sync:
+        watch = probe.capture(step + 1) if probe and i == 0 else contextlib.nullcontext()
+        with sync, watch:
             with fp8dp.fp8_autocast(enabled=cfg.fp8.enabled, fp8_recipe=recipe):
                 logits = ddp(x, is_first_microbatch=(i == 0))
             loss = F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.view(-1))
@@ -189,6 +193,12 @@ def train(
     _check_train_args(cfg, save, stop_at, time_budget_s)
     corpus = _load_corpus(cfg, run_dir, rank)
     run = _Run.build(cfg, n_micro, corpus, rank, world_size, device)
+    if rank == 0 and cfg.fp8.enabled and cfg.train.fp8_stats_every > 0:
+        from .fp8_stats import FP8Probe
+
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, "fp8_stats.jsonl")
+        run.probe = FP8Probe(run.model, run.recipe, path, () if cfg.fp8.head else ("head",))
     start = 0
     if resume:
         start = run.resume(resume)
@@ -291,12 +301,15 @@ class _Run:
     recipe: Any
     wgrad_modules: list  # the modules whose backward_dw() each micro-batch runs, last layer first
     config_dict: dict
+    probe: Any = None  # fp8_stats.FP8Probe on rank 0 with train.fp8_stats_every; else None
 
     @classmethod
     def build(cls, cfg: TrainConfig, n_micro: int, corpus, rank, world_size, device) -> "_Run":
         torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
         d, t = cfg.ddp, cfg.train
-        model = GPT(cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device)
+        model = GPT(
+            cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device, cfg.fp8.head
+        )
         ddp_cfg = d.library_config()
         ddp = pipe = None
         if cfg.parallel.pipeline_parallel_size > 1:
@@ -370,6 +383,8 @@ class _Run:
         """One optimizer step: (mean training loss, gradient norm or None)."""
         if self.pipe:
             return self.pipe.step(step, self.recipe), None
+        every = self.cfg.train.fp8_stats_every
+        due = self.probe is not None and (step == 0 or (step + 1) % every == 0)
         return _dp_step(
             self.cfg,
             self.ddp,
@@ -381,6 +396,7 @@ class _Run:
             self.rank,
             self.n_micro,
             self.device,
+            self.probe if due else None,
         )
 
     def finished_summary(self, start: int) -> dict:

@@ -2,13 +2,14 @@
 
 Per block: LayerNormLinear (norm + QKV), scaled_dot_product_attention, Linear (out projection),
 LayerNormLinear (norm + MLP up), GELU, Linear (MLP down). The final norm and the vocabulary head
-are one more LayerNormLinear. Embeddings stay plain torch parameters, so one model exercises both
+are one more LayerNormLinear (in FP8 with the blocks, or in params_dtype: fp8.head). Embeddings stay plain torch parameters, so one model exercises both
 gradient routes of contract C2: autograd + DDP hook (embeddings) and delayed/fused wgrad (the
 projections). Activations are sequence-first, [seq, batch, hidden], as Megatron passes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 
@@ -30,6 +31,11 @@ def embed(tok: torch.nn.Embedding, pos: torch.nn.Embedding, tokens: torch.Tensor
     the pipeline's first block share it)."""
     s = tokens.shape[0]
     return tok(tokens) + pos(torch.arange(s, device=tokens.device))[:, None, :]
+
+
+def head_precision(gpt: "GPT"):
+    """The context the head runs in: nothing, or FP8 off when the config keeps it out of FP8."""
+    return contextlib.nullcontext() if gpt.fp8_head else fp8dp.fp8_autocast(enabled=False)
 
 
 class Block(torch.nn.Module):
@@ -66,8 +72,12 @@ class GPT(torch.nn.Module):
         delay_wgrad_compute: bool,
         fuse_wgrad_accumulation: bool,
         device: torch.device,
+        fp8_head: bool = True,
     ):
+        """fp8_head: the head runs in FP8 when the blocks do (config fp8.head); False keeps it
+        in params_dtype under any fp8_autocast."""
         super().__init__()
+        self.fp8_head = fp8_head
         dtype = getattr(torch, cfg.params_dtype)
         proj = dict(
             bias=cfg.bias,
@@ -98,7 +108,8 @@ class GPT(torch.nn.Module):
         x = embed(self.tok, self.pos, tokens)
         for block in self.blocks:
             x = block(x, is_first_microbatch)
-        return self.head(x, is_first_microbatch=is_first_microbatch)
+        with head_precision(self):
+            return self.head(x, is_first_microbatch=is_first_microbatch)
 
     def fp8_modules(self) -> list:
         """The fp8dp projections in forward order (backward_dw runs them in reverse)."""

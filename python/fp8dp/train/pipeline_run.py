@@ -63,10 +63,27 @@ class _Block(torch.nn.Module):
         return self.block(x, None)
 
 
+class _Head(torch.nn.Module):
+    """The norm + head outside FP8 (fp8.head false). With the head in FP8 the LayerNormLinear
+    itself is the block, as in checkpoints from before the key."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        with fp8dp.fp8_autocast(enabled=False):
+            return self.head(x)
+
+
 def pipeline_blocks(gpt: GPT) -> list:
     """The embedding, each transformer block, then the norm + head (a LayerNormLinear already maps
     one tensor to one tensor)."""
-    return [_Embedding(gpt), *(_Block(b) for b in gpt.blocks), gpt.head]
+    return [
+        _Embedding(gpt),
+        *(_Block(b) for b in gpt.blocks),
+        gpt.head if gpt.fp8_head else _Head(gpt.head),
+    ]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,264 @@
+"""The FP8 probe (fp8dp/train/fp8_stats.py, train.fp8_stats_every) and the head outside FP8
+(fp8.head false): the tools for finding where an FP8 run loses against its BF16 twin.
+
+- quantize() on a tensor built to hit each case: exact shares of saturated and flushed values,
+  the fill of the range, and the relative error, computed by hand.
+- The probe's emulation of a cast against fp8dp's own: a LayerNormLinear in FP32 with current
+  scaling (CPU) gives y = cast(norm(x)) cast(w)^T + b with FP32 accumulation; the probe's
+  quantized operands give the same product to within the FP32 summation bound (k * 2^-24 of the
+  sum of |terms|, k = 64) plus the rare input whose norm differs from torch's by an ulp and
+  rounds to the neighbouring FP8 value: measured 1.0e-7 relative, asserted < 1e-4, while the
+  FP8 error itself is 3.7e-2. A probe that cast with another scale, format or
+  input (before the norm) is off by the FP8 error, 200x the bound.
+- Training with the probe is bit-identical to training without it (it only reads).
+- fp8.head false: the head's output is the unquantized LayerNormLinear's, bit for bit, inside
+  fp8_autocast; the head gets no FP8 state; a checkpoint from before the key resumes.
+
+Mutations tried (each then restored): _gemm_input returning x (no norm): test_probe_matches_
+fp8dp_cast fails (rel 1.9 against 1e-4); quantize without the clamp: the E5M2 case gives inf
+(torch's E5M2 conversion does not saturate); GPT.forward without head_precision: test_head_outside_fp8_is_unquantized fails.
+"""
+
+import io
+import json
+import math
+import socket
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fp8dp
+from fp8dp.train.config import load_config
+from fp8dp.train.fp8_stats import FP8Probe, quantize, summarize
+from fp8dp.train.model import GPT
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quantize_counts_saturated_and_flushed_values_exactly():
+    # E4M3 with scale 1: 1000 saturates to 448; 1.0 and 0.5 are exact; 2^-10 is below half the
+    # smallest subnormal (2^-9) and flushes to 0; 0 is not counted among the flushed.
+    v = torch.tensor([1000.0, 1.0, 0.5, 2.0**-10, 0.0])
+    q, s = quantize(v, 1.0, "E4M3")
+    assert q.tolist() == [448.0, 1.0, 0.5, 0.0, 0.0]
+    assert s["saturated"] == 1 / 5
+    assert s["flushed"] == 1 / 4
+    assert s["fill"] == 1000.0 / 448.0
+    expected = math.sqrt((1000.0 - 448.0) ** 2 + 2.0**-20) / math.sqrt(1000.0**2 + 1.25 + 2.0**-20)
+    assert s["rel_err"] == pytest.approx(expected, rel=1e-6)
+    # E5M2 keeps 2 mantissa bits: 1.125 rounds to 1.0 (round to nearest even), scale 4 first.
+    q, s = quantize(torch.tensor([1.125]), 4.0, "E5M2")
+    assert q.tolist() == [1.0] and s["saturated"] == 0.0 and s["fill"] == 4.5 / 57344.0
+    # fp8dp's casts saturate; torch's E5M2 conversion alone would give inf.
+    q, s = quantize(torch.tensor([1e6, -1e6]), 1.0, "E5M2")
+    assert q.tolist() == [57344.0, -57344.0] and s["saturated"] == 1.0
+
+
+def _tiny_model(recipe_head=True):
+    cfg = load_config(REPO / "configs" / "demo.yaml", ["model.n_layer=1", "model.d_model=32"])
+    torch.manual_seed(0)
+    return cfg, GPT(cfg.model, False, False, torch.device("cpu"), recipe_head)
+
+
+def test_probe_matches_fp8dp_cast(tmp_path, fp8_states_released):
+    torch.manual_seed(1)
+    m = fp8dp.LayerNormLinear(64, 48, params_dtype=torch.float32)
+    with torch.no_grad():
+        m.layer_norm_weight.uniform_(0.5, 1.5)
+        m.layer_norm_bias.uniform_(-0.2, 0.2)
+    x = torch.randn(32, 64) * 3
+    recipe = fp8dp.Float8CurrentScaling()
+    probe = FP8Probe(torch.nn.Sequential(m), recipe, str(tmp_path / "s.jsonl"))
+    seen = {}
+    orig = probe._operand
+
+    def keep(mod, role, v, fmt):
+        q, stats = orig(mod, role, v, fmt)
+        seen[role] = q
+        return q, stats
+
+    probe._operand = keep
+    with probe.capture(1):
+        with fp8dp.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = m(x.requires_grad_())
+        y.sum().backward()
+    emulated = seen[0] @ seen[1].t() + m.bias.detach()
+    exact = (
+        torch.nn.functional.layer_norm(
+            x.detach(), (64,), m.layer_norm_weight, m.layer_norm_bias, m.eps
+        )
+        @ m.weight.t()
+        + m.bias
+    )
+    y = y.detach()
+    rel = float((y - emulated).norm() / y.norm())
+    fp8_err = float((y - exact.detach()).norm() / exact.norm())
+    assert rel < 1e-4, rel
+    assert fp8_err > 1e-3, fp8_err  # the check above is far tighter than FP8's own error
+    rec = json.loads((tmp_path / "s.jsonl").read_text())
+    assert rec["module"] == "0" and rec["step"] == 1
+    assert rec["x"]["format"] == "E4M3" and rec["dy"]["format"] == "E5M2"
+    assert rec["x"]["fill"] == pytest.approx(1.0, rel=1e-6)  # current scaling fills the range
+    assert 1e-3 < rec["fprop"] < 0.1 and 1e-3 < rec["dgrad"] < 0.2 and 1e-3 < rec["wgrad"] < 0.2
+
+
+def test_probe_refuses_block_scaling(tmp_path):
+    _, gpt = _tiny_model()
+    with pytest.raises(ValueError, match="train.fp8_stats_every: expected fp8.recipe delayed"):
+        FP8Probe(gpt, fp8dp.Float8BlockScaling(), str(tmp_path / "s.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["fp8.recipe=block", "train.fp8_stats_every=10"],
+            "train.fp8_stats_every: expected 0 with fp8.recipe block",
+        ),
+        (["train.fp8_stats_every=-1"], "train.fp8_stats_every"),
+        (["fp8.head=1"], "fp8.head"),
+    ],
+)
+def test_config_errors_name_the_key(sets, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(REPO / "configs" / "demo.yaml", sets)
+
+
+def test_summarize_orders_by_error():
+    recs = [
+        {"step": 2, "module": "a", "x": None, "fprop": 0.01},
+        {"step": 2, "module": "b", "dgrad": 0.3, "fprop": 0.02},
+    ]
+    lines = summarize(recs).splitlines()
+    assert lines[2].startswith("| 2 | b | dgrad | 0.3000")
+    assert lines[3].startswith("| 2 | b | fprop | 0.0200")
+    assert len(lines) == 5
+
+
+@pytest.mark.parametrize("fp8_head", [False, True])
+def test_head_outside_fp8_is_unquantized(fp8_states_released, fp8_head):
+    """Inside fp8_autocast the blocks cast and the head does not (fp8.head false): its output is
+    the unquantized norm + projection to FP32 rounding (< 1e-5 relative), while in FP8 it is off by
+    FP8's error (> 1e-3)."""
+    _, gpt = _tiny_model(recipe_head=fp8_head)
+    seen = {}
+    gpt.head.register_forward_hook(lambda m, args, out: seen.update(h=args[0], y=out))
+    with fp8dp.fp8_autocast(enabled=True):
+        gpt(torch.randint(0, 256, (16, 2)))
+    head = gpt.head
+    ref = torch.nn.functional.linear(
+        torch.nn.functional.layer_norm(
+            seen["h"], (32,), head.layer_norm_weight, head.layer_norm_bias, head.eps
+        ),
+        head.weight,
+        head.bias,
+    )
+    rel = float((seen["y"] - ref).norm() / ref.norm())
+    assert gpt.blocks[0].qkv.get_extra_state() is not None  # the blocks ran in FP8
+    if fp8_head:
+        assert rel > 1e-3 and head.get_extra_state() is not None
+    else:
+        assert rel < 1e-5 and head.get_extra_state() is None
+
+
+def test_pipeline_head_block_runs_outside_fp8(fp8_states_released):
+    from fp8dp.train.pipeline_run import pipeline_blocks
+
+    _, gpt = _tiny_model(recipe_head=False)
+    last = pipeline_blocks(gpt)[-1]
+    assert last.head is gpt.head
+    with fp8dp.fp8_autocast(enabled=True):
+        last(torch.randn(16, 2, 32))
+    assert gpt.head.get_extra_state() is None
+    _, gpt = _tiny_model(recipe_head=True)
+    assert pipeline_blocks(gpt)[-1] is gpt.head  # as in checkpoints from before fp8.head
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main(*argv):
+    from fp8dp.train.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main([str(a) for a in argv] + ["--no-progress"])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _tiny_config(tmp: Path, name: str) -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(
+        "model: {n_layer: 1, d_model: 16, n_head: 1, seq_len: 16}\n"
+        "train: {steps: 3, global_batch_size: 2, micro_batch_size: 1, warmup_steps: 1,\n"
+        "        eval_every: 1, eval_batches: 1}\n"
+        f"data: {{path: {REPO / 'data' / 'shakespeare.txt'}}}\n"
+        f"out: {{dir: {tmp / name}}}\n"
+    )
+    return path
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(k, v)
+
+    def port():
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+
+    return port
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_training_with_the_probe_is_bit_identical(tmp_path, one_rank, fp8_states_released, recipe):
+    runs = {}
+    for name, every in (("plain", 0), ("probed", 1)):
+        one_rank()
+        cfg = _tiny_config(tmp_path, name)
+        rc, out, err = _main(
+            "--config", cfg, "--device", "cpu", "--set", f"fp8.recipe={recipe}",
+            "--set", f"train.fp8_stats_every={every}",
+        )  # fmt: skip
+        assert rc == 0, err
+        recs = [json.loads(line) for line in (tmp_path / name / "fp8" / "metrics.jsonl").open()]
+        runs[name] = [(r.get("train_loss"), r.get("val_loss"), r.get("grad_norm")) for r in recs]
+    assert runs["plain"] == runs["probed"]
+    stats = [json.loads(line) for line in (tmp_path / "probed" / "fp8" / "fp8_stats.jsonl").open()]
+    # 5 projections (qkv, out, up, down, head) at steps 1, 2, 3; delayed scaling's states exist
+    # from step 2 on (step 1 casts with the scale of its first amax), current scaling's always.
+    assert [(r["step"], r["module"]) for r in stats][:5] == [
+        (1, m) for m in ("blocks.0.qkv", "blocks.0.out", "blocks.0.up", "blocks.0.down", "head")
+    ]
+    assert len(stats) == 15
+    last = [r for r in stats if r["step"] == 3]
+    assert all(r["x"] and r["w"] and r["dy"] and "wgrad" in r for r in last)
+
+
+def test_checkpoint_from_before_fp8_head_resumes(tmp_path, one_rank, fp8_states_released):
+    one_rank()
+    cfg = _tiny_config(tmp_path, "run")
+    rc, out, err = _main("--config", cfg, "--device", "cpu", "--save", tmp_path / "ckpt")
+    assert rc == 0, err
+    meta_path = tmp_path / "ckpt" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["config"]["fp8"].pop("head") is True
+    meta_path.write_text(json.dumps(meta))
+    one_rank()
+    rc, out, err = _main(
+        "--config", cfg, "--device", "cpu", "--set", "train.steps=4", "--resume", tmp_path / "ckpt"
+    )
+    assert rc == 0, err
+    one_rank()
+    rc, out, err = _main(
+        "--config", cfg, "--device", "cpu", "--set", "train.steps=4", "--set", "fp8.head=false",
+        "--resume", tmp_path / "ckpt",
+    )  # fmt: skip
+    assert rc == 2 and "fp8.head: expected True" in err, err
