@@ -41,6 +41,8 @@ def _demo():
         ("train", "lr", -1.0, "train.lr: expected a finite number > 0"),
         ("train", "steps", 2.5, "train.steps: expected an integer >= 1, got 2.5"),
         ("fp8", "recipe", "mxfp8", "fp8.recipe: expected one of"),
+        ("fp8", "format", "E5M2", "fp8.format: expected one of \\['HYBRID', 'E4M3'\\], got 'E5M2'"),
+        ("fp8", "head", "no", "fp8.head: expected true or false, got 'no'"),
         (
             "fp8",
             "split_accumulator_wgrad",
@@ -190,3 +192,17 @@ def test_accumulation_keys_reach_the_recipe(recipe):
     ]
     cfg = load_config(str(REPO / "configs" / "demo.yaml"), sets)
     assert tuple(getattr(make_recipe(cfg), f) for f in fields) == (True, True, False)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_format_key_reaches_the_recipe(recipe):
+    """fp8.format picks the recipe's fp8_format (default HYBRID: E5M2 gradients)."""
+    from fp8dp.recipe import Format
+    from fp8dp.train.loop import make_recipe
+
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}"])
+    assert make_recipe(cfg).fp8_format is Format.HYBRID
+    cfg = load_config(
+        str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}", "fp8.format=E4M3"]
+    )
+    assert make_recipe(cfg).fp8_format is Format.E4M3

@@ -164,7 +164,9 @@ def _read_and_check(
     old = {
         **_flatten({"parallel": dataclasses.asdict(ParallelSection())}),
         **_flatten({"run": dataclasses.asdict(RunSection())}),
-        "fp8.head": True,  # before fp8.head existed the head ran in FP8 with the blocks
+        # Before these keys existed: the head ran in FP8 with the blocks, in the recipes' formats.
+        "fp8.head": True,
+        "fp8.format": "HYBRID",
         **_flatten(meta["config"]),
     }
     new = _flatten(config)

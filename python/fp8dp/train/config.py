@@ -20,7 +20,7 @@ import yaml
 
 from fp8dp.ddp_config import DistributedDataParallelConfig
 from fp8dp.pipeline import _VIRTUAL as _SCHEDULES  # schedule -> its stages per pipeline rank
-from fp8dp.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from fp8dp.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -228,6 +228,9 @@ class FP8Section:
     """"delayed" (DelayedScaling), "current" (Float8CurrentScaling) or "block"
     (Float8BlockScaling: 1x128 tiles, 128x128 weight blocks, with the recipe's own defaults: the
     delayed-scaling keys and split_accumulator_* do not apply, it splits every accumulator)."""
+    format: str = "HYBRID"
+    """Delayed and current scaling: "HYBRID" (E4M3 forward, E5M2 gradients; the recipes'
+    default) or "E4M3" (gradients in E4M3 too: one more mantissa bit, less range)."""
     head: bool = True
     """The output head (final norm + the d_model x 256 logits projection) in FP8 with the
     blocks. false keeps it in params_dtype, as Megatron-core (a plain output layer) and
@@ -255,13 +258,16 @@ class FP8Section:
     def recipe_object(self):
         """The run's recipe: fp8dp.Float8CurrentScaling, fp8dp.Float8BlockScaling or fp8dp.DelayedScaling."""
         if self.recipe == "current":
-            return Float8CurrentScaling(margin=self.margin, **self.accumulation())
+            return Float8CurrentScaling(
+                fp8_format=Format[self.format], margin=self.margin, **self.accumulation()
+            )
         if self.recipe == "block":
             return Float8BlockScaling()
         return self._delayed()
 
     def _delayed(self) -> DelayedScaling:
         return DelayedScaling(
+            fp8_format=Format[self.format],
             amax_history_len=self.amax_history_len,
             amax_compute_algo=self.amax_compute_algo,
             margin=self.margin,
@@ -272,6 +278,7 @@ class FP8Section:
         self.margin = _as_float(self.margin)
         _bool("fp8.enabled", self.enabled)
         _bool("fp8.head", self.head)
+        _choice("fp8.format", self.format, ("HYBRID", "E4M3"))
         _choice("fp8.recipe", self.recipe, ("delayed", "current", "block"))
         try:
             # Every field, whichever recipe runs (Float8CurrentScaling checks its margin and

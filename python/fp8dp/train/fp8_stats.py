@@ -18,6 +18,12 @@ and the relative error of the three GEMMs in FP8 against the same GEMMs of the u
 operands (FP32 products of both): fprop x w^T, dgrad dy w, wgrad dy^T x. Block scaling (a scale
 per tile) is not emulated here.
 
+It also checks fp8dp's own results against that emulation (*_kernel): the module's output, its
+input gradient (through the norm's backward for a LayerNormLinear) and the weight gradient in
+weight.main_grad. These differ only by the output's rounding (BF16: ~2^-9), the accumulation
+(FP32, or the tensor cores' fast accumulation for fprop by default) and the norm computed twice;
+a cast with the wrong scale or layout shows up as a difference of the size of the FP8 error.
+
 It only reads: the run's numerics, and so its bit-exact resume, are those of a run without it.
 Records go to <run_dir>/fp8_stats.jsonl, one line per module and probed step;
 `python -m fp8dp.train.fp8_stats <run_dir>/fp8_stats.jsonl` prints the worst modules.
@@ -41,6 +47,7 @@ from fp8dp.recipe import DelayedScaling, Float8CurrentScaling
 FORMATS = {"E4M3": (torch.float8_e4m3fn, 448.0), "E5M2": (torch.float8_e5m2, 57344.0)}
 ROLES = ("x", "w", "dy")  # the order of a delayed-scaling state's columns
 GEMMS = ("fprop", "dgrad", "wgrad")
+KERNELS = ("fprop_kernel", "dgrad_kernel", "wgrad_kernel")
 
 
 def quantize(v: torch.Tensor, scale: float, fmt: str) -> tuple:
@@ -132,92 +139,135 @@ class FP8Probe:
 
     @contextlib.contextmanager
     def capture(self, step: int):
+        """Watch one micro-batch: its forward, backward and backward_dw() inside the block.
+        The weight-gradient check reads weight.main_grad at the end of the block, so it holds
+        for a micro-batch whose main_grad started at zero (the step's first, under no_sync)."""
         handles = []
         self._pending = {}
-
-        def pre_hook(name):
-            @torch.no_grad()
-            def hook(m, args):
-                x = _gemm_input(m, args[0].detach()).reshape(-1, m.in_features)
-                w = m.weight.detach()
-                qx, sx = self._operand(m, 0, x, self.fwd_fmt)
-                qw, sw = self._operand(m, 1, w, self.fwd_fmt)
-                rec = {"step": step, "module": name, "x": sx, "w": sw}
-                if qx is not None and qw is not None:
-                    rec["fprop"] = _rel(qx @ qw.t(), x.float() @ w.float().t())
-                self._pending[name] = (rec, x, w, qx, qw)
-
-            return hook
-
-        def post_hook(name):
-            def hook(m, args, out):
-                y = out[0] if isinstance(out, tuple) else out
-                if y.requires_grad:
-                    y.register_hook(lambda g: self._backward(name, m, g))
-
-            return hook
-
         for name, m in self.modules:
-            handles.append(m.register_forward_pre_hook(pre_hook(name)))
-            handles.append(m.register_forward_hook(post_hook(name)))
+            handles.append(m.register_forward_pre_hook(self._pre_hook(name, step)))
+            handles.append(m.register_forward_hook(self._post_hook(name)))
+            handles.append(m.register_full_backward_hook(self._input_grad_hook(name)))
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+            self._check_main_grads()
             self._write()
 
+    def _pre_hook(self, name: str, step: int):
+        @torch.no_grad()
+        def hook(m, args):
+            x_in = args[0].detach()
+            x = _gemm_input(m, x_in).reshape(-1, m.in_features)
+            w = m.weight.detach()
+            qx, sx = self._operand(m, 0, x, self.fwd_fmt)
+            qw, sw = self._operand(m, 1, w, self.fwd_fmt)
+            rec = {"step": step, "module": name, "x": sx, "w": sw}
+            p = {"rec": rec, "x_in": x_in, "x": x, "w": w, "qx": qx, "qw": qw}
+            if qx is not None and qw is not None:
+                p["y"] = qx @ qw.t()
+                if m.bias is not None:
+                    p["y"] += m.bias.detach().float()
+                rec["fprop"] = _rel(qx @ qw.t(), x.float() @ w.float().t())
+            self._pending[name] = p
+
+        return hook
+
+    def _post_hook(self, name: str):
+        @torch.no_grad()
+        def hook(m, args, out):
+            y = out[0] if isinstance(out, tuple) else out
+            p = self._pending[name]
+            emulated = p.pop("y", None)
+            if emulated is not None:  # fp8dp's forward against the emulated one
+                p["rec"]["fprop_kernel"] = _rel(
+                    y.detach().float().reshape(emulated.shape), emulated
+                )
+            if y.requires_grad:
+                y.register_hook(lambda g: self._output_grad(name, m, g))
+
+        return hook
+
     @torch.no_grad()
-    def _backward(self, name, m, g) -> None:
-        rec, x, w, qx, qw = self._pending[name]
+    def _output_grad(self, name, m, g) -> None:
+        p = self._pending[name]
+        rec, x, w, qx, qw = p["rec"], p["x"], p["w"], p["qx"], p["qw"]
         dy = g.detach().reshape(-1, m.out_features)
         qdy, sdy = self._operand(m, 2, dy, self.bwd_fmt)
         rec["dy"] = sdy
         if qdy is not None and qw is not None:
-            rec["dgrad"] = _rel(qdy @ qw, dy.float() @ w.float())
+            p["dx"] = qdy @ qw
+            rec["dgrad"] = _rel(p["dx"], dy.float() @ w.float())
         if qdy is not None and qx is not None:
-            rec["wgrad"] = _rel(qdy.t() @ qx, dy.float().t() @ x.float())
-        self._pending[name] = (rec, None, None, None, None)  # the operands are no longer needed
+            p["dw"] = qdy.t() @ qx
+            rec["wgrad"] = _rel(p["dw"], dy.float().t() @ x.float())
+        for k in ("x", "w", "qx", "qw"):
+            del p[k]
+
+    def _input_grad_hook(self, name: str):
+        def hook(m, grad_input, grad_output):
+            p = self._pending.get(name, {})
+            if "dx" not in p or grad_input[0] is None:
+                return None
+            with torch.enable_grad():  # the norm's backward, for a LayerNormLinear
+                x_in = p["x_in"].float().requires_grad_()
+                normed = _gemm_input(m, x_in).reshape(-1, m.in_features)
+                (ref,) = torch.autograd.grad(normed, x_in, p["dx"])
+            p["rec"]["dgrad_kernel"] = _rel(grad_input[0].detach().float(), ref)
+            del p["dx"], p["x_in"]
+            return None
+
+        return hook
+
+    @torch.no_grad()
+    def _check_main_grads(self) -> None:
+        for name, m in self.modules:
+            p = self._pending.get(name, {})
+            main_grad = getattr(m.weight, "main_grad", None)
+            if "dw" in p and main_grad is not None:
+                p["rec"]["wgrad_kernel"] = _rel(main_grad.float().reshape(p["dw"].shape), p["dw"])
 
     def _write(self) -> None:
         with open(self.path, "a") as f:
             for name, _ in self.modules:
                 if name in self._pending:
-                    f.write(json.dumps(self._pending[name][0]) + "\n")
+                    f.write(json.dumps(self._pending[name]["rec"]) + "\n")
         self._pending = {}
 
 
 def summarize(records: list, top: int = 10) -> str:
-    """The worst (module, operand or GEMM) pairs by relative error, over every probed step, and
-    the largest saturated and flushed shares: a Markdown table."""
-    rows = []
+    """Markdown: the `top` largest FP8 errors (operands and GEMMs, any probed step), then the
+    extremes that explain them (the fullest and emptiest range, the largest saturated and flushed
+    shares) and the largest difference between fp8dp's results and the emulation."""
+    errors, operands, kernels = [], [], []
     for r in records:
+        where = (r["step"], r["module"])
         for key in ROLES:
-            s = r.get(key)
-            if s:
-                rows.append(
-                    (
-                        s["rel_err"],
-                        r["step"],
-                        r["module"],
-                        key,
-                        s["fill"],
-                        s["saturated"],
-                        s["flushed"],
-                    )
-                )
-        for key in GEMMS:
-            if key in r:
-                rows.append((r[key], r["step"], r["module"], key, None, None, None))
-    rows.sort(key=lambda t: -t[0])
-    out = ["| step | module | tensor / GEMM | rel. error | fill | saturated | flushed |"]
-    out.append("|---:|---|---|---:|---:|---:|---:|")
-    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
-    for err, step, mod, key, fill, sat, fl in rows[:top]:
-        out.append(
-            f"| {step} | {mod} | {key} | {err:.4f} | {fmt(fill, '.3g')} | {fmt(sat, '.2e')} "
-            f"| {fmt(fl, '.2e')} |"
-        )
+            if r.get(key):
+                errors.append((r[key]["rel_err"], *where, key))
+                operands.append((r[key], *where, key))
+        errors += [(r[k], *where, k) for k in GEMMS if k in r]
+        kernels += [(r[k], *where, k) for k in KERNELS if k in r]
+    errors.sort(key=lambda t: -t[0])
+    out = ["| step | module | tensor / GEMM | relative error |", "|---:|---|---|---:|"]
+    out += [f"| {step} | {mod} | {key} | {err:.4f} |" for err, step, mod, key in errors[:top]]
+
+    def extreme(stat, pick, fmt):
+        if not operands:
+            return "none"
+        s, step, mod, key = pick(operands, key=lambda t: t[0][stat])
+        return f"{format(s[stat], fmt)} ({mod} {key}, step {step}, {s['format']})"
+
+    out.append("")
+    out.append(f"- fullest range (fill): {extreme('fill', max, '.3g')}")
+    out.append(f"- emptiest range (fill): {extreme('fill', min, '.3g')}")
+    out.append(f"- largest saturated share: {extreme('saturated', max, '.3g')}")
+    out.append(f"- largest flushed share: {extreme('flushed', max, '.3g')}")
+    if kernels:
+        err, step, mod, key = max(kernels)
+        out.append(f"- fp8dp against the emulation, largest: {err:.3g} ({mod} {key}, step {step})")
     return "\n".join(out)
 
 

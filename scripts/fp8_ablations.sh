@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Why FP8 falls behind FP8 off on configs/gpt350m.yaml (H200, 2026-12-04: 38% behind at step 800,
+# 10% at step 2,000; bench/results/gpt350m_runs.json): short runs of the same config and seed to
+# --stop-at STOP (default 700), each changing one thing, in one GPU command (~2 min each), then a
+# table of their validation losses against the stored FP8 off and FP8 delayed curves.
+#   scripts/fp8_ablations.sh                      # the default variants below
+#   STOP=400 scripts/fp8_ablations.sh probe head  # some of them
+# Variants (fp8.* over the config's delayed scaling):
+#   probe  nothing changed, train.fp8_stats_every=100: what the casts do, per layer
+#          (runs/ablate/probe/fp8/fp8_stats.jsonl; python -m fp8dp.train.fp8_stats FILE)
+#   head   fp8.head=false: the output head in BF16
+#   fprop  fp8.split_accumulator_fprop=true: FP32-promoted accumulation in the forward GEMMs
+#   e4m3   fp8.format=E4M3: gradients in E4M3 (one more mantissa bit) instead of E5M2
+# Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
+STOP=${STOP:-700}
+CONFIG=${CONFIG:-configs/gpt350m.yaml}
+OUTDIR=${OUTDIR:-runs/ablate}
+declare -A SETS=(
+  [probe]="train.fp8_stats_every=100"
+  [head]="fp8.head=false"
+  [fprop]="fp8.split_accumulator_fprop=true"
+  [e4m3]="fp8.format=E4M3"
+)
+variants=("$@")
+[ ${#variants[@]} -gt 0 ] || variants=(probe head fprop e4m3)
+for v in "${variants[@]}"; do
+  if [ -z "${SETS[$v]+x}" ]; then
+    echo "fp8_ablations: error: variant: expected one of ${!SETS[*]}, got '$v'" >&2
+    exit 2
+  fi
+done
+for v in "${variants[@]}"; do
+  echo "[ablate] $v: ${SETS[$v]} to step $STOP ($(date -u +%H:%M:%S))"
+  sets=(--set "out.dir=$OUTDIR/$v")
+  for s in ${SETS[$v]}; do sets+=(--set "$s"); done
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m fp8dp.train \
+    --config "$CONFIG" --no-progress --save "$OUTDIR/$v/ckpt" --stop-at "$STOP" "${sets[@]}"
+  rm -rf "$OUTDIR/$v/ckpt"
+done
+"$PY" - "$OUTDIR" "${variants[@]}" <<'EOF'
+import json, os, sys
+base, names = sys.argv[1], sys.argv[2:]
+ref = json.load(open("bench/results/gpt350m_runs.json"))["curves"]
+off, delayed = ref["off"]["val_loss"], ref["delayed"]["val_loss"]
+runs = {}
+for n in names:
+    path = os.path.join(base, n, "fp8", "metrics.jsonl")
+    recs = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+    runs[n] = {str(r["step"]): r["val_loss"] for r in recs if r.get("val_loss") is not None}
+steps = sorted({int(s) for r in runs.values() for s in r} & {int(s) for s in off})
+print("| step | FP8 off | FP8 delayed | " + " | ".join(names) + " |")
+print("|---:" * (3 + len(names)) + "|")
+for s in steps:
+    k = str(s)
+    gap = lambda v: f"{v:.4f} ({100 * (v - off[k]) / off[k]:+.1f}%)" if v is not None else ""
+    cells = [gap(runs[n].get(k)) for n in names]
+    print(f"| {s} | {off[k]:.4f} | {gap(delayed.get(k))} | " + " | ".join(cells) + " |")
+EOF
