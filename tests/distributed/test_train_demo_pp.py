@@ -117,8 +117,11 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-def test_pp2_dp2_trains_like_dp4(tmp_path):
-    common = _sets(*TINY, f"train.steps={STEPS}", "train.eval_every=3") + ["--compare-bf16"]
+@pytest.mark.parametrize("head", ["true", "false"], ids=["fp8_head", "bf16_head"])
+def test_pp2_dp2_trains_like_dp4(tmp_path, head):
+    """fp8.head false: the pipeline's last block is the head outside FP8 (pipeline_run._Head)."""
+    common = _sets(*TINY, f"train.steps={STEPS}", "train.eval_every=3", f"fp8.head={head}")
+    common += ["--compare-bf16"]
     torchrun(common + _sets(*PP2, f"out.dir={tmp_path / 'pp'}"))
     torchrun(common + _sets(f"out.dir={tmp_path / 'dp'}"))
     run = {

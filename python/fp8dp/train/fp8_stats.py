@@ -82,7 +82,8 @@ def _formats(recipe) -> tuple:
 
 
 def _gemm_input(m, x: torch.Tensor) -> torch.Tensor:
-    """What the module's GEMM multiplies: x, or norm(x) for a LayerNormLinear."""
+    """What the module's GEMM multiplies: x, or norm(x) for a LayerNormLinear, rounded to x's
+    dtype as the fused norm rounds it before its FP8 cast (src/norm/norm_kernel.h)."""
     if not isinstance(m, fp8dp.LayerNormLinear):
         return x
     g = m.layer_norm_weight.float() + (1.0 if m.zero_centered_gamma else 0.0)
