@@ -92,6 +92,18 @@ def test_probe_matches_fp8dp_cast(tmp_path, fp8_states_released, module):
         assert 1e-3 < rec[key] < 0.2, (key, rec[key])
 
 
+def test_probe_file_restarts_or_keeps_the_resumed_steps(tmp_path, fp8_states_released):
+    """As metrics.jsonl: a fresh run starts the file, a resumed one keeps the steps up to its
+    checkpoint (the later ones are probed again)."""
+    _, gpt = _tiny_model()
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "module": "head"}) + "\n" for s in (1, 2, 3)))
+    FP8Probe(gpt, fp8dp.DelayedScaling(), str(path), truncate_after=2).close()
+    assert [json.loads(line)["step"] for line in path.open()] == [1, 2]
+    FP8Probe(gpt, fp8dp.DelayedScaling(), str(path)).close()
+    assert path.read_text() == ""
+
+
 def test_probe_refuses_block_scaling(tmp_path):
     _, gpt = _tiny_model()
     with pytest.raises(ValueError, match="train.fp8_stats_every: expected fp8.recipe delayed"):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 
@@ -42,6 +41,8 @@ import torch.nn.functional as F
 
 import fp8dp
 from fp8dp.recipe import DelayedScaling, Float8CurrentScaling
+
+from .metrics import MetricsWriter, read_metrics
 
 # format name -> (torch dtype, largest finite value)
 FORMATS = {"E4M3": (torch.float8_e4m3fn, 448.0), "E5M2": (torch.float8_e5m2, 57344.0)}
@@ -98,16 +99,21 @@ def _gemm_input(m, x: torch.Tensor) -> torch.Tensor:
 
 class FP8Probe:
     """capture(step) wraps one micro-batch's forward and backward; the records are appended to
-    `path` when the backward has passed every probed module. recipe: the run's DelayedScaling or
+    `path` (a fresh file, or with truncate_after >= 0 the records of steps up to it kept, as
+    metrics.jsonl on resume) at the end of the block. recipe: the run's DelayedScaling or
     Float8CurrentScaling (ValueError otherwise). exclude: names of modules that run outside FP8."""
 
-    def __init__(self, model: torch.nn.Module, recipe, path: str, exclude=()):
+    def __init__(
+        self, model: torch.nn.Module, recipe, path: str, exclude=(), truncate_after: int = -1
+    ):
         if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
             raise ValueError(
                 "train.fp8_stats_every: expected fp8.recipe delayed or current (per-tensor "
                 f"scales), got {type(recipe).__name__}"
             )
-        self.recipe, self.path = recipe, path
+        self.recipe = recipe
+        # As metrics.jsonl: a fresh run starts the file, a resumed one keeps its steps so far.
+        self._out = MetricsWriter(path, truncate_after)
         self.fwd_fmt, self.bwd_fmt = _formats(recipe)
         self.modules = [
             (name, m)
@@ -231,11 +237,13 @@ class FP8Probe:
                 p["rec"]["wgrad_kernel"] = _rel(main_grad.float().reshape(p["dw"].shape), p["dw"])
 
     def _write(self) -> None:
-        with open(self.path, "a") as f:
-            for name, _ in self.modules:
-                if name in self._pending:
-                    f.write(json.dumps(self._pending[name]["rec"]) + "\n")
+        for name, _ in self.modules:
+            if name in self._pending:
+                self._out.write(self._pending[name]["rec"])
         self._pending = {}
+
+    def close(self) -> None:
+        self._out.close()
 
 
 def summarize(records: list, top: int = 10) -> str:
@@ -278,8 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=20)
     args = p.parse_args(argv)
     try:
-        with open(args.path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = read_metrics(args.path)
     except (OSError, ValueError) as e:
         print(
             f"fp8_stats: error: path: expected a readable fp8_stats.jsonl, got {e}", file=sys.stderr

@@ -193,12 +193,6 @@ def train(
     _check_train_args(cfg, save, stop_at, time_budget_s)
     corpus = _load_corpus(cfg, run_dir, rank)
     run = _Run.build(cfg, n_micro, corpus, rank, world_size, device)
-    if rank == 0 and cfg.fp8.enabled and cfg.train.fp8_stats_every > 0:
-        from .fp8_stats import FP8Probe
-
-        os.makedirs(run_dir, exist_ok=True)
-        path = os.path.join(run_dir, "fp8_stats.jsonl")
-        run.probe = FP8Probe(run.model, run.recipe, path, () if cfg.fp8.head else ("head",))
     start = 0
     if resume:
         start = run.resume(resume)
@@ -207,6 +201,12 @@ def train(
             if save:
                 run.save(save, start)
             return run.finished_summary(start)
+    if rank == 0 and cfg.fp8.enabled and cfg.train.fp8_stats_every > 0:
+        from .fp8_stats import FP8Probe
+
+        path = os.path.join(run_dir, "fp8_stats.jsonl")
+        exclude = () if cfg.fp8.head else ("head",)
+        run.probe = FP8Probe(run.model, run.recipe, path, exclude, start if resume else -1)
     writer = (
         MetricsWriter(
             os.path.join(run_dir, "metrics.jsonl"), truncate_after=start if resume else -1
@@ -250,6 +250,8 @@ def train(
         "peak_mem_gib": peak_memory_gib(device),
         "corpus_sha256": corpus.meta.get("sha256"),
     }
+    if run.probe:
+        run.probe.close()
     if writer:
         writer.close()
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
