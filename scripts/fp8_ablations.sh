@@ -8,7 +8,8 @@
 # Variants (fp8.* over the config's delayed scaling):
 #   probe  nothing changed, train.fp8_stats_every=100: what the casts do, per layer
 #          (runs/ablate/probe/fp8/fp8_stats.jsonl; python -m fp8dp.train.fp8_stats FILE)
-#   head   fp8.head=false: the output head in BF16
+#   head   fp8.exclude=[head]: the output head in BF16
+#   qkv    fp8.exclude=[qkv]: the QKV projections in BF16 (the attention logits' inputs)
 #   fprop  fp8.split_accumulator_fprop=true: FP32-promoted accumulation in the forward GEMMs
 #   e4m3   fp8.format=E4M3: gradients in E4M3 (one more mantissa bit) instead of E5M2
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
@@ -22,12 +23,13 @@ CONFIG=${CONFIG:-configs/gpt350m.yaml}
 OUTDIR=${OUTDIR:-runs/ablate}
 declare -A SETS=(
   [probe]="train.fp8_stats_every=100"
-  [head]="fp8.head=false"
+  [head]="fp8.exclude=[head]"
+  [qkv]="fp8.exclude=[qkv]"
   [fprop]="fp8.split_accumulator_fprop=true"
   [e4m3]="fp8.format=E4M3"
 )
 variants=("$@")
-[ ${#variants[@]} -gt 0 ] || variants=(probe head fprop e4m3)
+[ ${#variants[@]} -gt 0 ] || variants=(probe head qkv e4m3)
 for v in "${variants[@]}"; do
   if [ -z "${SETS[$v]+x}" ]; then
     echo "fp8_ablations: error: variant: expected one of ${!SETS[*]}, got '$v'" >&2

@@ -117,10 +117,11 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("head", ["true", "false"], ids=["fp8_head", "bf16_head"])
-def test_pp2_dp2_trains_like_dp4(tmp_path, head):
-    """fp8.head false: the pipeline's last block is the head outside FP8 (pipeline_run._Head)."""
-    common = _sets(*TINY, f"train.steps={STEPS}", "train.eval_every=3", f"fp8.head={head}")
+@pytest.mark.parametrize("exclude", ["[]", "[head,qkv]"], ids=["all_fp8", "head_qkv_bf16"])
+def test_pp2_dp2_trains_like_dp4(tmp_path, exclude):
+    """fp8.exclude [head, qkv]: the pipeline's last block is the head outside FP8
+    (pipeline_run._Head), its blocks run their QKV projections outside FP8."""
+    common = _sets(*TINY, f"train.steps={STEPS}", "train.eval_every=3", f"fp8.exclude={exclude}")
     common += ["--compare-bf16"]
     torchrun(common + _sets(*PP2, f"out.dir={tmp_path / 'pp'}"))
     torchrun(common + _sets(f"out.dir={tmp_path / 'dp'}"))

@@ -90,3 +90,57 @@ def test_a_wgrad_hook_that_holds_its_module_does_not_keep_it_alive(kind):
     gc.collect()
     assert ref() is None, "the module outlived its last reference"
     assert len(fp8dp._C.fp8_registry_descriptions()) == before, "its FP8 scaling state lives on"
+
+
+_AT_EXIT = r"""
+import atexit, gc, os, sys, weakref
+import torch, torch.distributed as dist
+import fp8dp
+
+gc.disable()  # only an explicit collection frees cycles below
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+
+
+def build():
+    model = torch.nn.Sequential(fp8dp.Linear(32, 32))
+    cfg = fp8dp.DistributedDataParallelConfig(use_distributed_optimizer=True)
+    ddp = fp8dp.DistributedDataParallel(model, cfg)
+    ddp.cycle = [ddp]  # a reference cycle, as torch's AdamW.__init__ frame makes in practice
+    fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=0.1)
+    return weakref.ref(ddp)
+
+
+ref = build()
+dist.destroy_process_group()
+alive_before = ref() is not None
+atexit._run_exitfuncs()  # what interpreter exit runs first, while the interpreter is whole
+print("before", alive_before, "after", ref() is not None)
+"""
+
+
+def test_ddp_in_a_reference_cycle_is_freed_before_interpreter_teardown(tmp_path):
+    """fp8dp collects cycles at exit (ddp.py's atexit handler), so a DDP that only the cycle
+    collector can free is finalised while the interpreter is whole, not during its teardown
+    (where four-rank gloo demo runs aborted: 'terminate called without an active exception')."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "at_exit.py"
+    script.write_text(_AT_EXIT)
+    python_dir = Path(fp8dp.__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(python_dir)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(port)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "before True after False" in out.stdout, out.stdout + out.stderr

@@ -42,7 +42,8 @@ def _demo():
         ("train", "steps", 2.5, "train.steps: expected an integer >= 1, got 2.5"),
         ("fp8", "recipe", "mxfp8", "fp8.recipe: expected one of"),
         ("fp8", "format", "E5M2", "fp8.format: expected one of \\['HYBRID', 'E4M3'\\], got 'E5M2'"),
-        ("fp8", "head", "no", "fp8.head: expected true or false, got 'no'"),
+        ("fp8", "exclude", ["head", "mlp"], "fp8.exclude: expected a list of"),
+        ("fp8", "exclude", "head", "fp8.exclude: expected a list of"),
         (
             "fp8",
             "split_accumulator_wgrad",

@@ -1,5 +1,5 @@
 """The FP8 probe (fp8dp/train/fp8_stats.py, train.fp8_stats_every) and the head outside FP8
-(fp8.head false): the tools for finding where an FP8 run loses against its BF16 twin.
+(fp8.exclude [head]): the tools for finding where an FP8 run loses against its BF16 twin.
 
 - quantize() on a tensor built to hit each case: exact shares of saturated and flushed values,
   the fill of the range, and the relative error, computed by hand.
@@ -11,7 +11,7 @@
   asserted < 1e-4, while the FP8 error of each GEMM is 1e-2 to 6e-2. An emulation that cast
   with another scale, format or input (before the norm) is off by the FP8 error or more.
 - Training with the probe is bit-identical to training without it (it only reads).
-- fp8.head false: the head's output is the unquantized LayerNormLinear's, bit for bit, inside
+- fp8.exclude [head]: the head's output is the unquantized LayerNormLinear's, bit for bit, inside
   fp8_autocast; the head gets no FP8 state; a checkpoint from before the key resumes.
 
 Mutations tried (each then restored): _gemm_input returning x (no norm): test_probe_matches_
@@ -57,10 +57,10 @@ def test_quantize_counts_saturated_and_flushed_values_exactly():
     assert q.tolist() == [57344.0, -57344.0] and s["saturated"] == 1.0
 
 
-def _tiny_model(recipe_head=True):
+def _tiny_model(exclude=()):
     cfg = load_config(REPO / "configs" / "demo.yaml", ["model.n_layer=1", "model.d_model=32"])
     torch.manual_seed(0)
-    return cfg, GPT(cfg.model, False, False, torch.device("cpu"), recipe_head)
+    return cfg, GPT(cfg.model, False, False, torch.device("cpu"), exclude)
 
 
 @pytest.mark.parametrize("module", ["Linear", "LayerNormLinear"])
@@ -118,7 +118,7 @@ def test_probe_refuses_block_scaling(tmp_path):
             "train.fp8_stats_every: expected 0 with fp8.recipe block",
         ),
         (["train.fp8_stats_every=-1"], "train.fp8_stats_every"),
-        (["fp8.head=1"], "fp8.head"),
+        (["fp8.exclude=head"], "fp8.exclude: expected a list of"),
     ],
 )
 def test_config_errors_name_the_key(sets, message):
@@ -146,10 +146,10 @@ def test_summarize_orders_by_error():
 
 @pytest.mark.parametrize("fp8_head", [False, True])
 def test_head_outside_fp8_is_unquantized(fp8_states_released, fp8_head):
-    """Inside fp8_autocast the blocks cast and the head does not (fp8.head false): its output is
-    the unquantized norm + projection to FP32 rounding (< 1e-5 relative), while in FP8 it is off by
-    FP8's error (> 1e-3)."""
-    _, gpt = _tiny_model(recipe_head=fp8_head)
+    """Inside fp8_autocast the blocks cast and the head does not (fp8.exclude [head]): its output
+    is the unquantized norm + projection to FP32 rounding (< 1e-5 relative), while in FP8 it is
+    off by FP8's error (> 1e-3)."""
+    _, gpt = _tiny_model(exclude=() if fp8_head else ("head",))
     seen = {}
     gpt.head.register_forward_hook(lambda m, args, out: seen.update(h=args[0], y=out))
     with fp8dp.fp8_autocast(enabled=True):
@@ -170,17 +170,30 @@ def test_head_outside_fp8_is_unquantized(fp8_states_released, fp8_head):
         assert rel < 1e-5 and head.get_extra_state() is None
 
 
+@pytest.mark.parametrize("name", ["qkv", "out", "up", "down", "head"])
+def test_excluded_projections_get_no_fp8_state(fp8_states_released, name):
+    """fp8.exclude [name]: under fp8_autocast every other projection casts (it has a delayed
+    scaling state afterwards), the named one in every block does not."""
+    _, gpt = _tiny_model(exclude=(name,))
+    with fp8dp.fp8_autocast(enabled=True):
+        gpt(torch.randint(0, 256, (16, 2))).float().sum().backward()
+    for mod_name, m in gpt.named_modules():
+        if isinstance(m, (fp8dp.Linear, fp8dp.LayerNormLinear)):
+            excluded = mod_name.rsplit(".", 1)[-1] == name
+            assert (m.get_extra_state() is None) == excluded, mod_name
+
+
 def test_pipeline_head_block_runs_outside_fp8(fp8_states_released):
     from fp8dp.train.pipeline_run import pipeline_blocks
 
-    _, gpt = _tiny_model(recipe_head=False)
+    _, gpt = _tiny_model(exclude=("head",))
     last = pipeline_blocks(gpt)[-1]
     assert last.head is gpt.head
     with fp8dp.fp8_autocast(enabled=True):
         last(torch.randn(16, 2, 32))
     assert gpt.head.get_extra_state() is None
-    _, gpt = _tiny_model(recipe_head=True)
-    assert pipeline_blocks(gpt)[-1] is gpt.head  # as in checkpoints from before fp8.head
+    _, gpt = _tiny_model()
+    assert pipeline_blocks(gpt)[-1] is gpt.head  # as in checkpoints from before fp8.exclude
 
 
 def _free_port() -> int:
@@ -248,14 +261,14 @@ def test_training_with_the_probe_is_bit_identical(tmp_path, one_rank, fp8_states
     assert all(r["x"] and r["w"] and r["dy"] and "wgrad" in r for r in last)
 
 
-def test_checkpoint_from_before_fp8_head_resumes(tmp_path, one_rank, fp8_states_released):
+def test_checkpoint_from_before_fp8_exclude_resumes(tmp_path, one_rank, fp8_states_released):
     one_rank()
     cfg = _tiny_config(tmp_path, "run")
     rc, out, err = _main("--config", cfg, "--device", "cpu", "--save", tmp_path / "ckpt")
     assert rc == 0, err
     meta_path = tmp_path / "ckpt" / "meta.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["config"]["fp8"].pop("head") is True
+    assert meta["config"]["fp8"].pop("exclude") == []
     meta_path.write_text(json.dumps(meta))
     one_rank()
     rc, out, err = _main(
@@ -264,7 +277,7 @@ def test_checkpoint_from_before_fp8_head_resumes(tmp_path, one_rank, fp8_states_
     assert rc == 0, err
     one_rank()
     rc, out, err = _main(
-        "--config", cfg, "--device", "cpu", "--set", "train.steps=4", "--set", "fp8.head=false",
+        "--config", cfg, "--device", "cpu", "--set", "train.steps=4", "--set", "fp8.exclude=[head]",
         "--resume", tmp_path / "ckpt",
     )  # fmt: skip
-    assert rc == 2 and "fp8.head: expected True" in err, err
+    assert rc == 2 and "fp8.exclude: expected []" in err, err

@@ -165,7 +165,7 @@ def _read_and_check(
         **_flatten({"parallel": dataclasses.asdict(ParallelSection())}),
         **_flatten({"run": dataclasses.asdict(RunSection())}),
         # Before these keys existed: the head ran in FP8 with the blocks, in the recipes' formats.
-        "fp8.head": True,
+        "fp8.exclude": [],
         "fp8.format": "HYBRID",
         **_flatten(meta["config"]),
     }

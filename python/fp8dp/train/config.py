@@ -210,6 +210,8 @@ def _library_error(section: str, e: ValueError) -> ValueError:
     return ValueError(f"{section}.{e}")
 
 
+PROJECTIONS = ("qkv", "out", "up", "down", "head")  # what fp8.exclude may name (model.py)
+
 ACCUMULATION_KEYS = (
     "split_accumulator_fprop",
     "split_accumulator_dgrad",
@@ -231,10 +233,11 @@ class FP8Section:
     format: str = "HYBRID"
     """Delayed and current scaling: "HYBRID" (E4M3 forward, E5M2 gradients; the recipes'
     default) or "E4M3" (gradients in E4M3 too: one more mantissa bit, less range)."""
-    head: bool = True
-    """The output head (final norm + the d_model x 256 logits projection) in FP8 with the
-    blocks. false keeps it in params_dtype, as Megatron-core (a plain output layer) and
-    DeepSeek-V3 do; at 256 outputs it is a small share of the FLOPs."""
+    exclude: list = field(default_factory=list)
+    """Projections kept out of FP8 (they run in params_dtype under fp8_autocast), by name: "qkv",
+    "out", "up", "down" (in every block) and "head" (final norm + logits). Default none.
+    Megatron-core and DeepSeek-V3 keep the head out of FP8 (at 256 outputs it is a small share of
+    the FLOPs); the others are for finding where FP8 costs accuracy."""
     amax_history_len: int = _library_default(DelayedScaling, "amax_history_len")
     """Delayed scaling: steps of amax history (DelayedScaling's default; the shipped configs set
     16, which reacts within a few steps in a short run)."""
@@ -277,7 +280,10 @@ class FP8Section:
     def __post_init__(self):
         self.margin = _as_float(self.margin)
         _bool("fp8.enabled", self.enabled)
-        _bool("fp8.head", self.head)
+        if not isinstance(self.exclude, list) or not all(p in PROJECTIONS for p in self.exclude):
+            raise ValueError(
+                f"fp8.exclude: expected a list of {list(PROJECTIONS)}, got {self.exclude!r}"
+            )
         _choice("fp8.format", self.format, ("HYBRID", "E4M3"))
         _choice("fp8.recipe", self.recipe, ("delayed", "current", "block"))
         try:

@@ -101,7 +101,8 @@ class FP8Probe:
     """capture(step) wraps one micro-batch's forward and backward; the records are appended to
     `path` (a fresh file, or with truncate_after >= 0 the records of steps up to it kept, as
     metrics.jsonl on resume) at the end of the block. recipe: the run's DelayedScaling or
-    Float8CurrentScaling (ValueError otherwise). exclude: names of modules that run outside FP8."""
+    Float8CurrentScaling (ValueError otherwise). exclude: the projection names (fp8.exclude: "qkv", ..., "head") that
+    run outside FP8."""
 
     def __init__(
         self, model: torch.nn.Module, recipe, path: str, exclude=(), truncate_after: int = -1
@@ -118,7 +119,8 @@ class FP8Probe:
         self.modules = [
             (name, m)
             for name, m in model.named_modules()
-            if isinstance(m, (fp8dp.Linear, fp8dp.LayerNormLinear)) and name not in exclude
+            if isinstance(m, (fp8dp.Linear, fp8dp.LayerNormLinear))
+            and name.rsplit(".", 1)[-1] not in exclude
         ]
         self._pending = {}
 

@@ -205,8 +205,7 @@ def train(
         from .fp8_stats import FP8Probe
 
         path = os.path.join(run_dir, "fp8_stats.jsonl")
-        exclude = () if cfg.fp8.head else ("head",)
-        run.probe = FP8Probe(run.model, run.recipe, path, exclude, start if resume else -1)
+        run.probe = FP8Probe(run.model, run.recipe, path, cfg.fp8.exclude, start if resume else -1)
     writer = (
         MetricsWriter(
             os.path.join(run_dir, "metrics.jsonl"), truncate_after=start if resume else -1
@@ -310,7 +309,7 @@ class _Run:
         torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
         d, t = cfg.ddp, cfg.train
         model = GPT(
-            cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device, cfg.fp8.head
+            cfg.model, d.delay_wgrad_compute, d.fuse_wgrad_accumulation, device, cfg.fp8.exclude
         )
         ddp_cfg = d.library_config()
         ddp = pipe = None

@@ -2,9 +2,9 @@
 
 Per block: LayerNormLinear (norm + QKV), scaled_dot_product_attention, Linear (out projection),
 LayerNormLinear (norm + MLP up), GELU, Linear (MLP down). The final norm and the vocabulary head
-are one more LayerNormLinear (in FP8 with the blocks, or in params_dtype: fp8.head). Embeddings stay plain torch parameters, so one model exercises both
-gradient routes of contract C2: autograd + DDP hook (embeddings) and delayed/fused wgrad (the
-projections). Activations are sequence-first, [seq, batch, hidden], as Megatron passes them.
+are one more LayerNormLinear. fp8.exclude keeps named projections out of FP8. Embeddings stay
+plain torch parameters, so one model exercises both gradient routes of contract C2: autograd +
+DDP hook (embeddings) and delayed/fused wgrad (the projections). Activations are sequence-first, [seq, batch, hidden], as Megatron passes them.
 """
 
 from __future__ import annotations
@@ -33,14 +33,16 @@ def embed(tok: torch.nn.Embedding, pos: torch.nn.Embedding, tokens: torch.Tensor
     return tok(tokens) + pos(torch.arange(s, device=tokens.device))[:, None, :]
 
 
-def head_precision(gpt: "GPT"):
-    """The context the head runs in: nothing, or FP8 off when the config keeps it out of FP8."""
-    return contextlib.nullcontext() if gpt.fp8_head else fp8dp.fp8_autocast(enabled=False)
+def precision(name: str, exclude) -> contextlib.AbstractContextManager:
+    """The context projection `name` runs in: as around it, or FP8 off when fp8.exclude names
+    it."""
+    return fp8dp.fp8_autocast(enabled=False) if name in exclude else contextlib.nullcontext()
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, proj: dict):
+    def __init__(self, cfg: ModelConfig, proj: dict, exclude=()):
         super().__init__()
+        self.exclude = tuple(exclude)
         d, self.n_head = cfg.d_model, cfg.n_head
         std = 0.02
         out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled down
@@ -55,14 +57,19 @@ class Block(torch.nn.Module):
     def forward(self, x: torch.Tensor, is_first_microbatch) -> torch.Tensor:
         s, b, d = x.shape
         h = self.n_head
-        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        first = is_first_microbatch
+        with precision("qkv", self.exclude):
+            qkv = self.qkv(x, is_first_microbatch=first)
         # [s, b, 3, h, hd] -> three [b, h, s, hd]
         q, k, v = qkv.view(s, b, 3, h, d // h).permute(2, 1, 3, 0, 4).unbind(0)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.permute(2, 0, 1, 3).reshape(s, b, d)
-        x = x + self.out(a, is_first_microbatch=is_first_microbatch)
-        u = F.gelu(self.up(x, is_first_microbatch=is_first_microbatch))
-        return x + self.down(u, is_first_microbatch=is_first_microbatch)
+        with precision("out", self.exclude):
+            x = x + self.out(a, is_first_microbatch=first)
+        with precision("up", self.exclude):
+            u = F.gelu(self.up(x, is_first_microbatch=first))
+        with precision("down", self.exclude):
+            return x + self.down(u, is_first_microbatch=first)
 
 
 class GPT(torch.nn.Module):
@@ -72,12 +79,12 @@ class GPT(torch.nn.Module):
         delay_wgrad_compute: bool,
         fuse_wgrad_accumulation: bool,
         device: torch.device,
-        fp8_head: bool = True,
+        exclude=(),
     ):
-        """fp8_head: the head runs in FP8 when the blocks do (config fp8.head); False keeps it
-        in params_dtype under any fp8_autocast."""
+        """exclude: the projections (config.PROJECTIONS) that run in params_dtype under any
+        fp8_autocast (config fp8.exclude)."""
         super().__init__()
-        self.fp8_head = fp8_head
+        self.exclude = tuple(exclude)
         dtype = getattr(torch, cfg.params_dtype)
         proj = dict(
             bias=cfg.bias,
@@ -90,7 +97,7 @@ class GPT(torch.nn.Module):
         self.pos = torch.nn.Embedding(cfg.seq_len, cfg.d_model, dtype=dtype, device=device)
         torch.nn.init.normal_(self.tok.weight, std=0.02)
         torch.nn.init.normal_(self.pos.weight, std=0.01)
-        self.blocks = torch.nn.ModuleList(Block(cfg, proj) for _ in range(cfg.n_layer))
+        self.blocks = torch.nn.ModuleList(Block(cfg, proj, exclude) for _ in range(cfg.n_layer))
         self.head = fp8dp.LayerNormLinear(
             cfg.d_model,
             VOCAB_SIZE,
@@ -108,7 +115,7 @@ class GPT(torch.nn.Module):
         x = embed(self.tok, self.pos, tokens)
         for block in self.blocks:
             x = block(x, is_first_microbatch)
-        with head_precision(self):
+        with precision("head", self.exclude):
             return self.head(x, is_first_microbatch=is_first_microbatch)
 
     def fp8_modules(self) -> list:

@@ -64,8 +64,8 @@ class _Block(torch.nn.Module):
 
 
 class _Head(torch.nn.Module):
-    """The norm + head outside FP8 (fp8.head false). With the head in FP8 the LayerNormLinear
-    itself is the block, as in checkpoints from before the key."""
+    """The norm + head outside FP8 (fp8.exclude names it). With the head in FP8 the
+    LayerNormLinear itself is the block, as in checkpoints from before the key."""
 
     def __init__(self, head):
         super().__init__()
@@ -82,7 +82,7 @@ def pipeline_blocks(gpt: GPT) -> list:
     return [
         _Embedding(gpt),
         *(_Block(b) for b in gpt.blocks),
-        gpt.head if gpt.fp8_head else _Head(gpt.head),
+        _Head(gpt.head) if "head" in gpt.exclude else gpt.head,
     ]
 
 
