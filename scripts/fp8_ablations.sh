@@ -3,7 +3,7 @@
 # 10% at step 2,000; bench/results/gpt350m_runs.json): short runs of the same config and seed to
 # --stop-at STOP (default 700), each changing one thing, in one GPU command (~2 min each), then a
 # table of their validation losses against the stored FP8 off and FP8 delayed curves.
-#   scripts/fp8_ablations.sh                      # the default variants below
+#   scripts/fp8_ablations.sh                      # probe, fprop, qkv, e4m3
 #   STOP=400 scripts/fp8_ablations.sh probe head  # some of them
 # Variants (fp8.* over the config's delayed scaling):
 #   probe  nothing changed, train.fp8_stats_every=100: what the casts do, per layer
@@ -29,7 +29,7 @@ declare -A SETS=(
   [e4m3]="fp8.format=E4M3"
 )
 variants=("$@")
-[ ${#variants[@]} -gt 0 ] || variants=(probe head qkv e4m3)
+[ ${#variants[@]} -gt 0 ] || variants=(probe fprop qkv e4m3)
 for v in "${variants[@]}"; do
   if [ -z "${SETS[$v]+x}" ]; then
     echo "fp8_ablations: error: variant: expected one of ${!SETS[*]}, got '$v'" >&2

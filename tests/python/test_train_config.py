@@ -207,3 +207,11 @@ def test_format_key_reaches_the_recipe(recipe):
         str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}", "fp8.format=E4M3"]
     )
     assert make_recipe(cfg).fp8_format is Format.E4M3
+
+
+def test_fp8_gap_cpu_config_loads():
+    """configs/fp8_gap_cpu.yaml: the CPU reproduction of the 342M runs' FP8 lag, one rank."""
+    cfg = load_config(str(REPO / "configs" / "fp8_gap_cpu.yaml"))
+    assert cfg.check_world_size(1) == 1
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.train.steps) == (4, 128, 1500)
+    assert cfg.fp8.recipe == "delayed" and cfg.fp8.amax_history_len == 1024
