@@ -230,7 +230,7 @@ class FP8Section:
     """"delayed" (DelayedScaling), "current" (Float8CurrentScaling) or "block"
     (Float8BlockScaling: 1x128 tiles, 128x128 weight blocks, with the recipe's own defaults: the
     delayed-scaling keys and split_accumulator_* do not apply, it splits every accumulator)."""
-    format: str = "HYBRID"
+    format: str = _library_default(DelayedScaling, "fp8_format").value
     """Delayed and current scaling: "HYBRID" (E4M3 forward, E5M2 gradients; the recipes'
     default) or "E4M3" (gradients in E4M3 too: one more mantissa bit, less range)."""
     exclude: list = field(default_factory=list)
