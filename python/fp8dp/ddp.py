@@ -20,8 +20,8 @@ from .scaling import set_fp8_identities
 # model often end in reference cycles (a frame of torch's optimizer __init__ keeps our
 # DistributedOptimizer.__init__ frame alive, and with it the DDP), which only the cycle collector
 # frees. Left to interpreter teardown, after destroy_process_group, their gloo state was torn down
-# out of order: "terminate called without an active exception", SIGABRT, in 3 of 8 four-rank
-# demo runs on a loaded 2-core machine (2026-12-04); with this collection, 0 of 8. Registered
+# out of order: "terminate called without an active exception", SIGABRT, in 4 of 24 four-rank
+# demo runs on a loaded 2-core machine (2026-12-04); with this collection, 0 of 32. Registered
 # after torch's own handlers, so it runs before them.
 atexit.register(gc.collect)
 

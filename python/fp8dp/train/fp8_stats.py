@@ -101,8 +101,8 @@ class FP8Probe:
     """capture(step) wraps one micro-batch's forward and backward; the records are appended to
     `path` (a fresh file, or with truncate_after >= 0 the records of steps up to it kept, as
     metrics.jsonl on resume) at the end of the block. recipe: the run's DelayedScaling or
-    Float8CurrentScaling (ValueError otherwise). exclude: the projection names (fp8.exclude: "qkv", ..., "head") that
-    run outside FP8."""
+    Float8CurrentScaling (ValueError otherwise). exclude: the projection names that run outside
+    FP8 (fp8.exclude: "qkv", ..., "head")."""
 
     def __init__(
         self, model: torch.nn.Module, recipe, path: str, exclude=(), truncate_after: int = -1
@@ -176,10 +176,9 @@ class FP8Probe:
             rec = {"step": step, "module": name, "x": sx, "w": sw}
             p = {"rec": rec, "x_in": x_in, "x": x, "w": w, "qx": qx, "qw": qw}
             if qx is not None and qw is not None:
-                p["y"] = qx @ qw.t()
-                if m.bias is not None:
-                    p["y"] += m.bias.detach().float()
-                rec["fprop"] = _rel(qx @ qw.t(), x.float() @ w.float().t())
+                y = qx @ qw.t()
+                rec["fprop"] = _rel(y, x.float() @ w.float().t())
+                p["y"] = y + m.bias.detach().float() if m.bias is not None else y
             self._pending[name] = p
 
         return hook

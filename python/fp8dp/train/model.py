@@ -4,7 +4,8 @@ Per block: LayerNormLinear (norm + QKV), scaled_dot_product_attention, Linear (o
 LayerNormLinear (norm + MLP up), GELU, Linear (MLP down). The final norm and the vocabulary head
 are one more LayerNormLinear. fp8.exclude keeps named projections out of FP8. Embeddings stay
 plain torch parameters, so one model exercises both gradient routes of contract C2: autograd +
-DDP hook (embeddings) and delayed/fused wgrad (the projections). Activations are sequence-first, [seq, batch, hidden], as Megatron passes them.
+DDP hook (embeddings) and delayed/fused wgrad (the projections). Activations are sequence-first,
+[seq, batch, hidden], as Megatron passes them.
 """
 
 from __future__ import annotations
