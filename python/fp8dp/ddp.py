@@ -5,6 +5,7 @@ GradSync (src/grad_buffer), which holds the buffers, readiness, collectives, led
 import atexit
 import contextlib
 import gc
+import sys
 import weakref
 
 import torch
@@ -16,14 +17,42 @@ from .ddp_config import DistributedDataParallelConfig
 from .modules import _FP8LinearBase
 from .scaling import set_fp8_identities
 
-# At exit, one collection while the interpreter is still whole. A DDP, its optimizer and their
-# model often end in reference cycles (a frame of torch's optimizer __init__ keeps our
-# DistributedOptimizer.__init__ frame alive, and with it the DDP), which only the cycle collector
-# frees. Left to interpreter teardown, after destroy_process_group, their gloo state was torn down
-# out of order: "terminate called without an active exception", SIGABRT, in 4 of 24 four-rank
-# demo runs on a loaded 2-core machine (2026-12-04); with this collection, 0 of 32. Registered
-# after torch's own handlers, so it runs before them.
-atexit.register(gc.collect)
+# Every DDP alive, for the exit drain below (weakly: the set keeps nothing alive).
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    """Run once at exit, while the interpreter is still whole.
+
+    1. Waits for the parameter all-gathers that the last DistributedOptimizer.step() left in
+       flight (overlap_param_gather): every rank launched them in that step, so the wait ends.
+       A collective still running on a gloo thread when the interpreter finalises frees its
+       tensors on that thread, which then takes the GIL of a dying interpreter and is unwound
+       through a noexcept frame: "terminate called without an active exception", SIGABRT (a plain
+       torch async all_reduce left in flight at exit aborted 2 of 8 two-rank runs here,
+       2026-12-04). Gradient buckets are not waited for: a backward cut short may have launched
+       a bucket that other ranks never will, and a hang at exit is worse than an abort.
+    2. One collection. A DDP, its optimizer and their model often end in reference cycles (a
+       frame of torch's optimizer __init__ keeps our DistributedOptimizer.__init__ frame alive,
+       and with it the DDP), which only the cycle collector frees; left to interpreter teardown,
+       after destroy_process_group, their gloo state was torn down out of order and aborted the
+       same way in 4 of 24 four-rank demo runs on a loaded 2-core machine; with it, 0 of 32.
+    Registered after torch's own exit handlers, so it runs before them."""
+    _finish_param_syncs()
+    gc.collect()
+
+
+def _finish_param_syncs() -> None:
+    """(Its own frame, so that no local keeps a DDP alive through the collection after it.)"""
+    for ddp in list(_LIVE):
+        if ddp._sync.param_sync_pending:
+            try:
+                ddp._sync.finish_param_sync()
+            except Exception as e:  # noqa: BLE001 (a peer gone: say so, and go on exiting)
+                print(f"fp8dp: at exit, an all-gather in flight failed: {e}", file=sys.stderr)
+
+
+atexit.register(_drain_at_exit)
 
 
 class _GradHook:
@@ -329,6 +358,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._known = {id(p) for p in self.module.parameters()}
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._ledger = config.grad_ledger
+        _LIVE.add(self)
 
     def _bind_fp8_modules(self, fp8_modules: dict) -> None:
         """Each fp8dp module delivers its fused and delayed weight gradients to GradSync itself."""

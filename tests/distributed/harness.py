@@ -205,7 +205,7 @@ def torchrun(
     with `nproc` ranks; returns (exit code, output). The environment gets this tree's fp8dp (its
     python/ when it holds a build, else the fp8dp already on PYTHONPATH, e.g. a worktree testing
     another tree's build) and the repository root (for `-m tests.distributed...`),
-    OMP_NUM_THREADS=1 and NCCL_NVLS_ENABLE=0 unless set. On timeout the whole process group is
+    OMP_NUM_THREADS=1, NCCL_NVLS_ENABLE=0 and PYTHONFAULTHANDLER=1 unless set. On timeout the whole process group is
     killed (torchrun's ranks too) and the exit code is "timeout"."""
     e = dict(os.environ)
     paths = [str(ROOT)]
@@ -214,6 +214,9 @@ def torchrun(
     e["PYTHONPATH"] = os.pathsep.join(paths + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
     e.setdefault("OMP_NUM_THREADS", "1")
     e.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast: off, see scripts/gpu_check.sh
+    # A rank that dies of SIGSEGV / SIGABRT prints every thread's Python stack: a rare abort in CI
+    # then says where it came from instead of only "terminate called".
+    e.setdefault("PYTHONFAULTHANDLER", "1")
     e.update(env or {})
     cmd = [
         sys.executable,

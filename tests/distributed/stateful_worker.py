@@ -138,7 +138,12 @@ def main():
             (Path(args.out) / f"stateful_{args.family}.json").write_text(json.dumps(res))
     else:
         driver.follow()
-        driver._teardown()
+    # Every rank closes its last machine here, while the interpreter is whole: close() waits for
+    # the collectives a sequence left in flight. Left to run on a gloo thread while the
+    # interpreter finalised, such a work freed its tensors there and took the GIL of a dying
+    # interpreter, and the forced unwind of that thread through a noexcept frame aborted rank 0
+    # ("terminate called without an active exception", once in CI's params family, 2026-12-04).
+    driver._teardown()
     dist.barrier(group=ctrl)
     dist.destroy_process_group()
 

@@ -144,3 +144,58 @@ def test_ddp_in_a_reference_cycle_is_freed_before_interpreter_teardown(tmp_path)
     )
     assert out.returncode == 0, out.stderr
     assert "before True after False" in out.stdout, out.stdout + out.stderr
+
+
+_IN_FLIGHT_AT_EXIT = r"""
+import atexit, os, sys
+import torch, torch.distributed as dist
+
+rank = int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=str(rank), WORLD_SIZE="2")
+# Registered before fp8dp's own exit handler, so it runs after it (atexit runs last in, first out).
+atexit.register(lambda: print("in flight after fp8dp's exit handler:", ddp._sync.param_sync_pending))
+import fp8dp
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+cfg = fp8dp.DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)
+ddp = fp8dp.DistributedDataParallel(torch.nn.Sequential(fp8dp.Linear(64, 64)), cfg)
+opt = fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=0.1)
+ddp(torch.randn(8, 64)).square().sum().backward()
+ddp.finish_grad_sync()
+opt.step()  # leaves the parameter all-gathers in flight for the next forward
+print("in flight at the end of the script:", ddp._sync.param_sync_pending, flush=True)
+"""
+
+
+def test_parameter_all_gathers_in_flight_are_waited_for_at_exit(tmp_path):
+    """A script that ends right after DistributedOptimizer.step() with overlap_param_gather leaves
+    its all-gathers in flight; fp8dp's exit handler waits for them while the interpreter is whole
+    (a gloo collective that completes during interpreter teardown aborts the process)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "in_flight.py"
+    script.write_text(_IN_FLIGHT_AT_EXIT)
+    python_dir = Path(fp8dp.__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(python_dir), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(port), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}:\n{out}"
+        assert "in flight at the end of the script: True" in out, out  # the case is the one meant
+        assert "in flight after fp8dp's exit handler: False" in out, out
