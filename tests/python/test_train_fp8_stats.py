@@ -92,6 +92,39 @@ def test_probe_matches_fp8dp_cast(tmp_path, fp8_states_released, module):
         assert 1e-3 < rec[key] < 0.2, (key, rec[key])
 
 
+def test_probe_reports_each_part_of_qkv_gradient(tmp_path, fp8_states_released):
+    """One scale covers q, k and v's gradients (PARTS): built so that each part lands in a
+    different place of E5M2's range under current scaling (amax 1, scale 57344): v's 1.0 and k's
+    2^-10 (56 after scaling: 1.75 * 2^5) are exact, q's 1e-11 (6e-7 after scaling) is below half
+    the smallest subnormal 2^-16 and flushes. So q's numbers are exactly 1 (all flushed, all its
+    gradient lost, its weight-gradient rows zero) and k's and v's dy exact; their weight-gradient
+    rows carry x's E4M3 error only, the same relative error for both (rows c * sum_t qx_t)."""
+    from collections import OrderedDict
+
+    torch.manual_seed(2)
+    m = fp8dp.Linear(16, 48, params_dtype=torch.float32)
+    weights = torch.tensor([1e-11] * 16 + [2.0**-10] * 16 + [1.0] * 16)
+    recipe = fp8dp.Float8CurrentScaling()
+    probe = FP8Probe(torch.nn.Sequential(OrderedDict(qkv=m)), recipe, str(tmp_path / "s.jsonl"))
+    with probe.capture(1):
+        with fp8dp.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = m(torch.randn(16, 16, requires_grad=True))
+        (y * weights).sum().backward()
+    probe.close()
+    parts = json.loads((tmp_path / "s.jsonl").read_text())["dy_parts"]
+    assert sorted(parts) == ["k", "q", "v"]
+    assert parts["q"]["flushed"] == 1.0 and parts["q"]["rel_err"] == 1.0
+    assert parts["q"]["wgrad"] == 1.0
+    assert parts["q"]["rms_over_amax"] == pytest.approx(1e-11, rel=1e-6)
+    for part, level in (("k", 2.0**-10), ("v", 1.0)):
+        assert parts[part]["flushed"] == 0.0 and parts[part]["rel_err"] == 0.0
+        assert parts[part]["rms_over_amax"] == level
+        assert 0.0 < parts[part]["wgrad"] < 0.1
+    assert parts["k"]["wgrad"] == pytest.approx(parts["v"]["wgrad"], rel=1e-5)
+    table = summarize([json.loads((tmp_path / "s.jsonl").read_text())])
+    assert "| 1 | q | 1e-11 | 1 | 1 | 1 |" in table
+
+
 def test_probe_file_restarts_or_keeps_the_resumed_steps(tmp_path, fp8_states_released):
     """As metrics.jsonl: a fresh run starts the file, a resumed one keeps the steps up to its
     checkpoint (the later ones are probed again)."""

@@ -16,7 +16,8 @@ dtypes (round to nearest even, saturating, as fp8dp's casts):
 
 and the relative error of the three GEMMs in FP8 against the same GEMMs of the unquantized
 operands (FP32 products of both): fprop x w^T, dgrad dy w, wgrad dy^T x. Block scaling (a scale
-per tile) is not emulated here.
+per tile) is not emulated here. For a projection whose output is several tensors under one scale
+(qkv: q, k and v), dy_parts gives each part's place in the range, flushed share and errors.
 
 It also checks fp8dp's own results against that emulation (*_kernel): the module's output, its
 input gradient (through the norm's backward for a LayerNormLinear) and the weight gradient in
@@ -69,6 +70,33 @@ def quantize(v: torch.Tensor, scale: float, fmt: str) -> tuple:
         "flushed": int((nonzero & (q == 0)).sum()) / n,
         "rel_err": _rel(q, v),
     }
+
+
+# Projections whose output is several tensors side by side, in equal contiguous column blocks
+# (train/model.py: qkv's output is viewed as (3, heads, head_dim)). One per-tensor scale covers
+# them all, so a part much smaller than the others sits low in the format's range: the probe
+# reports each part's own numbers.
+PARTS = {"qkv": ("q", "k", "v")}
+
+
+def _parts(dy, qdy, names, dw, x) -> dict:
+    """Per part of dy's columns: rms / amax of the whole tensor (how low the part sits in the
+    range its scale was set for), the flushed share, dy's relative error, and the relative error
+    of the part's rows of the FP8 weight gradient (dw: the emulated one; x: the exact input)."""
+    out = {}
+    amax = float(dy.abs().max())
+    for i, (v, q) in enumerate(zip(dy.float().chunk(len(names), -1), qdy.chunk(len(names), -1))):
+        nonzero = v != 0
+        rec = {
+            "rms_over_amax": float(v.pow(2).mean().sqrt()) / amax if amax > 0 else 0.0,
+            "flushed": int((nonzero & (q == 0)).sum()) / max(1, int(nonzero.sum())),
+            "rel_err": _rel(q, v),
+        }
+        if dw is not None:
+            rows = dw.chunk(len(names), 0)[i]
+            rec["wgrad"] = _rel(rows, v.t() @ x.float())
+        out[names[i]] = rec
+    return out
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -211,6 +239,9 @@ class FP8Probe:
         if qdy is not None and qx is not None:
             p["dw"] = qdy.t() @ qx
             rec["wgrad"] = _rel(p["dw"], dy.float().t() @ x.float())
+        parts = PARTS.get(name.rsplit(".", 1)[-1])
+        if parts and qdy is not None:
+            rec["dy_parts"] = _parts(dy, qdy, parts, p.get("dw"), x)
         for k in ("x", "w", "qx", "qw"):
             del p[k]
 
@@ -278,7 +309,31 @@ def summarize(records: list, top: int = 10) -> str:
     if kernels:
         err, step, mod, key = max(kernels)
         out.append(f"- fp8dp against the emulation, largest: {err:.3g} ({mod} {key}, step {step})")
+    out += _parts_table(records)
     return "\n".join(out)
+
+
+def _parts_table(records: list) -> list:
+    """Per probed step, each part's numbers averaged over the modules that have it (PARTS)."""
+    by_step: dict = {}
+    for r in records:
+        for part, st in (r.get("dy_parts") or {}).items():
+            by_step.setdefault(r["step"], {}).setdefault(part, []).append(st)
+    if not by_step:
+        return []
+    keys = ("rms_over_amax", "flushed", "rel_err", "wgrad")
+    out = [
+        "",
+        "Parts of one output, one scale (mean over the modules):",
+        "",
+        "| step | part | dy rms / amax | dy flushed | dy rel. error | wgrad rel. error |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for step in sorted(by_step):
+        for part, sts in by_step[step].items():
+            mean = [sum(st.get(k, math.nan) for st in sts) / len(sts) for k in keys]
+            out.append(f"| {step} | {part} | " + " | ".join(f"{m:.3g}" for m in mean) + " |")
+    return out
 
 
 def main(argv=None) -> int:
