@@ -267,3 +267,26 @@ def test_checkpoint_from_before_the_run_section_resumes(tmp_path, monkeypatch, f
         "--config", cfg, "--set", "train.steps=3", "--device", "cpu", "--resume", tmp_path / "ckpt"
     )
     assert _one_error(rc, err).startswith("run.device: expected 'auto' (the checkpoint in ")
+
+
+def test_one_rank_without_torchrun_needs_no_port(tmp_path):
+    """`python -m fp8dp.train` without torchrun rendezvouses in its own memory: it runs while
+    another process holds the port the launcher used to default to (29517), as a concurrent
+    one-rank job did in CI (EADDRINUSE), and it never reads MASTER_PORT."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO / "python"), MASTER_PORT="not a port", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "fp8dp.train", "--config", str(_tiny_config(tmp_path))]
+    cmd += ["--device", "cpu", "--no-progress"]
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.1", 29517))
+            held.listen()
+        except OSError:
+            pass  # someone else holds it: the same situation
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[fp8dp.train] fp8: 1 rank(s), gloo" in p.stdout, p.stdout

@@ -34,9 +34,12 @@ def setup_distributed(run: RunSection) -> tuple:
     """Join the torchrun job (or start a one-rank job without torchrun) on the device and backend
     that run.device / run.backend ask for (device.choose_device: ValueError, before
     init_process_group, for a request this machine cannot serve)."""
-    if "RANK" not in os.environ:  # plain `python -m fp8dp.train`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
+    # Plain `python -m fp8dp.train`: a world of one, which rendezvouses in its own memory (an
+    # in-process store, no port: a fixed MASTER_PORT made two one-rank jobs on one machine
+    # collide with EADDRINUSE, as two tests of CI's parallel run did on 2026-12-04).
+    alone = "RANK" not in os.environ
+    if alone:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     cuda_ok, cuda_reason = fp8dp.cuda_available(return_reason=True)
     device_type, backend = choose_device(
         run.device,
@@ -54,7 +57,13 @@ def setup_distributed(run: RunSection) -> tuple:
         device = torch.device("cpu")
     if not dist.is_initialized():
         # A bounded timeout: a rank that died makes the others fail instead of hanging.
-        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+        timeout = timedelta(minutes=5)
+        if alone:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device, backend
 
 
