@@ -60,6 +60,10 @@ def _check_margin(value) -> None:
         )
 
 
+# override_linear_precision values taken (bool, not merely truthy: (0, 0, 1) is refused).
+_OVERRIDES = [(False, False, False), (False, False, True)]
+
+
 @dataclass(frozen=True)
 class _GemmAccumulation:
     """How the FP8 GEMMs accumulate on CUDA (keyword-only fields of both recipes).
@@ -77,6 +81,15 @@ class _GemmAccumulation:
     """Input-gradient GEMM (dx = dy W). Default True (split)."""
     split_accumulator_wgrad: bool = True
     """Weight-gradient GEMM (dW = dyᵀ x). Default True (split)."""
+    override_linear_precision: tuple = (False, False, False)
+    """(fprop, dgrad, wgrad): which GEMMs run in the parameters' precision instead of FP8
+    (TransformerEngine's field). Default (False, False, False): all three in FP8. Only
+    (False, False, True) is taken besides: the weight gradient from the unquantized output
+    gradient and input, while fprop and dgrad stay FP8. Its reduction runs over every token of
+    the micro-batch, where FP8's rounding errors add up while the gradient itself largely
+    cancels. It costs backward the input saved in its own precision instead of FP8 (twice the
+    bytes for BF16) and a high-precision GEMM for a third of the layer's FLOPs.
+    fp8dp.LayerNormMLP refuses it."""
 
     def _check_accumulation(self):
         for name in (
@@ -87,11 +100,19 @@ class _GemmAccumulation:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name}: expected True or False, got {v!r}")
+        v = self.override_linear_precision
+        bools = isinstance(v, tuple) and all(isinstance(b, bool) for b in v)
+        if not bools or v not in _OVERRIDES:
+            raise ValueError(
+                "override_linear_precision: expected (False, False, False) or (False, False, "
+                f"True) (only the weight-gradient GEMM can leave FP8), got {v!r}"
+            )
 
     def _accumulation_to_cpp(self, r: _C.Recipe) -> _C.Recipe:
         r.split_accumulator_fprop = self.split_accumulator_fprop
         r.split_accumulator_dgrad = self.split_accumulator_dgrad
         r.split_accumulator_wgrad = self.split_accumulator_wgrad
+        r.wgrad_high_precision = self.override_linear_precision[2]
         return r
 
 

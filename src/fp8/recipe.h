@@ -39,6 +39,11 @@ struct Recipe {
   bool split_accumulator_fprop = false;
   bool split_accumulator_dgrad = true;
   bool split_accumulator_wgrad = true;
+  // The weight-gradient GEMM in the parameters' precision (TransformerEngine's
+  // override_linear_precision wgrad): dW = dyᵀ x from the unquantized dy and (normalized) x, while
+  // fprop and dgrad stay FP8. Saves x in high precision for backward instead of its FP8 transpose.
+  // Per-tensor recipes only.
+  bool wgrad_high_precision = false;
   // kBlock only: scale rules of the three cast roles (input, weight, grad_output).
   BlockQParams block_inp, block_weight, block_grad;
 };

@@ -86,13 +86,21 @@ struct ForwardInputs {
   at::Tensor x, weight, bias, ln_weight, ln_bias;
 };
 
-// The fprop GEMM's input operand: FP8 (q) or high precision (hp), and the norm's output for
-// return_layernorm_output.
+// The fprop GEMM's input operand: FP8 (q) or high precision (hp), the norm's output for
+// return_layernorm_output, and the input of a high-precision weight gradient under FP8
+// (wgrad_hp: the recipe's wgrad_high_precision).
 struct GemmInput {
   Quantized q;
   at::Tensor hp;
   at::Tensor ln_out;
+  at::Tensor wgrad_hp;
 };
+
+// FP8 with the weight gradient in high precision (recipe.h): x is saved unquantized for it, and
+// neither x's nor grad_output's FP8 transpose is made.
+bool wgrad_in_high_precision(const AutocastState& ac, bool need_wgrad) {
+  return ac.enabled && need_wgrad && ac.recipe.wgrad_high_precision;
+}
 
 // What backward needs besides the saved activations: settings, the parameters and the numbering
 // of autograd's edges.
@@ -120,6 +128,7 @@ GemmInput norm_and_cast_input(LinearCtx& c, const ForwardInputs& in, const at::T
   const LinearConfig& cfg = core.config();
   const AutocastState& ac = c.ac;
   const Format fmt = ac.recipe.fwd_format;
+  const bool wgrad_hp = wgrad_in_high_precision(ac, need_wgrad);
   GemmInput gin;
   NormForward nf;
   if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed) {
@@ -127,21 +136,24 @@ GemmInput norm_and_cast_input(LinearCtx& c, const ForwardInputs& in, const at::T
     at::Tensor s = core.scaling().prepare_scale(Role::kInput, ac.recipe, x2d, [&] {
       return norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, false, {}, fmt).amax;
     });
-    nf = norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, cfg.return_layernorm_output, s, fmt,
+    nf = norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm,
+                      cfg.return_layernorm_output || wgrad_hp, s, fmt,
                       core.scaling().amax_slot(Role::kInput, x2d.numel()));
     gin.q.data = nf.out_fp8;
     gin.q.scale_inv = nf.scale_inv;
-    if (need_wgrad) gin.q.data_t = transpose_fp8(nf.out_fp8);
+    if (need_wgrad && !wgrad_hp) gin.q.data_t = transpose_fp8(nf.out_fp8);
   } else {
     // Current scaling needs the output's amax before the cast: norm, then one cast pass.
     nf = norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, true, {}, fmt);
     if (ac.enabled) {
-      gin.q = core.cast(nf.out, Role::kInput, ac, QuantizeOptions{true, need_wgrad, false});
+      gin.q = core.cast(nf.out, Role::kInput, ac,
+                        QuantizeOptions{true, need_wgrad && !wgrad_hp, false});
     } else {
       gin.hp = nf.out;
     }
   }
   gin.ln_out = nf.out;
+  if (wgrad_hp) gin.wgrad_hp = nf.out;
   saved[kX2d] = x2d;
   saved[kMu] = nf.mu;
   saved[kRsigma] = nf.rsigma;
@@ -157,7 +169,10 @@ GemmInput prepare_gemm_input(LinearCtx& c, const ForwardInputs& in, const at::Te
   if (c.core->config().layernorm) return norm_and_cast_input(c, in, x2d, need_wgrad, saved);
   GemmInput gin;
   if (c.ac.enabled) {
-    gin.q = c.core->cast(x2d, Role::kInput, c.ac, QuantizeOptions{true, need_wgrad, false});
+    const bool wgrad_hp = wgrad_in_high_precision(c.ac, need_wgrad);
+    gin.q = c.core->cast(x2d, Role::kInput, c.ac,
+                         QuantizeOptions{true, need_wgrad && !wgrad_hp, false});
+    if (wgrad_hp) gin.wgrad_hp = x2d;
   } else {
     gin.hp = x2d;
   }
@@ -179,8 +194,12 @@ at::Tensor fprop_gemm(const LinearCtx& c, const ForwardInputs& in, const GemmInp
     g.a_scale_inv = gin.q.scale_inv;
     g.b = qw.data;
     g.b_scale_inv = qw.scale_inv;
-    saved[kInT] = gin.q.data_t;
-    saved[kInScaleInv] = gin.q.scale_inv_for_t();
+    if (gin.wgrad_hp.defined()) {
+      saved[kInHp] = gin.wgrad_hp.contiguous();
+    } else {
+      saved[kInT] = gin.q.data_t;
+      saved[kInScaleInv] = gin.q.scale_inv_for_t();
+    }
     // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
     // reference (no copy), and a checkpoint's recompute gets the same cache back.
     saved[kWT] = qw.data_t;
@@ -266,11 +285,17 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
   if (c.ac.enabled) {
     g.use_split_accumulator = c.ac.recipe.split_accumulator_dgrad;
     task.use_split_accumulator = c.ac.recipe.split_accumulator_wgrad;
-    // One pass over grad_output: E5M2 bytes, their transpose for wgrad, and the bias gradient
-    // from the unquantized values (C4: eager, returned to autograd below).
+    // One pass over grad_output: E5M2 bytes, their transpose for an FP8 wgrad, and the bias
+    // gradient from the unquantized values (C4: eager, returned to autograd below). The cast
+    // runs even when only a high-precision wgrad needs dy: it records dy's amax, so that delayed
+    // scaling's history (and every rank's, C9) sees each backward. It then writes the E5M2 bytes
+    // that nothing reads: every cast asks for at least one output, the case the kernels are
+    // tested for.
+    const bool wgrad_hp = wgrad_in_high_precision(c.ac, p.need_w);
+    const bool cast_t = p.need_w && !wgrad_hp;
     const Quantized q =
         core.cast(dy, Role::kGradOutput, c.ac,
-                  QuantizeOptions{p.need_dgrad, p.need_w, p.need_b,
+                  QuantizeOptions{p.need_dgrad || !(cast_t || p.need_b), cast_t, p.need_b,
                                   p.need_b ? c.bias.scalar_type() : at::ScalarType::Float});
     if (p.need_dgrad) {
       g.a = q.data;
@@ -280,10 +305,15 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
       r.dgrad = gemm(g);
     }
     if (p.need_b) r.dbias = q.dbias;
-    task.a = q.data_t;
-    task.a_scale_inv = q.scale_inv_for_t();
-    task.b = saved[kInT];
-    task.b_scale_inv = saved[kInScaleInv];
+    if (wgrad_hp) {  // column-major transpose views, as without FP8 (below)
+      task.a = dy.t();
+      task.b = saved[kInHp].t();
+    } else {
+      task.a = q.data_t;
+      task.a_scale_inv = q.scale_inv_for_t();
+      task.b = saved[kInT];
+      task.b_scale_inv = saved[kInScaleInv];
+    }
   } else {
     // Without FP8 the GEMMs take transpose views (column-major operands, gemm.h): a strided
     // transpose copy of dy, x or W would cost more than the GEMM's own memory traffic.

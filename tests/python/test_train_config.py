@@ -50,6 +50,12 @@ def _demo():
             "no",
             "fp8.split_accumulator_wgrad: expected True or False, got 'no'",
         ),
+        (
+            "fp8",
+            "override_linear_precision",
+            [True, False, False],
+            "fp8.override_linear_precision: expected \\(False, False, False\\) or",
+        ),
         ("ddp", "bucket_size", 0, "ddp.bucket_size: expected > 0 elements, got 0"),
         (
             "ddp",
@@ -193,6 +199,23 @@ def test_accumulation_keys_reach_the_recipe(recipe):
     ]
     cfg = load_config(str(REPO / "configs" / "demo.yaml"), sets)
     assert tuple(getattr(make_recipe(cfg), f) for f in fields) == (True, True, False)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_override_linear_precision_reaches_the_recipe(recipe):
+    from fp8dp.train.loop import make_recipe
+
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}"])
+    assert make_recipe(cfg).override_linear_precision == (False, False, False)
+    sets = [f"fp8.recipe={recipe}", "fp8.override_linear_precision=[false,false,true]"]
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), sets)
+    assert make_recipe(cfg).override_linear_precision == (False, False, True)
+
+
+def test_override_linear_precision_is_refused_with_block_scaling():
+    sets = ["fp8.recipe=block", "fp8.override_linear_precision=[false,false,true]"]
+    with pytest.raises(ValueError, match="^fp8.override_linear_precision: expected .* block"):
+        load_config(str(REPO / "configs" / "demo.yaml"), sets)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])

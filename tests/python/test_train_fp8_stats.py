@@ -92,6 +92,25 @@ def test_probe_matches_fp8dp_cast(tmp_path, fp8_states_released, module):
         assert 1e-3 < rec[key] < 0.2, (key, rec[key])
 
 
+def test_probe_emulates_a_high_precision_weight_gradient(tmp_path, fp8_states_released):
+    """override_linear_precision (False, False, True): the probe's emulated weight gradient is the
+    unquantized product, which fp8dp's main_grad matches to FP32 rounding; no FP8 wgrad error is
+    reported, the forward and dgrad ones still are."""
+    torch.manual_seed(1)
+    m = fp8dp.LayerNormLinear(64, 48, params_dtype=torch.float32, fuse_wgrad_accumulation=True)
+    m.weight.main_grad = torch.zeros_like(m.weight)
+    recipe = fp8dp.Float8CurrentScaling(override_linear_precision=(False, False, True))
+    probe = FP8Probe(torch.nn.Sequential(m), recipe, str(tmp_path / "s.jsonl"))
+    with probe.capture(1):
+        with fp8dp.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = m((torch.randn(32, 64) * 3).requires_grad_())
+        (y * torch.linspace(-1, 1, 48)).sum().backward()
+    probe.close()
+    rec = json.loads((tmp_path / "s.jsonl").read_text())
+    assert "wgrad" not in rec and rec["wgrad_kernel"] < 1e-5
+    assert 1e-3 < rec["fprop"] < 0.2 and 1e-3 < rec["dgrad"] < 0.2
+
+
 def test_probe_reports_each_part_of_qkv_gradient(tmp_path, fp8_states_released):
     """One scale covers q, k and v's gradients (PARTS): built so that each part lands in a
     different place of E5M2's range under current scaling (amax 1, scale 57344): v's 1.0 and k's
@@ -302,6 +321,8 @@ def test_checkpoint_from_before_fp8_exclude_resumes(tmp_path, one_rank, fp8_stat
     meta_path = tmp_path / "ckpt" / "meta.json"
     meta = json.loads(meta_path.read_text())
     assert meta["config"]["fp8"].pop("exclude") == []
+    # (and from before fp8.override_linear_precision)
+    assert meta["config"]["fp8"].pop("override_linear_precision") == [False, False, False]
     meta_path.write_text(json.dumps(meta))
     one_rank()
     rc, out, err = _main(
@@ -314,3 +335,9 @@ def test_checkpoint_from_before_fp8_exclude_resumes(tmp_path, one_rank, fp8_stat
         "--resume", tmp_path / "ckpt",
     )  # fmt: skip
     assert rc == 2 and "fp8.exclude: expected []" in err, err
+    one_rank()
+    rc, out, err = _main(
+        "--config", cfg, "--device", "cpu", "--set", "train.steps=4", "--set",
+        "fp8.override_linear_precision=[false,false,true]", "--resume", tmp_path / "ckpt",
+    )  # fmt: skip
+    assert rc == 2 and "fp8.override_linear_precision: expected [False, False, False]" in err, err

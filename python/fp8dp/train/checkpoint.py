@@ -167,9 +167,10 @@ def _read_and_check(
         # Before these keys existed: the head ran in FP8 with the blocks, in the recipes' formats.
         "fp8.exclude": [],
         "fp8.format": "HYBRID",
+        "fp8.override_linear_precision": [False, False, False],
         **_flatten(meta["config"]),
     }
-    new = _flatten(config)
+    new = _flatten(json.loads(json.dumps(config)))  # as meta.json holds it: tuples are lists
     for key in sorted(set(old) | set(new)):
         if key not in _RESUMABLE_CHANGES and old.get(key) != new.get(key):
             raise ValueError(

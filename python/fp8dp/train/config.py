@@ -253,10 +253,18 @@ class FP8Section:
     """The same for the input-gradient GEMM."""
     split_accumulator_wgrad: bool = _library_default(DelayedScaling, "split_accumulator_wgrad")
     """The same for the weight-gradient GEMM."""
+    override_linear_precision: tuple = _library_default(DelayedScaling, "override_linear_precision")
+    """Delayed and current scaling: [fprop, dgrad, wgrad], the GEMMs that run in params_dtype
+    instead of FP8, as the recipes' field of that name: [false, false, false] (the default) or
+    [false, false, true] (the weight gradients in high precision). The YAML's list is kept as a
+    tuple, the recipes' form."""
 
     def accumulation(self) -> dict:
-        """The three split_accumulator_* fields, as keyword arguments of either recipe."""
-        return {k: getattr(self, k) for k in ACCUMULATION_KEYS}
+        """The three split_accumulator_* fields and override_linear_precision, as keyword
+        arguments of either per-tensor recipe."""
+        kw = {k: getattr(self, k) for k in ACCUMULATION_KEYS}
+        kw["override_linear_precision"] = self.override_linear_precision
+        return kw
 
     def recipe_object(self):
         """The run's recipe: fp8dp.Float8CurrentScaling, fp8dp.Float8BlockScaling or fp8dp.DelayedScaling."""
@@ -285,7 +293,14 @@ class FP8Section:
                 f"fp8.exclude: expected a list of {list(PROJECTIONS)}, got {self.exclude!r}"
             )
         _choice("fp8.format", self.format, ("HYBRID", "E4M3"))
+        if isinstance(self.override_linear_precision, list):
+            self.override_linear_precision = tuple(self.override_linear_precision)
         _choice("fp8.recipe", self.recipe, ("delayed", "current", "block"))
+        if self.recipe == "block" and self.override_linear_precision != (False,) * 3:
+            raise ValueError(
+                "fp8.override_linear_precision: expected [false, false, false] with fp8.recipe "
+                f"block (per-tensor recipes only), got {self.override_linear_precision!r}"
+            )
         try:
             # Every field, whichever recipe runs (Float8CurrentScaling checks its margin and
             # accumulation fields as DelayedScaling does).

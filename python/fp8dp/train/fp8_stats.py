@@ -144,6 +144,7 @@ class FP8Probe:
         # As metrics.jsonl: a fresh run starts the file, a resumed one keeps its steps so far.
         self._out = MetricsWriter(path, truncate_after)
         self.fwd_fmt, self.bwd_fmt = _formats(recipe)
+        self.wgrad_hp = recipe.override_linear_precision[2]
         self.modules = [
             (name, m)
             for name, m in model.named_modules()
@@ -236,7 +237,9 @@ class FP8Probe:
         if qdy is not None and qw is not None:
             p["dx"] = qdy @ qw
             rec["dgrad"] = _rel(p["dx"], dy.float() @ w.float())
-        if qdy is not None and qx is not None:
+        if self.wgrad_hp:  # override_linear_precision (False, False, True): no FP8 in wgrad
+            p["dw"] = dy.float().t() @ x.float()
+        elif qdy is not None and qx is not None:
             p["dw"] = qdy.t() @ qx
             rec["wgrad"] = _rel(p["dw"], dy.float().t() @ x.float())
         parts = PARTS.get(name.rsplit(".", 1)[-1])
