@@ -18,6 +18,7 @@ Writes <out>/torch/metrics.jsonl as fp8dp.train does.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -72,6 +73,31 @@ class EmulatedLinear(torch.autograd.Function):
         return dx.reshape(x.shape), dw, db, None, None
 
 
+# Cleared while the unquantized evaluation of --eval-both runs.
+_EMULATE = [True]
+
+
+def evaluate_both(path: str):
+    """torch_ref's evaluation as trained (FP8 emulated), and once more with every GEMM
+    unquantized, written to `path` (one JSON line per evaluation): the share of the FP8 run's
+    loss gap that its evaluation's own FP8 forward adds to what the trained weights lose."""
+    evaluate = torch_ref.evaluate
+    out = open(path, "w")
+
+    def both(model, *args, **kw):
+        as_trained = evaluate(model, *args, **kw)
+        _EMULATE[0] = False
+        try:
+            plain = evaluate(model, *args, **kw)
+        finally:
+            _EMULATE[0] = True
+        out.write(json.dumps({"val_loss": as_trained, "val_loss_unquantized": plain}) + "\n")
+        out.flush()
+        return as_trained
+
+    torch_ref.evaluate = both
+
+
 def install(fp8: frozenset, grad_fmt: str, head: bool) -> None:
     """Route torch_ref's projections through EmulatedLinear."""
 
@@ -81,10 +107,12 @@ def install(fp8: frozenset, grad_fmt: str, head: bool) -> None:
         else:
             h = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, 1e-5)
         use = fp8 if (head or not getattr(self, "is_head", False)) else frozenset()
+        use = use if _EMULATE[0] else frozenset()
         return EmulatedLinear.apply(h, self.weight, self.bias, use, grad_fmt)
 
     def plain_linear(self, x):
-        return EmulatedLinear.apply(x, self.weight, self.bias, fp8, grad_fmt)
+        use = fp8 if _EMULATE[0] else frozenset()
+        return EmulatedLinear.apply(x, self.weight, self.bias, use, grad_fmt)
 
     torch_ref.NormLinear.forward = norm_linear
     torch_ref.PlainLinear.forward = plain_linear
@@ -107,6 +135,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-head", action="store_true", help="the head's GEMMs stay FP32")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int)
+    p.add_argument(
+        "--eval-both",
+        action="store_true",
+        help="also evaluate without FP8 at each evaluation (<out>/eval_both.jsonl)",
+    )
     args = p.parse_args(argv)
     fp8 = frozenset() if args.gemms == "none" else frozenset(args.gemms.split(","))
     if not fp8 <= set(GEMMS):
@@ -114,6 +147,9 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.set + ["run.device=cpu"])
     rank, world, device, _ = setup_distributed(cfg.run)
     install(fp8, args.grad_format, head=not args.no_head)
+    if args.eval_both and rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        evaluate_both(os.path.join(args.out, "eval_both.jsonl"))
     try:
         s = torch_ref.train_torch(
             cfg,

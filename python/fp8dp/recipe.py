@@ -85,11 +85,9 @@ class _GemmAccumulation:
     """(fprop, dgrad, wgrad): which GEMMs run in the parameters' precision instead of FP8
     (TransformerEngine's field). Default (False, False, False): all three in FP8. Only
     (False, False, True) is taken besides: the weight gradient from the unquantized output
-    gradient and input, while fprop and dgrad stay FP8. Its reduction runs over every token of
-    the micro-batch, where FP8's rounding errors add up while the gradient itself largely
-    cancels. It costs backward the input saved in its own precision instead of FP8 (twice the
-    bytes for BF16) and a high-precision GEMM for a third of the layer's FLOPs.
-    fp8dp.LayerNormMLP refuses it."""
+    gradient and input, while fprop and dgrad stay FP8. It costs backward the input saved in its
+    own precision instead of FP8 (twice the bytes for BF16) and a high-precision GEMM for a third
+    of the layer's FLOPs. fp8dp.LayerNormMLP refuses it."""
 
     def _check_accumulation(self):
         for name in (
