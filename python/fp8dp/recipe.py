@@ -60,10 +60,6 @@ def _check_margin(value) -> None:
         )
 
 
-# override_linear_precision values taken (bool, not merely truthy: (0, 0, 1) is refused).
-_OVERRIDES = [(False, False, False), (False, False, True)]
-
-
 @dataclass(frozen=True)
 class _GemmAccumulation:
     """How the FP8 GEMMs accumulate on CUDA (keyword-only fields of both recipes).
@@ -82,12 +78,13 @@ class _GemmAccumulation:
     split_accumulator_wgrad: bool = True
     """Weight-gradient GEMM (dW = dyᵀ x). Default True (split)."""
     override_linear_precision: tuple = (False, False, False)
-    """(fprop, dgrad, wgrad): which GEMMs run in the parameters' precision instead of FP8
-    (TransformerEngine's field). Default (False, False, False): all three in FP8. Only
-    (False, False, True) is taken besides: the weight gradient from the unquantized output
-    gradient and input, while fprop and dgrad stay FP8. It costs backward the input saved in its
-    own precision instead of FP8 (twice the bytes for BF16) and a high-precision GEMM for a third
-    of the layer's FLOPs. fp8dp.LayerNormMLP refuses it."""
+    """(fprop, dgrad, wgrad): which GEMMs of each Linear / LayerNormLinear run in the parameters'
+    precision on the unquantized operands instead of FP8 (TransformerEngine's field; it takes
+    only (False, False, True), fp8dp any combination: for finding which GEMM costs accuracy).
+    Default (False, False, False): all three in FP8. Each one in high precision runs at the
+    parameters' GEMM speed; a high-precision wgrad keeps the input in its own precision for
+    backward instead of FP8 (twice the bytes for BF16), a high-precision dgrad the weight. The
+    casts still run and record their amaxes. fp8dp.LayerNormMLP refuses any override."""
 
     def _check_accumulation(self):
         for name in (
@@ -99,18 +96,19 @@ class _GemmAccumulation:
             if not isinstance(v, bool):
                 raise ValueError(f"{name}: expected True or False, got {v!r}")
         v = self.override_linear_precision
-        bools = isinstance(v, tuple) and all(isinstance(b, bool) for b in v)
-        if not bools or v not in _OVERRIDES:
+        if not (isinstance(v, tuple) and len(v) == 3 and all(isinstance(b, bool) for b in v)):
             raise ValueError(
-                "override_linear_precision: expected (False, False, False) or (False, False, "
-                f"True) (only the weight-gradient GEMM can leave FP8), got {v!r}"
+                "override_linear_precision: expected a tuple of three bools (fprop, dgrad, "
+                f"wgrad: True runs that GEMM in high precision), got {v!r}"
             )
 
     def _accumulation_to_cpp(self, r: _C.Recipe) -> _C.Recipe:
         r.split_accumulator_fprop = self.split_accumulator_fprop
         r.split_accumulator_dgrad = self.split_accumulator_dgrad
         r.split_accumulator_wgrad = self.split_accumulator_wgrad
-        r.wgrad_high_precision = self.override_linear_precision[2]
+        fprop, dgrad, wgrad = self.override_linear_precision
+        r.fprop_high_precision, r.dgrad_high_precision = fprop, dgrad
+        r.wgrad_high_precision = wgrad
         return r
 
 

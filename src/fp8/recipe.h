@@ -39,10 +39,13 @@ struct Recipe {
   bool split_accumulator_fprop = false;
   bool split_accumulator_dgrad = true;
   bool split_accumulator_wgrad = true;
-  // The weight-gradient GEMM in the parameters' precision (TransformerEngine's
-  // override_linear_precision wgrad): dW = dyᵀ x from the unquantized dy and (normalized) x, while
-  // fprop and dgrad stay FP8. Saves x in high precision for backward instead of its FP8 transpose.
-  // Per-tensor recipes only.
+  // GEMMs in the parameters' precision instead of FP8 (TransformerEngine's
+  // override_linear_precision (fprop, dgrad, wgrad)): each such GEMM takes the unquantized
+  // operands (x or norm(x), W, dy); the others stay FP8. The casts still run and record their
+  // amaxes, so delayed scaling's history and the ranks' agreement (C9) do not depend on it.
+  // Per-tensor recipes only; Linear and LayerNormLinear (LayerNormMLP refuses it).
+  bool fprop_high_precision = false;
+  bool dgrad_high_precision = false;
   bool wgrad_high_precision = false;
   // kBlock only: scale rules of the three cast roles (input, weight, grad_output).
   BlockQParams block_inp, block_weight, block_grad;

@@ -112,10 +112,12 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
   if (need_wgrad1) check_bound(*fc1_, fc1_weight, fc1_bias, mod, "fc1");
   if (need_wgrad2) check_bound(*fc2_, fc2_weight, fc2_bias, mod, "fc2");
   if (ac.enabled) {
-    FP8DP_CHECK_ARG(!ac.recipe.wgrad_high_precision || !(need_wgrad1 || need_wgrad2), mod,
-                    ": override_linear_precision (False, False, True) (the weight gradients in "
-                    "high precision) is not supported by LayerNormMLP, whose fused activation "
-                    "keeps only the FP8 input of fc2; use LayerNormLinear + Linear for it");
+    FP8DP_CHECK_ARG(!(ac.recipe.fprop_high_precision || ac.recipe.dgrad_high_precision ||
+                      ac.recipe.wgrad_high_precision),
+                    mod,
+                    ": override_linear_precision other than (False, False, False) (GEMMs in high "
+                    "precision) is not supported by LayerNormMLP, whose fused activation keeps "
+                    "only the FP8 input of fc2; use LayerNormLinear + Linear for it");
     // FP8 GEMMs need multiples of 16 in every inner dimension: hidden (fc1 fprop, fc2 dgrad),
     // fc1's outputs (fc1 dgrad), ffn (fc2 fprop), tokens (both wgrads).
     FP8DP_CHECK_ARG(hidden % 16 == 0, mod, ": FP8 needs hidden_size to be a multiple of 16, got ",

@@ -87,19 +87,26 @@ struct ForwardInputs {
 };
 
 // The fprop GEMM's input operand: FP8 (q) or high precision (hp), the norm's output for
-// return_layernorm_output, and the input of a high-precision weight gradient under FP8
-// (wgrad_hp: the recipe's wgrad_high_precision).
+// return_layernorm_output, and under FP8 the unquantized input of the GEMMs that the recipe runs
+// in high precision (fprop, wgrad: recipe.h's *_high_precision).
 struct GemmInput {
   Quantized q;
   at::Tensor hp;
   at::Tensor ln_out;
-  at::Tensor wgrad_hp;
+  at::Tensor hp_under_fp8;
 };
 
-// FP8 with the weight gradient in high precision (recipe.h): x is saved unquantized for it, and
-// neither x's nor grad_output's FP8 transpose is made.
-bool wgrad_in_high_precision(const AutocastState& ac, bool need_wgrad) {
-  return ac.enabled && need_wgrad && ac.recipe.wgrad_high_precision;
+// Which GEMMs of an FP8 layer run in high precision (override_linear_precision, recipe.h). An FP8
+// cast whose result no GEMM reads still runs: it records the amax.
+struct HighPrecision {
+  bool fprop = false, dgrad = false, wgrad = false;
+  bool input() const { return fprop || wgrad; }  // a GEMM needs x (or norm(x)) unquantized
+};
+
+HighPrecision high_precision(const AutocastState& ac, bool need_wgrad) {
+  if (!ac.enabled) return {};
+  return {ac.recipe.fprop_high_precision, ac.recipe.dgrad_high_precision,
+          need_wgrad && ac.recipe.wgrad_high_precision};
 }
 
 // What backward needs besides the saved activations: settings, the parameters and the numbering
@@ -128,7 +135,7 @@ GemmInput norm_and_cast_input(LinearCtx& c, const ForwardInputs& in, const at::T
   const LinearConfig& cfg = core.config();
   const AutocastState& ac = c.ac;
   const Format fmt = ac.recipe.fwd_format;
-  const bool wgrad_hp = wgrad_in_high_precision(ac, need_wgrad);
+  const HighPrecision hp = high_precision(ac, need_wgrad);
   GemmInput gin;
   NormForward nf;
   if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed) {
@@ -137,23 +144,23 @@ GemmInput norm_and_cast_input(LinearCtx& c, const ForwardInputs& in, const at::T
       return norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, false, {}, fmt).amax;
     });
     nf = norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm,
-                      cfg.return_layernorm_output || wgrad_hp, s, fmt,
+                      cfg.return_layernorm_output || hp.input(), s, fmt,
                       core.scaling().amax_slot(Role::kInput, x2d.numel()));
     gin.q.data = nf.out_fp8;
     gin.q.scale_inv = nf.scale_inv;
-    if (need_wgrad && !wgrad_hp) gin.q.data_t = transpose_fp8(nf.out_fp8);
+    if (need_wgrad && !hp.wgrad) gin.q.data_t = transpose_fp8(nf.out_fp8);
   } else {
     // Current scaling needs the output's amax before the cast: norm, then one cast pass.
     nf = norm_forward(x2d, in.ln_weight, in.ln_bias, cfg.norm, true, {}, fmt);
     if (ac.enabled) {
       gin.q = core.cast(nf.out, Role::kInput, ac,
-                        QuantizeOptions{true, need_wgrad && !wgrad_hp, false});
+                        QuantizeOptions{true, need_wgrad && !hp.wgrad, false});
     } else {
       gin.hp = nf.out;
     }
   }
   gin.ln_out = nf.out;
-  if (wgrad_hp) gin.wgrad_hp = nf.out;
+  if (hp.input()) gin.hp_under_fp8 = nf.out;
   saved[kX2d] = x2d;
   saved[kMu] = nf.mu;
   saved[kRsigma] = nf.rsigma;
@@ -169,10 +176,10 @@ GemmInput prepare_gemm_input(LinearCtx& c, const ForwardInputs& in, const at::Te
   if (c.core->config().layernorm) return norm_and_cast_input(c, in, x2d, need_wgrad, saved);
   GemmInput gin;
   if (c.ac.enabled) {
-    const bool wgrad_hp = wgrad_in_high_precision(c.ac, need_wgrad);
+    const HighPrecision hp = high_precision(c.ac, need_wgrad);
     gin.q = c.core->cast(x2d, Role::kInput, c.ac,
-                         QuantizeOptions{true, need_wgrad && !wgrad_hp, false});
-    if (wgrad_hp) gin.wgrad_hp = x2d;
+                         QuantizeOptions{true, need_wgrad && !hp.wgrad, false});
+    if (hp.input()) gin.hp_under_fp8 = x2d;
   } else {
     gin.hp = x2d;
   }
@@ -189,21 +196,31 @@ at::Tensor fprop_gemm(const LinearCtx& c, const ForwardInputs& in, const GemmInp
   g.out_dtype = in.x.scalar_type();
   g.use_split_accumulator = c.ac.recipe.split_accumulator_fprop;  // default fast (recipe.h)
   if (c.ac.enabled) {
+    const HighPrecision hp = high_precision(c.ac, need_wgrad);
     const Quantized qw = core.weight_fp8(in.weight, c.ac, first);
-    g.a = gin.q.data;
-    g.a_scale_inv = gin.q.scale_inv;
-    g.b = qw.data;
-    g.b_scale_inv = qw.scale_inv;
-    if (gin.wgrad_hp.defined()) {
-      saved[kInHp] = gin.wgrad_hp.contiguous();
+    if (hp.fprop) {
+      g.a = gin.hp_under_fp8.contiguous();
+      g.b = in.weight.detach().contiguous();
+    } else {
+      g.a = gin.q.data;
+      g.a_scale_inv = gin.q.scale_inv;
+      g.b = qw.data;
+      g.b_scale_inv = qw.scale_inv;
+    }
+    if (hp.wgrad) {
+      saved[kInHp] = gin.hp_under_fp8.contiguous();
     } else {
       saved[kInT] = gin.q.data_t;
       saved[kInScaleInv] = gin.q.scale_inv_for_t();
     }
-    // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
-    // reference (no copy), and a checkpoint's recompute gets the same cache back.
-    saved[kWT] = qw.data_t;
-    saved[kWScaleInv] = qw.scale_inv_for_t();
+    if (hp.dgrad) {
+      saved[kWHp] = in.weight.detach().contiguous();
+    } else {
+      // The FP8 weight cache, shared by the micro-batches that reuse it: saving it adds a
+      // reference (no copy), and a checkpoint's recompute gets the same cache back.
+      saved[kWT] = qw.data_t;
+      saved[kWScaleInv] = qw.scale_inv_for_t();
+    }
   } else {
     g.a = gin.hp.contiguous();
     g.b = in.weight.detach().contiguous();
@@ -291,13 +308,18 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
     // scaling's history (and every rank's, C9) sees each backward. It then writes the E5M2 bytes
     // that nothing reads: every cast asks for at least one output, the case the kernels are
     // tested for.
-    const bool wgrad_hp = wgrad_in_high_precision(c.ac, p.need_w);
-    const bool cast_t = p.need_w && !wgrad_hp;
+    const HighPrecision hp = high_precision(c.ac, p.need_w);
+    const bool cast_data = p.need_dgrad && !hp.dgrad;
+    const bool cast_t = p.need_w && !hp.wgrad;
     const Quantized q =
         core.cast(dy, Role::kGradOutput, c.ac,
-                  QuantizeOptions{p.need_dgrad || !(cast_t || p.need_b), cast_t, p.need_b,
+                  QuantizeOptions{cast_data || !(cast_t || p.need_b), cast_t, p.need_b,
                                   p.need_b ? c.bias.scalar_type() : at::ScalarType::Float});
-    if (p.need_dgrad) {
+    if (p.need_dgrad && hp.dgrad) {  // a transpose view, as without FP8 (below)
+      g.a = dy;
+      g.b = saved[kWHp].t();
+      r.dgrad = gemm(g);
+    } else if (p.need_dgrad) {
       g.a = q.data;
       g.a_scale_inv = q.scale_inv;
       g.b = saved[kWT];
@@ -305,7 +327,7 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
       r.dgrad = gemm(g);
     }
     if (p.need_b) r.dbias = q.dbias;
-    if (wgrad_hp) {  // column-major transpose views, as without FP8 (below)
+    if (hp.wgrad) {  // column-major transpose views, as without FP8 (below)
       task.a = dy.t();
       task.b = saved[kInHp].t();
     } else {

@@ -39,6 +39,8 @@ void bind_fp8(py::module_& m) {
       .def_readwrite("split_accumulator_fprop", &Recipe::split_accumulator_fprop)
       .def_readwrite("split_accumulator_dgrad", &Recipe::split_accumulator_dgrad)
       .def_readwrite("split_accumulator_wgrad", &Recipe::split_accumulator_wgrad)
+      .def_readwrite("fprop_high_precision", &Recipe::fprop_high_precision)
+      .def_readwrite("dgrad_high_precision", &Recipe::dgrad_high_precision)
       .def_readwrite("wgrad_high_precision", &Recipe::wgrad_high_precision)
       .def_readwrite("block_inp", &Recipe::block_inp)
       .def_readwrite("block_weight", &Recipe::block_weight)

@@ -53,8 +53,8 @@ def _demo():
         (
             "fp8",
             "override_linear_precision",
-            [True, False, False],
-            "fp8.override_linear_precision: expected \\(False, False, False\\) or",
+            ["yes", False, False],
+            "fp8.override_linear_precision: expected a tuple of three bools",
         ),
         ("ddp", "bucket_size", 0, "ddp.bucket_size: expected > 0 elements, got 0"),
         (

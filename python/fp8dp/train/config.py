@@ -255,8 +255,8 @@ class FP8Section:
     """The same for the weight-gradient GEMM."""
     override_linear_precision: tuple = _library_default(DelayedScaling, "override_linear_precision")
     """Delayed and current scaling: [fprop, dgrad, wgrad], the GEMMs that run in params_dtype
-    instead of FP8, as the recipes' field of that name: [false, false, false] (the default) or
-    [false, false, true] (the weight gradients in high precision). The YAML's list is kept as a
+    instead of FP8, as the recipes' field of that name (default [false, false, false]; e.g.
+    [true, false, false] for the forward GEMMs in high precision). The YAML's list is kept as a
     tuple, the recipes' form."""
 
     def accumulation(self) -> dict:

@@ -144,7 +144,8 @@ class FP8Probe:
         # As metrics.jsonl: a fresh run starts the file, a resumed one keeps its steps so far.
         self._out = MetricsWriter(path, truncate_after)
         self.fwd_fmt, self.bwd_fmt = _formats(recipe)
-        self.wgrad_hp = recipe.override_linear_precision[2]
+        # override_linear_precision: GEMMs emulated on the unquantized operands, no FP8 error
+        self.fprop_hp, self.dgrad_hp, self.wgrad_hp = recipe.override_linear_precision
         self.modules = [
             (name, m)
             for name, m in model.named_modules()
@@ -204,7 +205,10 @@ class FP8Probe:
             qw, sw = self._operand(m, 1, w, self.fwd_fmt)
             rec = {"step": step, "module": name, "x": sx, "w": sw}
             p = {"rec": rec, "x_in": x_in, "x": x, "w": w, "qx": qx, "qw": qw}
-            if qx is not None and qw is not None:
+            if self.fprop_hp:
+                y = x.float() @ w.float().t()
+                p["y"] = y + m.bias.detach().float() if m.bias is not None else y
+            elif qx is not None and qw is not None:
                 y = qx @ qw.t()
                 rec["fprop"] = _rel(y, x.float() @ w.float().t())
                 p["y"] = y + m.bias.detach().float() if m.bias is not None else y
@@ -234,10 +238,12 @@ class FP8Probe:
         dy = g.detach().reshape(-1, m.out_features)
         qdy, sdy = self._operand(m, 2, dy, self.bwd_fmt)
         rec["dy"] = sdy
-        if qdy is not None and qw is not None:
+        if self.dgrad_hp:
+            p["dx"] = dy.float() @ w.float()
+        elif qdy is not None and qw is not None:
             p["dx"] = qdy @ qw
             rec["dgrad"] = _rel(p["dx"], dy.float() @ w.float())
-        if self.wgrad_hp:  # override_linear_precision (False, False, True): no FP8 in wgrad
+        if self.wgrad_hp:
             p["dw"] = dy.float().t() @ x.float()
         elif qdy is not None and qx is not None:
             p["dw"] = qdy.t() @ qx
