@@ -3,7 +3,7 @@
 # 10% at step 2,000; bench/results/gpt350m_runs.json): short runs of the same config and seed to
 # --stop-at STOP (default 700), each changing one thing, in one GPU command (~2 min each), then a
 # table of their validation losses against the stored FP8 off and FP8 delayed curves.
-#   scripts/fp8_ablations.sh                      # probe, fprop, qkv, e4m3
+#   scripts/fp8_ablations.sh                      # probe, fpropbf16, fprop, dgradbf16
 #   STOP=400 scripts/fp8_ablations.sh probe head  # some of them
 # Variants (fp8.* over the config's delayed scaling):
 #   probe  nothing changed, train.fp8_stats_every=100: what the casts do, per layer
@@ -36,7 +36,9 @@ declare -A SETS=(
   [wgradbf16]="fp8.override_linear_precision=[false,false,true]"
 )
 variants=("$@")
-[ ${#variants[@]} -gt 0 ] || variants=(probe fprop qkv e4m3)
+# The default: the forward GEMMs cost most at CPU size (BENCHMARKS.md, "Which GEMM"); fprop
+# tells whether the GPU's fast accumulation adds to it.
+[ ${#variants[@]} -gt 0 ] || variants=(probe fpropbf16 fprop dgradbf16)
 for v in "${variants[@]}"; do
   if [ -z "${SETS[$v]+x}" ]; then
     echo "fp8_ablations: error: variant: expected one of ${!SETS[*]}, got '$v'" >&2
