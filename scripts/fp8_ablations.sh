@@ -13,6 +13,8 @@
 #   fprop  fp8.split_accumulator_fprop=true: FP32-promoted accumulation in the forward GEMMs
 #   e4m3   fp8.format=E4M3: gradients in E4M3 (one more mantissa bit) instead of E5M2
 #   e4m3head  both of the two that helped most at CPU size: E4M3 gradients, the head in BF16
+#   block  fp8.recipe=block: Float8BlockScaling (1x128 tiles, 128x128 weight blocks, E4M3), the
+#          smallest lag at CPU size (0.9%)
 #   fpropbf16, dgradbf16, wgradbf16  fp8.override_linear_precision: that GEMM of every layer
 #          in BF16 (which GEMM costs the loss; at CPU size the forward's: BENCHMARKS.md)
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
@@ -31,6 +33,7 @@ declare -A SETS=(
   [fprop]="fp8.split_accumulator_fprop=true"
   [e4m3]="fp8.format=E4M3"
   [e4m3head]="fp8.format=E4M3 fp8.exclude=[head]"
+  [block]="fp8.recipe=block"
   [fpropbf16]="fp8.override_linear_precision=[true,false,false]"
   [dgradbf16]="fp8.override_linear_precision=[false,true,false]"
   [wgradbf16]="fp8.override_linear_precision=[false,false,true]"
