@@ -14,7 +14,7 @@
 #   e4m3   fp8.format=E4M3: gradients in E4M3 (one more mantissa bit) instead of E5M2
 #   e4m3head  both of the two that helped most at CPU size: E4M3 gradients, the head in BF16
 #   block  fp8.recipe=block: Float8BlockScaling (1x128 tiles, 128x128 weight blocks, E4M3), the
-#          smallest lag at CPU size (0.9%)
+#          smallest lag at CPU size (0.9% and 2.1% with two seeds; delayed 2.9% and 3.1%)
 #   fpropbf16, dgradbf16, wgradbf16  fp8.override_linear_precision: that GEMM of every layer
 #          in BF16 (which GEMM costs the loss; at CPU size the forward's: BENCHMARKS.md)
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
