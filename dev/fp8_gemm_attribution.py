@@ -28,20 +28,18 @@ import torch.nn.functional as F
 
 from fp8dp.train import torch_ref
 from fp8dp.train.config import load_config
+from fp8dp.train.fp8_stats import FORMATS, fake_cast
 from fp8dp.train.loop import setup_distributed
 
-FORMATS = {"E4M3": (torch.float8_e4m3fn, 448.0), "E5M2": (torch.float8_e5m2, 57344.0)}
 GEMMS = ("fprop", "dgrad", "wgrad")
 
 
 def cast(v: torch.Tensor, fmt: str) -> torch.Tensor:
-    """dequant(quant(v)) under current scaling."""
-    dtype, fmax = FORMATS[fmt]
+    """dequant(quant(v)) under current scaling (scale = fp8_max / amax of v)."""
     amax = v.abs().max()
     if not torch.isfinite(amax) or amax == 0:
         return v
-    scale = fmax / amax.float()
-    return (v.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+    return fake_cast(v, FORMATS[fmt][1] / amax.float(), fmt)
 
 
 class EmulatedLinear(torch.autograd.Function):

@@ -9,7 +9,12 @@ hooks in Python, so a user's hook that holds the model is freed by the cycle col
 second test, which failed while the core held the hooks)."""
 
 import gc
+import os
+import socket
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,22 +124,24 @@ print("before", alive_before, "after", ref() is not None)
 """
 
 
+def _exit_script(tmp_path, text: str) -> tuple:
+    """(script path, a free port, the environment) for running `text` in fresh interpreters
+    that import this tree's fp8dp: what happens at interpreter exit needs a process of its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    python_dir = Path(fp8dp.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(python_dir), "OMP_NUM_THREADS": "1"}
+    return script, port, env
+
+
 def test_ddp_in_a_reference_cycle_is_freed_before_interpreter_teardown(tmp_path):
     """fp8dp collects cycles at exit (ddp.py's atexit handler), so a DDP that only the cycle
     collector can free is finalised while the interpreter is whole, not during its teardown
     (where four-rank gloo demo runs aborted: 'terminate called without an active exception')."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "at_exit.py"
-    script.write_text(_AT_EXIT)
-    python_dir = Path(fp8dp.__file__).resolve().parents[1]
-    env = {**__import__("os").environ, "PYTHONPATH": str(python_dir)}
+    script, port, env = _exit_script(tmp_path, _AT_EXIT)
     out = subprocess.run(
         [sys.executable, str(script), str(port)],
         capture_output=True,
@@ -172,18 +179,7 @@ def test_parameter_all_gathers_in_flight_are_waited_for_at_exit(tmp_path):
     """A script that ends right after DistributedOptimizer.step() with overlap_param_gather leaves
     its all-gathers in flight; fp8dp's exit handler waits for them while the interpreter is whole
     (a gloo collective that completes during interpreter teardown aborts the process)."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "in_flight.py"
-    script.write_text(_IN_FLIGHT_AT_EXIT)
-    python_dir = Path(fp8dp.__file__).resolve().parents[1]
-    env = {**__import__("os").environ, "PYTHONPATH": str(python_dir), "OMP_NUM_THREADS": "1"}
+    script, port, env = _exit_script(tmp_path, _IN_FLIGHT_AT_EXIT)
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(port), str(r)],

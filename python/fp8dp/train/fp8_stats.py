@@ -52,12 +52,19 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 KERNELS = ("fprop_kernel", "dgrad_kernel", "wgrad_kernel")
 
 
+def fake_cast(v: torch.Tensor, scale, fmt: str) -> torch.Tensor:
+    """dequant(quant(v)) in FP32: v cast with `scale` into `fmt` (round to nearest even,
+    saturating, as fp8dp's casts) and back."""
+    dtype, fmax = FORMATS[fmt]
+    return (v.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
 def quantize(v: torch.Tensor, scale: float, fmt: str) -> tuple:
     """(dequant(quant(v)) in FP32, stats dict) for one tensor cast with `scale` into `fmt`."""
-    dtype, fmax = FORMATS[fmt]
+    fmax = FORMATS[fmt][1]
     v = v.float()
     s = v * scale
-    q = s.clamp(-fmax, fmax).to(dtype).float() / scale
+    q = fake_cast(v, scale, fmt)
     nonzero = v != 0
     n = max(1, int(nonzero.sum()))
     amax = float(v.abs().max()) if v.numel() else 0.0
@@ -205,12 +212,13 @@ class FP8Probe:
             qw, sw = self._operand(m, 1, w, self.fwd_fmt)
             rec = {"step": step, "module": name, "x": sx, "w": sw}
             p = {"rec": rec, "x_in": x_in, "x": x, "w": w, "qx": qx, "qw": qw}
+            y = None
             if self.fprop_hp:
                 y = x.float() @ w.float().t()
-                p["y"] = y + m.bias.detach().float() if m.bias is not None else y
             elif qx is not None and qw is not None:
                 y = qx @ qw.t()
                 rec["fprop"] = _rel(y, x.float() @ w.float().t())
+            if y is not None:
                 p["y"] = y + m.bias.detach().float() if m.bias is not None else y
             self._pending[name] = p
 
