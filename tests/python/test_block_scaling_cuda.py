@@ -54,12 +54,15 @@ def test_cuda_casts_match_cpu(shape, fmt, p2, dtype):
 @pytest.mark.parametrize("b_kind", ["tile", "block"])
 @pytest.mark.parametrize("mnk", [(256, 256, 256), (512, 384, 640), (128, 144, 4096)], ids=str)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_cuda_gemm_within_bound(b_kind, mnk, out_dtype):
+@pytest.mark.parametrize("bias_dtype", ["float32", "out"])
+def test_cuda_gemm_within_bound(b_kind, mnk, out_dtype, bias_dtype):
+    """bias_dtype "out" with a BF16 output is the layers' forward: cuBLASLt's BIAS epilogue where
+    it has one for the block scale modes; the other cases add the bias in FP32 after the GEMM."""
     m, n, k = mnk
     a, b = data(m, k, seed=2), torch.randn(n, k) * 0.1
     qa = _C.block_quantize(a.cuda(), FMT["E4M3"], TILE)
     qb = _C.block_quantize(b.cuda(), FMT["E4M3"], TILE if b_kind == "tile" else BLOCK)
-    bias = torch.randn(n)
+    bias = torch.randn(n).to(out_dtype if bias_dtype == "out" else torch.float32)
     got = _C.gemm(
         qa.data, qb.data, qa.scale_inv, qb.scale_inv, bias=bias.cuda(), out_dtype=out_dtype
     ).cpu()
@@ -77,6 +80,25 @@ def test_cuda_gemm_within_bound(b_kind, mnk, out_dtype):
     ref_acc = before + a64 @ b64.T
     bound = accumulation_error(k, "cuda") * (a64.abs() @ b64.abs().T) + 2.0**-23 * ref_acc.abs()
     assert torch.all((acc.cpu().double() - ref_acc).abs() <= bound)
+
+
+def test_block_gemm_plans_are_cached_per_shape():
+    """The block-scaled GEMM shares gemm_lt's plan cache: a second call of one shape builds no plan
+    (no descriptors, no heuristic, no autotuning), another shape or scale mode builds one, and each
+    plan names its operands' scale layout."""
+    a, b = data(256, 512, seed=3), torch.randn(384, 512) * 0.1
+    qa = _C.block_quantize(a.cuda(), FMT["E4M3"], TILE)
+    qt = _C.block_quantize(b.cuda(), FMT["E4M3"], TILE)
+    qb = _C.block_quantize(b.cuda(), FMT["E4M3"], BLOCK)
+    _C._gemm_clear_cache()
+    first = _C.gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=torch.bfloat16)
+    again = _C.gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert _C._gemm_cache_size() == 1
+    (plan,) = _C._gemm_plans()
+    assert "in 1x128 tiles" in plan["shape"] and "in 128x128 blocks" in plan["shape"], plan
+    _C.gemm(qa.data, qt.data, qa.scale_inv, qt.scale_inv, out_dtype=torch.bfloat16)
+    assert _C._gemm_cache_size() == 2
 
 
 def test_cuda_linear_matches_cpu():

@@ -1,6 +1,7 @@
 // LibTorch layer of the block-scaled cuBLASLt GEMM (Float8BlockScaling): lays the per-tile scales
-// out as cuBLASLt reads them (cublaslt_block_gemm.h), allocates the output and calls
-// gemm_lt_block(). The arguments were checked by check_gemm_args (gemm.cpp), pair rule included.
+// out as cuBLASLt reads them (LtScaleMode, cublaslt_gemm.h), allocates the output and calls
+// gemm_lt() with the block scale modes. The arguments were checked by check_gemm_args (gemm.cpp),
+// pair rule included.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,7 +10,7 @@
 #include "common/tensor_checks.h"
 #include "fp8/block_cast.h"
 #include "gemm/block_gemm.h"
-#include "gemm/cuda/cublaslt_block_gemm.h"
+#include "gemm/cuda/cublaslt_gemm.h"
 
 namespace fp8dp {
 namespace {
@@ -66,13 +67,7 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
   const at::Tensor sa = tile_scales_for_lt(args.a_scale_inv.contiguous());
   const at::Tensor sb = b_blocks ? block_scales_for_lt(args.b_scale_inv.contiguous())
                                  : tile_scales_for_lt(args.b_scale_inv.contiguous());
-  // With a bias the GEMM writes FP32, the bias (and the accumulated output) is added in FP32 and
-  // the sum rounded once into out's dtype, as on the CPU (gemm.cpp); the BIAS epilogue is not used
-  // until it is verified with the block scale modes on the H200.
-  const bool via_fp32 = args.bias.defined();
-  at::Tensor dst = via_fp32 ? at::empty({m, n}, a.options().dtype(at::kFloat)) : out;
-
-  LtBlockGemmParams p;
+  LtGemmParams p;
   p.m = m;
   p.n = n;
   p.k = k;
@@ -84,17 +79,44 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
   p.ldb = b.stride(0);
   p.a_scale_inv = sa.data_ptr<float>();
   p.b_scale_inv = sb.data_ptr<float>();
-  p.b_blocks = b_blocks;
-  p.out = dst.data_ptr();
-  p.out_type = to_dtype(dst.scalar_type(), kFn, "'out'");
-  p.ldo = dst.stride(0);
-  p.accumulate = args.accumulate && !via_fp32;
+  p.a_scale_mode = LtScaleMode::kVec128;
+  p.b_scale_mode = b_blocks ? LtScaleMode::kBlock128x128 : LtScaleMode::kVec128;
   FP8DP_CHECK_ARG(p.lda % 16 == 0 && p.ldb % 16 == 0, kFn,
                   ": FP8 GEMM needs row strides that are multiples of 16, got ", p.lda, " and ",
                   p.ldb);
-  gemm_lt_block(p, c10::cuda::getCurrentCUDAStream().stream());
-  if (via_fp32) {
-    dst.add_(args.bias.to(at::kFloat));
+  const cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
+  auto write_to = [&](const at::Tensor& dst, bool accumulate) {
+    p.out = dst.data_ptr();
+    p.out_type = to_dtype(dst.scalar_type(), kFn, "'out'");
+    p.ldo = dst.stride(0);
+    p.accumulate = accumulate;
+  };
+  if (!args.bias.defined()) {
+    write_to(out, args.accumulate);
+    gemm_lt(p, st);
+    return out;
+  }
+  // The forward's bias. A 16-bit output with a bias of its dtype (the layers' case) takes
+  // cuBLASLt's BIAS epilogue, the bias added to the FP32 accumulator and the sum rounded once: the
+  // CPU's numerics (gemm.cpp). Where cuBLASLt has no such epilogue for the block scale modes (an
+  // FP32 output: CUBLAS_STATUS_NOT_SUPPORTED on the H200), a bias of another dtype (the epilogue
+  // would round it first), or an accumulated output: the GEMM writes FP32, the bias (and the old
+  // output) is added in FP32 and the sum rounded once.
+  if (out.scalar_type() != at::kFloat && args.bias.scalar_type() == out.scalar_type() &&
+      !args.accumulate) {
+    const at::Tensor bias = args.bias.contiguous();
+    write_to(out, false);
+    p.bias = bias.data_ptr();
+    p.bias_type = p.out_type;
+    if (gemm_lt_try(p, st)) return out;
+    p.bias = nullptr;
+  }
+  const bool direct = out.scalar_type() == at::kFloat && !args.accumulate;
+  const at::Tensor dst = direct ? out : at::empty({m, n}, a.options().dtype(at::kFloat));
+  write_to(dst, false);
+  gemm_lt(p, st);
+  dst.add_(args.bias.to(at::kFloat));
+  if (!direct) {
     if (args.accumulate) dst.add_(out.to(at::kFloat));
     out.copy_(dst);
   }

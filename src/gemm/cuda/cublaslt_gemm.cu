@@ -4,6 +4,8 @@
 // layout Hopper's FP8 tensor cores require, and A's scale pointer is therefore b's scale_inv.
 // A column-major b ([n, k] with columns ldb apart) is already n x k column-major for cuBLASLt, so A
 // takes op N; a column-major a is m x k column-major, so B takes op T (high precision only).
+// Block-scaled operands (Float8BlockScaling) take the same route with cuBLASLt's VEC128 /
+// BLK128x128 scale modes, so they share the plan cache and the autotuner.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -15,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -22,6 +25,10 @@
 
 #include "common/cuda_check.h"
 #include "gemm/cuda/cublaslt_gemm.h"
+
+#if CUBLAS_VERSION >= 120900
+#define FP8DP_HAVE_BLOCK_SCALED_GEMM 1
+#endif
 
 namespace fp8dp {
 namespace {
@@ -61,10 +68,27 @@ uint32_t alignment(const void* p) {
   return a;
 }
 
+bool is_block(const LtGemmParams& p) {
+  return p.a_scale_mode != LtScaleMode::kTensor || p.b_scale_mode != LtScaleMode::kTensor;
+}
+
+const char* scale_mode_name(LtScaleMode m) {
+  switch (m) {
+    case LtScaleMode::kVec128:
+      return " in 1x128 tiles";
+    case LtScaleMode::kBlock128x128:
+      return " in 128x128 blocks";
+    case LtScaleMode::kTensor:
+      break;
+  }
+  return "";
+}
+
 std::string shape_of(const LtGemmParams& p) {
   using std::to_string;
   return "(GEMM m=" + to_string(p.m) + " n=" + to_string(p.n) + " k=" + to_string(p.k) +
-         " a=" + dtype_name(p.a_type) + " b=" + dtype_name(p.b_type) +
+         " a=" + dtype_name(p.a_type) + scale_mode_name(p.a_scale_mode) +
+         " b=" + dtype_name(p.b_type) + scale_mode_name(p.b_scale_mode) +
          " out=" + dtype_name(p.out_type) + (p.a_col ? " a col-major" : "") +
          (p.b_col ? " b col-major" : "") + (p.bias ? " +bias" : "") +
          (p.accumulate ? " accumulate" : "") + (p.fast_accum ? " fast_accum" : "") + ")";
@@ -73,12 +97,13 @@ std::string shape_of(const LtGemmParams& p) {
 struct Key {
   int device;
   int64_t m, n, k, lda, ldb, ldo;
-  int a_type, b_type, out_type, bias_type;
+  int a_type, b_type, out_type, bias_type, a_scale_mode, b_scale_mode;
   bool bias, accumulate, fast_accum, a_col, b_col;
   uint32_t align_a, align_b, align_out;
   auto tie() const {
-    return std::tie(device, m, n, k, lda, ldb, ldo, a_type, b_type, out_type, bias_type, bias,
-                    accumulate, fast_accum, a_col, b_col, align_a, align_b, align_out);
+    return std::tie(device, m, n, k, lda, ldb, ldo, a_type, b_type, out_type, bias_type,
+                    a_scale_mode, b_scale_mode, bias, accumulate, fast_accum, a_col, b_col, align_a,
+                    align_b, align_out);
   }
   bool operator<(const Key& o) const { return tie() < o.tie(); }
 };
@@ -102,13 +127,14 @@ struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
   std::map<std::pair<int, cudaStream_t>, void*> workspaces;
-  std::map<Key, std::unique_ptr<Plan>> plans;
+  std::map<Key, std::unique_ptr<Plan>> plans;  // null: cuBLASLt has no algorithm for the key
   bool autotune = [] {
     const char* e = std::getenv("FP8DP_GEMM_AUTOTUNE");
     return !(e != nullptr && std::strcmp(e, "0") == 0);
   }();
   int algo_override = -1;  // >= 0: new plans take that heuristic candidate, untimed
   int max_algos = 8;
+  std::set<int> block_checked;  // devices whose block-scaling support check_block_runtime passed
 };
 
 State& state() {
@@ -129,6 +155,30 @@ void* workspace_for(int dev, cudaStream_t st) {
   void*& w = state().workspaces[{dev, st}];
   if (w == nullptr) FP8DP_CHECK_CUDA(cudaMalloc(&w, kWorkspaceBytes));
   return w;
+}
+
+#if defined(FP8DP_HAVE_BLOCK_SCALED_GEMM)
+int32_t lt_scale_mode(LtScaleMode m) {
+  return m == LtScaleMode::kBlock128x128 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                         : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+}
+#endif
+
+// Block scaling's limits, checked once per device before its first block-scaled plan. The loaded
+// library may be older than the headers (a wheel's cuBLASLt next to a newer toolkit).
+void check_block_runtime(int dev) {
+  FP8DP_CHECK(gemm_lt_block_compiled(), "fp8dp was built against cuBLAS ", CUBLAS_VERSION,
+              ", which has no block-scaled FP8 GEMM (needs >= 12.9): Float8BlockScaling is not "
+              "available in this build; use DelayedScaling or Float8CurrentScaling");
+  const size_t v = cublasLtGetVersion();
+  FP8DP_CHECK(v >= 120900, "fp8dp: Float8BlockScaling's GEMMs need cuBLASLt >= 12.9 (its ",
+              "VEC128 / BLK128x128 scale modes), but the loaded cuBLASLt is version ", v,
+              "; use DelayedScaling or Float8CurrentScaling, or a newer CUDA toolkit");
+  int major = 0;
+  FP8DP_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  FP8DP_CHECK(major == 9, "fp8dp: Float8BlockScaling's GEMMs run on Hopper (compute capability ",
+              "9.x), where cuBLASLt has its 1x128 / 128x128 FP32 scale modes; device ", dev,
+              " has compute capability ", major, ".x; use DelayedScaling or Float8CurrentScaling");
 }
 
 // Messages are formatted only when a check fails (the macros evaluate their message arguments
@@ -236,12 +286,25 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
   FP8DP_CHECK_CUBLAS(
       cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
       shape_of(p));
-  if (is_fp8(p.a_type)) {
+  if (is_fp8(p.a_type) && !is_block(p)) {
     const int8_t fast = p.fast_accum ? 1 : 0;
     FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                       &fast, sizeof(fast)),
                        shape_of(p));
   }
+#if defined(FP8DP_HAVE_BLOCK_SCALED_GEMM)
+  if (is_block(p)) {
+    // cuBLASLt's A is our b, its B our a (see the file comment). Block-scaled kernels promote each
+    // 128-wide K chunk into FP32 by construction: FAST_ACCUM does not apply.
+    const int32_t mode_a = lt_scale_mode(p.b_scale_mode), mode_b = lt_scale_mode(p.a_scale_mode);
+    FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                      &mode_a, sizeof(mode_a)),
+                       shape_of(p));
+    FP8DP_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                      &mode_b, sizeof(mode_b)),
+                       shape_of(p));
+  }
+#endif
   if (p.bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     const int32_t bt = to_cuda(p.bias_type);
@@ -286,9 +349,9 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
                                        res, &count);
   }
   cublasLtMatmulPreferenceDestroy(pref);
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && count == 0))
+    return nullptr;  // the caller says so (gemm_lt) or takes another route (gemm_lt_try)
   FP8DP_CHECK_CUBLAS(s, "while asking for algorithms ", shape_of(p));
-  FP8DP_CHECK(count > 0, "cuBLASLt has no algorithm for ", shape_of(p),
-              " (FP8 needs k and n multiples of 16, 16-byte aligned operands, and not both e5m2)");
 
   set_pointers(*pl, p);
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
@@ -309,13 +372,22 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
 
 }  // namespace
 
-void gemm_lt(const LtGemmParams& p, void* stream) {
+namespace {
+
+// Runs the GEMM with its cached plan (built, and autotuned, on the first call for the key). Returns
+// false, launching nothing, when cuBLASLt has no algorithm for it.
+bool run_gemm(const LtGemmParams& p, void* stream) {
   FP8DP_CHECK(p.m > 0 && p.n > 0 && p.k > 0, "gemm_lt: empty shape ", shape_of(p));
   FP8DP_CHECK(p.a && p.b && p.out, "gemm_lt: null operand pointer ", shape_of(p));
   FP8DP_CHECK(!is_fp8(p.a_type) || (p.a_scale_inv && p.b_scale_inv),
               "gemm_lt: FP8 operands need both scale_inv pointers ", shape_of(p));
   FP8DP_CHECK(!is_fp8(p.a_type) || (!p.a_col && !p.b_col),
               "gemm_lt: FP8 operands must be row-major (Hopper's FP8 GEMM is TN only) ",
+              shape_of(p));
+  FP8DP_CHECK(!is_block(p) || (is_fp8(p.a_type) && p.a_scale_mode == LtScaleMode::kVec128 &&
+                               p.b_scale_mode != LtScaleMode::kTensor && !p.fast_accum),
+              "gemm_lt: a block-scaled GEMM takes FP8 'a' in 1x128 tiles and 'b' in tiles or "
+              "blocks, without fast accumulation ",
               shape_of(p));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int dev = 0;
@@ -331,6 +403,8 @@ void gemm_lt(const LtGemmParams& p, void* stream) {
                 static_cast<int>(p.b_type),
                 static_cast<int>(p.out_type),
                 p.bias ? static_cast<int>(p.bias_type) : -1,
+                static_cast<int>(p.a_scale_mode),
+                static_cast<int>(p.b_scale_mode),
                 p.bias != nullptr,
                 p.accumulate,
                 p.fast_accum && is_fp8(p.a_type),
@@ -347,17 +421,52 @@ void gemm_lt(const LtGemmParams& p, void* stream) {
     // Held while a new plan is autotuned: tuning happens once per shape, and other threads asking
     // for the same shape must wait for its result rather than tune it again.
     std::lock_guard<std::mutex> lock(S.mu);
-    h = handle_for(dev);
-    ws = workspace_for(dev, st);
     auto it = S.plans.find(key);
-    if (it == S.plans.end())
+    if (it == S.plans.end()) {
+      if (is_block(p) && S.block_checked.insert(dev).second) {
+        try {
+          check_block_runtime(dev);
+        } catch (...) {
+          S.block_checked.erase(dev);  // refuse every call alike, not only the first
+          throw;
+        }
+      }
+      h = handle_for(dev);
+      ws = workspace_for(dev, st);
       it = S.plans.emplace(key, build_plan(h, p, ws, st, S.autotune, S.max_algos, S.algo_override))
                .first;
+    } else {
+      h = handle_for(dev);
+      ws = workspace_for(dev, st);
+    }
     plan = it->second.get();
   }
+  if (plan == nullptr) return false;
   std::lock_guard<std::mutex> lock(plan->mu);
   set_pointers(*plan, p);
   FP8DP_CHECK_CUBLAS(matmul(h, *plan, p, p.out, &plan->algo, ws, st), shape_of(p));
+  return true;
+}
+
+}  // namespace
+
+void gemm_lt(const LtGemmParams& p, void* stream) {
+  FP8DP_CHECK(run_gemm(p, stream), "cuBLASLt has no algorithm for ", shape_of(p),
+              is_block(p) ? " (Float8BlockScaling needs shapes cuBLASLt's block-scaled kernels "
+                            "support on this device: k and n multiples of 16, 16-byte aligned "
+                            "operands)"
+                          : " (FP8 needs k and n multiples of 16, 16-byte aligned operands, and "
+                            "not both e5m2)");
+}
+
+bool gemm_lt_try(const LtGemmParams& p, void* stream) { return run_gemm(p, stream); }
+
+bool gemm_lt_block_compiled() {
+#if defined(FP8DP_HAVE_BLOCK_SCALED_GEMM)
+  return true;
+#else
+  return false;
+#endif
 }
 
 void gemm_lt_set_autotune(bool on) {
@@ -382,13 +491,15 @@ std::vector<LtPlanInfo> gemm_lt_plans() {
   std::lock_guard<std::mutex> lock(state().mu);
   std::vector<LtPlanInfo> out;
   for (const auto& [key, plan] : state().plans)
-    out.push_back({plan->shape, plan->pick, plan->candidates, plan->config});
+    if (plan) out.push_back({plan->shape, plan->pick, plan->candidates, plan->config});
   return out;
 }
 
 int64_t gemm_lt_cache_size() {
   std::lock_guard<std::mutex> lock(state().mu);
-  return static_cast<int64_t>(state().plans.size());
+  int64_t n = 0;
+  for (const auto& [key, plan] : state().plans) n += plan != nullptr;
+  return n;
 }
 
 void gemm_lt_clear_cache() {

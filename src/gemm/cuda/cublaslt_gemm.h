@@ -1,6 +1,8 @@
 // Raw-pointer cuBLASLt GEMM below LibTorch: out[m, n] = a[m, k] · b[n, k]ᵀ (row-major, "TN"),
-// FP8 with per-tensor scale pointers or high precision, with the BIAS epilogue and beta = 1
-// accumulation. Torch-free: the LibTorch layer (gemm_cuda.cpp) checks tensors and calls gemm_lt().
+// high precision, or FP8 with per-tensor, per-1x128-tile or per-128x128-block scales
+// (Float8BlockScaling), with the BIAS epilogue and beta = 1 accumulation. One plan cache and one
+// autotuner for every kind. Torch-free: the LibTorch layer (gemm_cuda.cpp, block_gemm_cuda.cpp)
+// checks tensors and calls gemm_lt().
 #pragma once
 
 #include <cstdint>
@@ -10,6 +12,14 @@
 #include "common/dtype.h"
 
 namespace fp8dp {
+
+// How an FP8 operand's scale_inv pointer is read. kTensor: one float. The block-scaled modes
+// (cuBLAS >= 12.9 on Hopper; TransformerEngine's "GEMM-ready" layouts, whose padding keeps every
+// row 16-byte aligned), for an operand [rows, k] row-major:
+//   kVec128 (1x128 tiles):       [ceil(k/128)][round_up(rows, 4)] floats, rows contiguous
+//   kBlock128x128:               [ceil(rows/128)][round_up(ceil(k/128), 4)] floats
+// Supported pairs: a in tiles with b in tiles or blocks, or both per tensor.
+enum class LtScaleMode : uint8_t { kTensor, kVec128, kBlock128x128 };
 
 struct LtGemmParams {
   int64_t m = 0, n = 0, k = 0;
@@ -22,8 +32,9 @@ struct LtGemmParams {
   // Column-major operand (high precision only: FP8 on Hopper is TN): read with a transposed op, so
   // a transpose view (w.t(), dy.t()) needs no copy.
   bool a_col = false, b_col = false;
-  const float* a_scale_inv = nullptr;  // device float[1] (FP8 only): a's dequantization factor
+  const float* a_scale_inv = nullptr;  // device floats (FP8 only): a's dequantization factor(s)
   const float* b_scale_inv = nullptr;
+  LtScaleMode a_scale_mode = LtScaleMode::kTensor, b_scale_mode = LtScaleMode::kTensor;
   const void* bias = nullptr;  // [n] of bias_type, or null
   DType bias_type = DType::kBFloat16;
   void* out = nullptr;  // [m, n], rows ldo elements apart
@@ -38,8 +49,18 @@ struct LtGemmParams {
 // asks the heuristic for up to 8 algorithms (see gemm_lt_set_candidates) and, unless autotuning is
 // off or the stream is being captured into a graph, times each on the call's operands and keeps the
 // fastest. Every
-// cuBLASLt failure throws fp8dp::Error naming the status and the shape.
+// cuBLASLt failure throws fp8dp::Error naming the status and the shape. Block-scaled modes are
+// refused (fp8dp::Error naming the reason) where the build's cuBLAS, the loaded cuBLASLt (< 12.9)
+// or the device (compute capability other than 9.x) has none.
 void gemm_lt(const LtGemmParams& p, void* stream);
+
+// gemm_lt(), except that a shape cuBLASLt offers no algorithm for (CUBLAS_STATUS_NOT_SUPPORTED or
+// no candidate; remembered per shape) returns false and launches nothing, so that the caller can
+// take another route (an epilogue cuBLASLt lacks for some scale modes).
+bool gemm_lt_try(const LtGemmParams& p, void* stream);
+
+// Compiled against a cuBLAS with the block-scaled modes (CUBLAS_VERSION >= 120900).
+bool gemm_lt_block_compiled();
 
 // Autotuning switch (default on; the environment variable FP8DP_GEMM_AUTOTUNE=0 turns it off).
 // Only affects shapes not cached yet.
@@ -60,7 +81,8 @@ struct LtPlanInfo {
 };
 std::vector<LtPlanInfo> gemm_lt_plans();
 
-// Cached plans (for tests and benchmarks) and dropping them.
+// Cached plans (for tests and benchmarks; shapes without an algorithm do not count) and dropping
+// them.
 int64_t gemm_lt_cache_size();
 void gemm_lt_clear_cache();
 
