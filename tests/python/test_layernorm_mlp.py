@@ -46,6 +46,7 @@ Mutations tried (2026-12-03, CPU build, each reverted after it failed as shown):
 """
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -567,35 +568,44 @@ def _cuda_reason():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("act", ACTS)
-def test_cuda_activation_cast_bytes_match_cpu(act, dtype):
+# 257 x 96: partial tiles in both directions and byte-wise transposed stores; 512 x 160: 16-byte
+# transposed stores, a partial column tile; 3 x 5: less than one vector per row.
+@pytest.mark.parametrize("rows,cols", [(257, 96), (512, 160), (3, 5)])
+def test_cuda_activation_cast_bytes_match_cpu(act, dtype, rows, cols):
     ok, reason = _cuda_reason()
     if not ok:
         pytest.skip(reason)
     g = torch.Generator().manual_seed(5)
-    rows, cols = 257, 96
     h = (torch.randn(rows, 2 * cols if act == "swiglu" else cols, generator=g) * 3).to(dtype)
     da = torch.randn(rows, cols, generator=g).to(dtype)
     h[0, :4] = torch.tensor([0.0, 1e-30, 30.0, -30.0]).to(dtype)
-    for back in (False, True):
+    # (data, transpose): both (the tiled pass), the row-major bytes alone (the flat pass), the
+    # transposed bytes alone (tiled, no row-major store).
+    for back, (data, trans) in itertools.product(
+        (False, True), ((True, True), (True, False), (False, True))
+    ):
         d = da if back else None
         fmt = _C.Format.E5M2 if back else _C.Format.E4M3
         scale = torch.tensor([2.0])
-        cpu = _C.activation_cast(d, h, act, scale, fmt, True, True, back, None, dtype)
+        cpu = _C.activation_cast(d, h, act, scale, fmt, data, trans, back, None, dtype)
         gpu = _C.activation_cast(
             None if d is None else d.cuda(),
             h.cuda(),
             act,
             scale.cuda(),
             fmt,
-            True,
-            True,
+            data,
+            trans,
             back,
             None,
             dtype,
         )
-        assert torch.equal(cpu.data.view(torch.uint8), gpu.data.cpu().view(torch.uint8))
-        assert torch.equal(cpu.data_t.view(torch.uint8), gpu.data_t.cpu().view(torch.uint8))
+        if data:
+            assert torch.equal(cpu.data.view(torch.uint8), gpu.data.cpu().view(torch.uint8))
+        if trans:
+            assert torch.equal(cpu.data_t.view(torch.uint8), gpu.data_t.cpu().view(torch.uint8))
         assert torch.equal(cpu.amax, gpu.amax.cpu())
+        assert torch.equal(cpu.scale_inv, gpu.scale_inv.cpu())
         if back:
             assert torch.equal(cpu.dbias, gpu.dbias.cpu())
         hp_cpu = _C.activation_backward(da, h, act) if back else _C.activation_forward(h, act)

@@ -6,9 +6,13 @@
 // too. The high-precision result is written only when asked for (FP8 off): with FP8 on, nothing of
 // size tokens × ffn but the FP8 bytes is written.
 //
-// Eight neighbouring output elements per thread and step; the transpose is a second pass over the
-// FP8 bytes (transpose_bytes_cuda), dbias a column pass that recomputes the activation. A tiled
-// transpose fused into the main pass is the tuning left to do.
+// Two kernels. Row-major bytes alone (the forward's fc2 input, and the amax pass): a flat pass,
+// eight neighbouring output elements per thread and step. With the transposed bytes or dbias (the
+// backward's fc1 grad_output, and the forward when the wgrad needs the transpose): one tiled pass
+// that writes the row-major bytes, transposes the tile through shared memory and sums each
+// column's 64 rows, so the activation is computed once and h / da are read once (the first
+// version recomputed it in a dbias column pass and transposed in a second byte pass: 0.16 + 0.07
+// ms of 1.28 at GELU 2048, docs/changelog.md).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -17,7 +21,6 @@
 #include "common/cuda_scratch.h"
 #include "fp8/activation_kernel.h"
 #include "fp8/cuda/cast_common.cuh"
-#include "fp8/quantize.h"
 
 namespace fp8dp {
 namespace cuda {
@@ -114,20 +117,6 @@ __global__ void __launch_bounds__(kThreads)
   if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
 }
 
-// Column sums of each 64-row chunk, in row order: partial[chunk, oc].
-template <typename T, Activation A, bool kBackward>
-__global__ void __launch_bounds__(kThreads)
-    chunk_sums_kernel(const Args a, float* __restrict__ partial) {
-  const int64_t oc = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t chunk = blockIdx.y;
-  if (oc >= a.out_cols) return;
-  const int64_t r0 = chunk * kChunkRows;
-  const int64_t r1 = min(a.rows, r0 + kChunkRows);
-  float s = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) s = __fadd_rn(s, element<T, A, kBackward>(a, r, oc));
-  partial[chunk * a.out_cols + oc] = s;
-}
-
 // dbias[oc] = the chunks' sums added in chunk order, rounded once to D.
 template <typename D>
 __global__ void __launch_bounds__(kThreads)
@@ -140,16 +129,109 @@ __global__ void __launch_bounds__(kThreads)
   dbias[c] = from_float<D>(s);
 }
 
-// out [cols, rows] <- in [rows, cols] for the shapes transpose_bytes_cuda does not take.
-__global__ void transpose_naive_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out,
-                                       int64_t rows, int64_t cols) {
-  const int64_t n = rows * cols;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const int64_t r = i / cols, c = i - r * cols;
-    out[c * rows + r] = in[i];
+// ---------------------------------------------------------------- tiled: one pass for all outputs
+// A block takes a tile of kTileRows x kTileCols outputs. kTileRows is the CPU's dbias chunk, so a
+// tile's column sums are exactly the chunk sums partial[chunk, oc] that chunk_sums_kernel wrote
+// (a sequential FP32 sum of the chunk's rows in row order, starting from 0): bit-identical dbias.
+constexpr int kTileRows = static_cast<int>(kChunkRows);
+constexpr int kTileCols = 64;
+constexpr int kTpr = kTileCols / kVec;     // threads per tile row (8)
+constexpr int kRpp = kThreads / kTpr;      // tile rows per pass (32)
+constexpr int kPasses = kTileRows / kRpp;  // 2
+constexpr int kSegs = kTileRows / 16;      // 16-byte segments per transposed row (4)
+static_assert(kSegs * kTileCols == kThreads, "one transposed segment per thread");
+
+struct TileOut {
+  uint8_t* out;          // [rows, out_cols] or null
+  uint8_t* out_t;        // [out_cols, rows] or null
+  bool vec;              // out 8-byte aligned and out_cols % kVec == 0: one 8-byte store per thread
+  bool vec_t;            // out_t 16-byte aligned and rows % 16 == 0: 16-byte transposed stores
+  float* dbias_partial;  // [ceil(rows / 64), out_cols] chunk sums, or null
+};
+
+template <typename T, Activation A, bool kBackward, Format F, bool kDbias>
+__global__ void __launch_bounds__(kThreads)
+    act_tile_kernel(const Args a, const TileOut o, const float* __restrict__ scale_ptr,
+                    unsigned int* __restrict__ amax_bits, float* __restrict__ scale_inv) {
+  // +1 byte / float of padding per row: the column-wise reads below fall into different banks.
+  __shared__ uint8_t tile[kTileRows][kTileCols + 1];
+  __shared__ float vals[kDbias ? kTileRows : 1][kTileCols + 1];
+  const float scale = *scale_ptr;
+  const int tc = threadIdx.x % kTpr, tr = threadIdx.x / kTpr;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t oc0 = c0 + tc * kVec;
+  const int live =
+      static_cast<int>(a.out_cols - oc0 >= kVec ? kVec : (a.out_cols > oc0 ? a.out_cols - oc0 : 0));
+  uint32_t am = 0;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int lr = tr + p * kRpp;
+    const int64_t r = r0 + lr;
+    const bool row_in = r < a.rows;
+    float v[kVec];
+    uint8_t q[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      // Zero outside the matrix: no effect on amax; never stored or summed.
+      v[j] = (row_in && j < live) ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
+      am = max(am, abs_bits(v[j]));
+      q[j] = quantize_like_cpu<F>(v[j], scale);
+      tile[lr][tc * kVec + j] = q[j];
+      if constexpr (kDbias) vals[lr][tc * kVec + j] = v[j];
+    }
+    if (o.out != nullptr && row_in && live > 0) {
+      uint8_t* dst = o.out + r * a.out_cols + oc0;
+      if (o.vec) {  // live == kVec
+        uint2 w{0u, 0u};
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (j < 4)
+            w.x |= uint32_t{q[j]} << (8 * j);
+          else
+            w.y |= uint32_t{q[j]} << (8 * (j - 4));
+        }
+        *reinterpret_cast<uint2*>(dst) = w;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (j < live) dst[j] = q[j];
+      }
+    }
   }
+  __syncthreads();
+  if (o.out_t != nullptr) {
+    // Transposed row c0 + oc (an output column) holds the tile's 64 rows: 4 segments of 16 bytes.
+    const int oc = threadIdx.x / kSegs, seg = (threadIdx.x % kSegs) * 16;
+    const int64_t orow = c0 + oc, rbeg = r0 + seg;
+    if (orow < a.out_cols && rbeg < a.rows) {
+      union {
+        uint4 u;
+        uint8_t b[16];
+      } t;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) t.b[i] = tile[seg + i][oc];
+      uint8_t* dst = o.out_t + orow * a.rows + rbeg;
+      if (o.vec_t) {  // rows % 16 == 0, so rbeg < rows means all 16 are inside
+        *reinterpret_cast<uint4*>(dst) = t.u;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i)  // constant indices keep `t` in registers
+          if (rbeg + i < a.rows) dst[i] = t.b[i];
+      }
+    }
+  }
+  if constexpr (kDbias) {
+    if (threadIdx.x < kTileCols && c0 + threadIdx.x < a.out_cols) {
+      const int64_t live_rows = a.rows - r0 < kTileRows ? a.rows - r0 : kTileRows;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < live_rows; ++i) sum = __fadd_rn(sum, vals[i][threadIdx.x]);
+      o.dbias_partial[static_cast<int64_t>(blockIdx.y) * a.out_cols + c0 + threadIdx.x] = sum;
+    }
+  }
+  block_amax_commit<kThreads>(am, amax_bits);
+  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+    *scale_inv = 1.0f / scale;
 }
 
 int grid_for(int64_t n) {
@@ -158,68 +240,75 @@ int grid_for(int64_t n) {
   return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
 }
 
+template <typename T, Activation A, bool kBackward, bool kDbias>
+void launch_tiled(const ActParams& p, const Args& a, cudaStream_t st) {
+  const int64_t chunks = (p.rows + kTileRows - 1) / kTileRows;
+  FP8DP_CHECK(chunks <= 65535, "activation_cuda: the transposed / dbias path supports up to ",
+              65535 * kChunkRows, " rows, got ", p.rows);
+  TileOut o{
+      p.out, p.out_t,
+      p.out != nullptr && a.out_cols % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0,
+      p.out_t != nullptr && aligned16(p.out_t) && p.rows % 16 == 0, nullptr};
+  if (kDbias) o.dbias_partial = scratch_alloc<float>(static_cast<size_t>(chunks * a.out_cols), st);
+  auto* amax_bits = reinterpret_cast<unsigned int*>(p.amax);
+  const dim3 grid(static_cast<unsigned>((a.out_cols + kTileCols - 1) / kTileCols),
+                  static_cast<unsigned>(chunks));
+  if (p.format == Format::kE4M3) {
+    act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias>
+        <<<grid, kThreads, 0, st>>>(a, o, p.scale, amax_bits, p.scale_inv);
+  } else {
+    act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias>
+        <<<grid, kThreads, 0, st>>>(a, o, p.scale, amax_bits, p.scale_inv);
+  }
+  FP8DP_CHECK_CUDA(cudaGetLastError());
+  if (!kDbias) return;
+  // dbias[oc] = the chunk sums added in chunk order, as the CPU adds them.
+  const unsigned g2 = static_cast<unsigned>((a.out_cols + kThreads - 1) / kThreads);
+  switch (p.dbias_dtype) {
+    case DType::kFloat32:
+      chunk_total_kernel<<<g2, kThreads, 0, st>>>(o.dbias_partial, chunks, a.out_cols,
+                                                  static_cast<float*>(p.dbias));
+      break;
+    case DType::kBFloat16:
+      chunk_total_kernel<<<g2, kThreads, 0, st>>>(o.dbias_partial, chunks, a.out_cols,
+                                                  static_cast<__nv_bfloat16*>(p.dbias));
+      break;
+    case DType::kFloat16:
+      chunk_total_kernel<<<g2, kThreads, 0, st>>>(o.dbias_partial, chunks, a.out_cols,
+                                                  static_cast<__half*>(p.dbias));
+      break;
+    default:
+      FP8DP_CHECK(false, "activation_cuda: no dbias output of dtype ", dtype_name(p.dbias_dtype));
+  }
+  FP8DP_CHECK_CUDA(cudaGetLastError());
+  scratch_free(o.dbias_partial, st);
+}
+
 template <typename T, Activation A, bool kBackward>
 void launch(const ActParams& p, cudaStream_t st) {
   const Args a{p.input, p.grad, p.rows, p.cols, p.in_cols(), p.out_cols()};
-  const int64_t n = p.rows * a.out_cols;
-  // The row-major bytes: asked for, or scratch for the transpose.
-  uint8_t* out = p.out;
-  const bool scratch_out = p.out_t != nullptr && out == nullptr;
-  if (scratch_out) out = scratch_alloc<uint8_t>(static_cast<size_t>(n), st);
   if (p.amax != nullptr && !p.amax_accumulate)
     FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
+  if (p.out_t != nullptr || p.dbias != nullptr) {
+    FP8DP_CHECK(p.out_hp == nullptr,
+                "activation_cuda: the high-precision result is not written with the transposed "
+                "bytes or dbias");
+    return p.dbias != nullptr ? launch_tiled<T, A, kBackward, true>(p, a, st)
+                              : launch_tiled<T, A, kBackward, false>(p, a, st);
+  }
   auto* amax_bits = reinterpret_cast<unsigned int*>(p.amax);
   T* out_hp = static_cast<T*>(p.out_hp);
   const int64_t groups = p.rows * ((a.out_cols + kVec - 1) / kVec);
-  const bool vec = a.out_cols % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  const bool vec = a.out_cols % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
   const int act_grid = grid_for(groups);
   if (p.format == Format::kE4M3) {
     act_kernel<T, A, kBackward, Format::kE4M3>
-        <<<act_grid, kThreads, 0, st>>>(a, out_hp, out, p.scale, amax_bits, p.scale_inv, vec);
+        <<<act_grid, kThreads, 0, st>>>(a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec);
   } else {
     act_kernel<T, A, kBackward, Format::kE5M2>
-        <<<act_grid, kThreads, 0, st>>>(a, out_hp, out, p.scale, amax_bits, p.scale_inv, vec);
+        <<<act_grid, kThreads, 0, st>>>(a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec);
   }
-  const int grid = grid_for(n);
   FP8DP_CHECK_CUDA(cudaGetLastError());
-  if (p.out_t != nullptr) {
-    if (transpose_bytes_cuda_supported(p.rows, a.out_cols, out, p.out_t)) {
-      transpose_bytes_cuda(out, p.out_t, p.rows, a.out_cols, st);
-    } else {
-      transpose_naive_kernel<<<grid, kThreads, 0, st>>>(out, p.out_t, p.rows, a.out_cols);
-      FP8DP_CHECK_CUDA(cudaGetLastError());
-    }
-  }
-  if (scratch_out) scratch_free(out, st);
-  if (p.dbias != nullptr) {
-    const int64_t chunks = (p.rows + kChunkRows - 1) / kChunkRows;
-    FP8DP_CHECK(chunks <= 65535, "activation_cuda: dbias supports up to ", 65535 * kChunkRows,
-                " rows, got ", p.rows);
-    float* partial = scratch_alloc<float>(static_cast<size_t>(chunks * a.out_cols), st);
-    const dim3 g1(static_cast<unsigned>((a.out_cols + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(chunks));
-    chunk_sums_kernel<T, A, kBackward><<<g1, kThreads, 0, st>>>(a, partial);
-    FP8DP_CHECK_CUDA(cudaGetLastError());
-    const unsigned g2 = static_cast<unsigned>((a.out_cols + kThreads - 1) / kThreads);
-    switch (p.dbias_dtype) {
-      case DType::kFloat32:
-        chunk_total_kernel<<<g2, kThreads, 0, st>>>(partial, chunks, a.out_cols,
-                                                    static_cast<float*>(p.dbias));
-        break;
-      case DType::kBFloat16:
-        chunk_total_kernel<<<g2, kThreads, 0, st>>>(partial, chunks, a.out_cols,
-                                                    static_cast<__nv_bfloat16*>(p.dbias));
-        break;
-      case DType::kFloat16:
-        chunk_total_kernel<<<g2, kThreads, 0, st>>>(partial, chunks, a.out_cols,
-                                                    static_cast<__half*>(p.dbias));
-        break;
-      default:
-        FP8DP_CHECK(false, "activation_cuda: no dbias output of dtype ", dtype_name(p.dbias_dtype));
-    }
-    FP8DP_CHECK_CUDA(cudaGetLastError());
-    scratch_free(partial, st);
-  }
 }
 
 template <typename T>
