@@ -1,20 +1,23 @@
 // CUDA block-scaled FP8 casts (block_quantize.h): the same bytes and scales as block_quantize_cpu.
-// Three kernels, one per output layout; each tile's amax is reduced in the block that casts it, and
-// its scale comes from the shared block_scale() (host + device), so CPU and GPU agree bit for bit:
-//   rows:    one warp per 1x128 tile of a row (out, scale_inv): 4 neighbouring elements per lane,
-//            read and written as one vector where the row allows it
-//   columns: one 256-thread block per band of 128 rows x 64 columns, staged in shared memory;
-//            each column's 128 values are one tile of the transpose (out_t, scale_inv_t), re-cast
-//            from the input; one warp per column writes the tile's 128 bytes contiguously
-//   blocks:  one 256-thread block per 128x128 block: the block's amax first, then out row by row
-//            and out_t through the same shared-memory transpose, both with the block's one scale
-// Every global read and write is coalesced. (The first versions wrote the transposes one byte per
-// column: at 8192^3 the three casts of a Linear step took 4.0 ms of kernel time, now 0.95 ms;
-// dev/profile_modules.py on the H200, 2026-12-03.)
+// One kernel for every layout: a 256-thread block takes a 128 x 128 region of the input, reads it
+// once with 16-byte loads (8 elements per thread, 16 threads per row), and
+//   1x128 tiles, row-major (out, scale_inv): each row's tile amax is reduced across its 16 threads
+//            while the values are still in registers, and its 128 bytes are stored at once;
+//   1x128 tiles of the transpose (out_t, scale_inv_t): the region is staged in shared memory in
+//            the input's dtype; one warp per column reduces the column's 128 values (a tile of
+//            the transpose) and writes its bytes into a second, transposed byte tile, which all
+//            threads then store as 16-byte rows of out_t;
+//   128x128 blocks: the region's amax (block-wide), then both layouts from the staged values with
+//            the block's one scale.
+// Max is order-free and each byte comes from the shared block_scale() and quantize_like_cpu, so
+// CPU and GPU agree bit for bit. (History: byte-wide transposed stores took the three casts of an
+// 8192^3 Linear step to 4.0 ms of kernel time; separate row / column kernels with scalar loads,
+// 0.95 ms: docs/changelog.md, 2026-12-03.)
 // Torch-free (compiled in CUDA compile-only CI builds too).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "common/cuda_check.h"
@@ -25,10 +28,27 @@ namespace fp8dp {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;  // every kernel: 8 warps
+constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / kWarp;
-constexpr int kPerLane = kBlockLen / kWarp;  // 4 elements of a 128-long tile per lane
-constexpr int kBandCols = 64;                // columns of a band staged in shared memory
+constexpr int kDim = static_cast<int>(kBlockLen);        // 128: the region is kDim x kDim
+constexpr int kVec = 8;                                  // elements per thread and load
+constexpr int kThreadsPerRow = kDim / kVec;              // 16: one row's tile is half a warp
+constexpr int kRowsPerPass = kThreads / kThreadsPerRow;  // 16
+constexpr int kPasses = kDim / kRowsPerPass;             // 8
+constexpr int kQtStride = kDim + 16;  // bytes per row of the transposed byte tile (16-aligned)
+constexpr int kSegs = kDim / 16;      // 16-byte segments per transposed row
+
+// Elements per staged row: the padding makes the column reads (lane l: rows l, l + 32, l + 64,
+// l + 96) fall into 32 different banks: 129 words per row for FP32, 65 for 16-bit dtypes.
+template <typename T>
+constexpr int staged_row() {
+  return kDim + (sizeof(T) == 4 ? 1 : 2);
+}
+
+template <typename T>
+constexpr size_t smem_bytes() {
+  return size_t{kDim} * staged_row<T>() * sizeof(T) + size_t{kDim} * kQtStride;
+}
 
 // Block-wide max of amax bits, returned to every thread (all threads must call it).
 __device__ __forceinline__ uint32_t block_max_all(uint32_t bits) {
@@ -54,173 +74,205 @@ __device__ __forceinline__ float amax_from_bits(uint32_t b) {
   return b > 0x7F800000u ? __uint_as_float(kQuietNaNBits) : __uint_as_float(b);
 }
 
-// Four neighbouring elements, loaded as one vector.
+// Eight neighbouring elements as 16-byte loads (one for 16-bit dtypes, two for FP32).
 template <typename T>
-struct alignas(4 * sizeof(T)) Four {
-  T v[4];
+union Eight {
+  uint4 u[kVec * sizeof(T) / 16];
+  T t[kVec];
 };
 
-// One warp per 1x128 tile. vec: cols % 4 == 0 and both pointers aligned for 4-element vectors.
-template <Format F, typename T>
-__global__ void __launch_bounds__(kThreads)
-    rows_kernel(const T* __restrict__ in, uint8_t* __restrict__ out, float* __restrict__ scale_inv,
-                int64_t rows, int64_t cols, bool vec, bool p2, float eps) {
-  const int64_t kb = ceil_blocks(cols);
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
-  if (tile >= rows * kb) return;  // the whole warp: no block-wide synchronisation below
-  const int lane = threadIdx.x % kWarp;
-  const int64_t r = tile / kb, t = tile % kb;
-  const int64_t c0 = t * kBlockLen + lane * kPerLane;
-  const T* src = in + r * cols + c0;
-  float v[kPerLane];
-  const bool full = c0 + kPerLane <= cols;
-  if (vec && full) {
-    const Four<T> f = *reinterpret_cast<const Four<T>*>(src);
+// The eight bytes of one thread's row segment: one 8-byte store when `vec`, else byte by byte
+// inside the matrix.
+__device__ __forceinline__ void store8(uint8_t* dst, const uint8_t (&q)[kVec], bool vec, int live) {
+  if (vec) {
+    uint2 w{0u, 0u};
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) v[j] = to_float(f.v[j]);
+    for (int j = 0; j < kVec; ++j) {
+      if (j < 4)
+        w.x |= uint32_t{q[j]} << (8 * j);
+      else
+        w.y |= uint32_t{q[j]} << (8 * (j - 4));
+    }
+    *reinterpret_cast<uint2*>(dst) = w;
   } else {
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) v[j] = c0 + j < cols ? to_float(src[j]) : 0.0f;
-  }
-  uint32_t m = 0;
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) m = max(m, abs_bits(v[j]));
-  const float s = block_scale(amax_from_bits(warp_max(m)), fp8_max(F), p2, eps);
-  uint8_t* dst = out + r * cols + c0;
-  if (vec && full) {
-    uint32_t word = 0;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      word |= static_cast<uint32_t>(quantize_like_cpu<F>(v[j], s)) << (8 * j);
-    *reinterpret_cast<uint32_t*>(dst) = word;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      if (c0 + j < cols) dst[j] = quantize_like_cpu<F>(v[j], s);
-  }
-  if (lane == 0) scale_inv[r * kb + t] = 1.0f / s;
-}
-
-// Rows [r0, r0 + nr) x columns [c0, c0 + nc) of `in` into tile (zeros outside): threads along the
-// columns, so that each warp reads a row segment.
-template <typename T>
-__device__ __forceinline__ void stage_band(const T* __restrict__ in, int64_t cols, int64_t r0,
-                                           int nr, int64_t c0, int nc,
-                                           float (&tile)[kBlockLen][kBandCols + 1]) {
-  const int tc = threadIdx.x % kBandCols, tr = threadIdx.x / kBandCols;
-#pragma unroll 8
-  for (int r = tr; r < kBlockLen; r += kThreads / kBandCols)
-    tile[r][tc] = r < nr && tc < nc ? to_float(in[(r0 + r) * cols + c0 + tc]) : 0.0f;
-}
-
-// Column cc of the staged band, cast with scale s into out_t's row (c0 + cc), rows r0 .. r0 + nr:
-// one warp, lane l writes rows l, l + 32, l + 64, l + 96 (each store 32 contiguous bytes).
-template <Format F>
-__device__ __forceinline__ void write_column(const float (&tile)[kBlockLen][kBandCols + 1], int cc,
-                                             float s, uint8_t* __restrict__ dst, int nr) {
-  const int lane = threadIdx.x % kWarp;
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const int r = lane + j * kWarp;
-    if (r < nr) dst[r] = quantize_like_cpu<F>(tile[r][cc], s);
+    for (int j = 0; j < kVec; ++j)
+      if (j < live) dst[j] = q[j];
   }
 }
 
-template <Format F, typename T>
+struct CastArgs {
+  int64_t rows, cols;
+  uint8_t* out;        // row-major bytes or null
+  float* scale_inv;    // their scales
+  uint8_t* out_t;      // transposed bytes or null
+  float* scale_inv_t;  // their scales
+  bool vec_in;         // cols % 8 == 0 and the input 16-byte aligned: 16-byte loads
+  bool vec_out;        // cols % 8 == 0 and out 8-byte aligned: 8-byte stores
+  bool vec_t;          // rows % 16 == 0 and out_t 16-byte aligned: 16-byte transposed stores
+  bool p2;
+  float eps;
+};
+
+// kBlocks: one scale per 128x128 block (weights); else 1x128 tiles in each direction.
+template <Format F, typename T, bool kBlocks>
 __global__ void __launch_bounds__(kThreads)
-    cols_kernel(const T* __restrict__ in, uint8_t* __restrict__ out_t,
-                float* __restrict__ scale_inv_t, int64_t rows, int64_t cols, bool p2, float eps) {
-  __shared__ float tile[kBlockLen][kBandCols + 1];  // +1: the column reads hit 32 banks
-  const int64_t bands = (cols + kBandCols - 1) / kBandCols;
-  const int64_t rb = blockIdx.x / bands;
-  const int64_t r0 = rb * kBlockLen, c0 = (blockIdx.x % bands) * kBandCols;
-  const int nr = static_cast<int>(min64(kBlockLen, rows - r0));
-  const int nc = static_cast<int>(min64(kBandCols, cols - c0));
-  stage_band(in, cols, r0, nr, c0, nc, tile);
-  __syncthreads();
-  const int lane = threadIdx.x % kWarp;
-  const int64_t kbt = ceil_blocks(rows);
-  for (int cc = threadIdx.x / kWarp; cc < nc; cc += kWarps) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) m = max(m, abs_bits(tile[lane + j * kWarp][cc]));
-    const float s = block_scale(amax_from_bits(warp_max(m)), fp8_max(F), p2, eps);
-    write_column<F>(tile, cc, s, out_t + (c0 + cc) * rows + r0, nr);
-    if (lane == 0) scale_inv_t[(c0 + cc) * kbt + rb] = 1.0f / s;
-  }
-}
-
-template <Format F, typename T>
-__global__ void __launch_bounds__(kThreads)
-    blocks_kernel(const T* __restrict__ in, uint8_t* __restrict__ out,
-                  float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
-                  float* __restrict__ scale_inv_t, int64_t rows, int64_t cols, bool p2, float eps) {
-  __shared__ float tile[kBlockLen][kBandCols + 1];
-  const int64_t kb = ceil_blocks(cols), kbt = ceil_blocks(rows);
+    block_cast_kernel(const T* __restrict__ in, const CastArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int S = staged_row<T>();
+  T* tile = reinterpret_cast<T*>(smem);
+  uint8_t* qt = smem + size_t{kDim} * S * sizeof(T);
+  const int64_t kb = ceil_blocks(a.cols), kbt = ceil_blocks(a.rows);
   const int64_t rb = blockIdx.x / kb, t = blockIdx.x % kb;
-  const int64_t r0 = rb * kBlockLen, c0 = t * kBlockLen;
-  const int nr = static_cast<int>(min64(kBlockLen, rows - r0));
-  const int nc = static_cast<int>(min64(kBlockLen, cols - c0));
-  // thread: column c0 + cc, rows ry, ry + 2, ...: each warp reads 32 neighbours of a row
-  const int cc = threadIdx.x % kBlockLen, ry = threadIdx.x / kBlockLen;
-  uint32_t m = 0;
-  if (cc < nc) {
-#pragma unroll 8
-    for (int r = ry; r < nr; r += kThreads / kBlockLen)
-      m = max(m, abs_bits(to_float(in[(r0 + r) * cols + c0 + cc])));
-  }
-  const float s = block_scale(amax_from_bits(block_max_all(m)), fp8_max(F), p2, eps);
-  if (out != nullptr && cc < nc) {  // the second read of the block comes from the cache
-#pragma unroll 8
-    for (int r = ry; r < nr; r += kThreads / kBlockLen)
-      out[(r0 + r) * cols + c0 + cc] =
-          quantize_like_cpu<F>(to_float(in[(r0 + r) * cols + c0 + cc]), s);
-  }
-  if (out_t != nullptr) {
-    for (int half = 0; half * kBandCols < nc; ++half) {
-      const int64_t hc = c0 + half * kBandCols;
-      const int hn = static_cast<int>(min64(kBandCols, nc - half * kBandCols));
-      __syncthreads();  // the previous half's reads of tile are done
-      stage_band(in, cols, r0, nr, hc, hn, tile);
-      __syncthreads();
-      for (int c = threadIdx.x / kWarp; c < hn; c += kWarps)
-        write_column<F>(tile, c, s, out_t + (hc + c) * rows + r0, nr);
+  const int64_t r0 = rb * kDim, c0 = t * kDim;
+  const int nr = static_cast<int>(min64(kDim, a.rows - r0));
+  const int nc = static_cast<int>(min64(kDim, a.cols - c0));
+  const int tc = threadIdx.x % kThreadsPerRow, tr = threadIdx.x / kThreadsPerRow;
+  const int cb = tc * kVec;  // this thread's first column in the region
+  const int live = nc - cb >= kVec ? kVec : (nc > cb ? nc - cb : 0);
+  const bool stage = kBlocks || a.out_t != nullptr;
+  uint32_t block_m = 0;
+#pragma unroll 2
+  for (int p = 0; p < kPasses; ++p) {
+    const int lr = tr + p * kRowsPerPass;
+    const bool row_in = lr < nr;
+    const T* src = in + (r0 + lr) * a.cols + c0 + cb;
+    Eight<T> x;
+    if (row_in && a.vec_in && live == kVec) {
+#pragma unroll
+      for (int k = 0; k < static_cast<int>(kVec * sizeof(T) / 16); ++k)
+        x.u[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) x.t[j] = row_in && j < live ? src[j] : T(0.0f);
+    }
+    uint32_t m = 0;
+    float v[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      v[j] = to_float(x.t[j]);  // zero outside the matrix: no effect on any amax
+      m = max(m, abs_bits(v[j]));
+    }
+    if (stage) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) tile[lr * S + cb + j] = x.t[j];
+    }
+    if constexpr (kBlocks) {
+      block_m = max(block_m, m);
+    } else if (a.out != nullptr) {
+      // The row's tile amax across its 16 threads (xor offsets < 16 stay in the half-warp).
+#pragma unroll
+      for (int o = kThreadsPerRow / 2; o > 0; o /= 2)
+        m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+      const float s = block_scale(amax_from_bits(m), fp8_max(F), a.p2, a.eps);
+      if (row_in) {
+        uint8_t q[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) q[j] = quantize_like_cpu<F>(v[j], s);
+        if (live > 0) store8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
+        if (tc == 0) a.scale_inv[(r0 + lr) * kb + t] = 1.0f / s;
+      }
     }
   }
-  if (threadIdx.x == 0) {
-    if (scale_inv != nullptr) scale_inv[rb * kb + t] = 1.0f / s;
-    if (scale_inv_t != nullptr) scale_inv_t[t * kbt + rb] = 1.0f / s;
+  float bs = 1.0f;  // kBlocks: the block's scale
+  if constexpr (kBlocks) {
+    bs = block_scale(amax_from_bits(block_max_all(block_m)), fp8_max(F), a.p2, a.eps);
+    if (threadIdx.x == 0) {
+      if (a.scale_inv != nullptr) a.scale_inv[rb * kb + t] = 1.0f / bs;
+      if (a.scale_inv_t != nullptr) a.scale_inv_t[t * kbt + rb] = 1.0f / bs;
+    }
+    if (a.out != nullptr) {  // each thread re-reads what it staged: no wait for the others
+      for (int p = 0; p < kPasses; ++p) {
+        const int lr = tr + p * kRowsPerPass;
+        if (lr >= nr || live == 0) continue;
+        uint8_t q[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          q[j] = quantize_like_cpu<F>(to_float(tile[lr * S + cb + j]), bs);
+        store8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
+      }
+    }
   }
+  if (a.out_t == nullptr) return;  // uniform across the block
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  for (int c = threadIdx.x / kWarp; c < nc; c += kWarps) {
+    float v[4];
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[j] = to_float(tile[(lane + j * kWarp) * S + c]);  // rows past nr were staged as zeros
+      m = max(m, abs_bits(v[j]));
+    }
+    float s = bs;
+    if constexpr (!kBlocks) {
+      s = block_scale(amax_from_bits(warp_max(m)), fp8_max(F), a.p2, a.eps);
+      if (lane == 0) a.scale_inv_t[(c0 + c) * kbt + rb] = 1.0f / s;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      qt[c * kQtStride + lane + j * kWarp] = quantize_like_cpu<F>(v[j], s);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kDim * kSegs / kThreads; ++k) {
+    const int idx = threadIdx.x + k * kThreads;
+    const int c = idx / kSegs, seg = (idx % kSegs) * 16;
+    if (c >= nc || seg >= nr) continue;
+    uint8_t* dst = a.out_t + (c0 + c) * a.rows + r0 + seg;
+    const uint8_t* src = qt + c * kQtStride + seg;
+    if (a.vec_t) {  // rows % 16 == 0: the segment lies inside the matrix
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int i = 0; i < 16 && seg + i < nr; ++i) dst[i] = src[i];
+    }
+  }
+}
+
+// Opts a kernel into more than 48 KiB of dynamic shared memory, once per device.
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done) {
+  int dev = 0;
+  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) return;
+  FP8DP_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  done.fetch_or(bit, std::memory_order_relaxed);
+}
+
+template <Format F, typename T, bool kBlocks>
+void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t st) {
+  static std::atomic<uint64_t> smem_done{0};
+  const int64_t grid = ceil_blocks(p.rows) * ceil_blocks(p.cols);
+  FP8DP_CHECK(grid < (int64_t{1} << 31), "block_quantize_cuda: too many 128x128 regions: ", grid);
+  auto kernel = block_cast_kernel<F, T, kBlocks>;
+  // Row tiles alone need no staging (and so no shared memory beyond the reductions').
+  const size_t smem = (kBlocks || p.out_t != nullptr) ? smem_bytes<T>() : 0;
+  if (smem > 48 * 1024) allow_smem(kernel, smem, smem_done);
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, st>>>(static_cast<const T*>(p.input), a);
+  FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
 template <Format F, typename T>
 void launch(const BlockQuantizeParams& p, cudaStream_t st) {
-  const T* in = static_cast<const T*>(p.input);
-  const int64_t kb = ceil_blocks(p.cols), kbt = ceil_blocks(p.rows);
-  const auto check_grid = [](int64_t grid) {
-    FP8DP_CHECK(grid < (int64_t{1} << 31), "block_quantize_cuda: too many tiles: ", grid);
-    return static_cast<unsigned>(grid);
-  };
+  const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
+  CastArgs a{p.rows,
+             p.cols,
+             p.out,
+             p.scale_inv,
+             p.out_t,
+             p.scale_inv_t,
+             p.cols % kVec == 0 && addr(p.input) % 16 == 0,
+             p.out != nullptr && p.cols % kVec == 0 && addr(p.out) % 8 == 0,
+             p.out_t != nullptr && p.rows % 16 == 0 && addr(p.out_t) % 16 == 0,
+             p.power_2_scale,
+             p.amax_epsilon};
   if (p.shape == BlockShape::k1x128) {
-    if (p.out != nullptr) {
-      const uintptr_t a = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(p.out);
-      const bool vec = p.cols % 4 == 0 && a % (4 * sizeof(T)) == 0;
-      rows_kernel<F, T><<<check_grid((p.rows * kb + kWarps - 1) / kWarps), kThreads, 0, st>>>(
-          in, p.out, p.scale_inv, p.rows, p.cols, vec, p.power_2_scale, p.amax_epsilon);
-      FP8DP_CHECK_CUDA(cudaGetLastError());
-    }
-    if (p.out_t != nullptr) {
-      const int64_t bands = (p.cols + kBandCols - 1) / kBandCols;
-      cols_kernel<F, T><<<check_grid(kbt * bands), kThreads, 0, st>>>(
-          in, p.out_t, p.scale_inv_t, p.rows, p.cols, p.power_2_scale, p.amax_epsilon);
-      FP8DP_CHECK_CUDA(cudaGetLastError());
-    }
-    return;
+    launch_cast<F, T, false>(p, a, st);
+  } else {
+    launch_cast<F, T, true>(p, a, st);
   }
-  blocks_kernel<F, T><<<check_grid(kbt * kb), kThreads, 0, st>>>(in, p.out, p.scale_inv, p.out_t,
-                                                                 p.scale_inv_t, p.rows, p.cols,
-                                                                 p.power_2_scale, p.amax_epsilon);
-  FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
 template <Format F>
