@@ -3,9 +3,14 @@ fp8dp (FP8 delayed, FP8 current, FP8 off) and TransformerEngine (FP8 delayed, FP
 `import transformer_engine.pytorch` works. All variants are built and timed interleaved in one
 process on identical inputs.
 
-One block: LayerNormLinear(QKV) -> causal SDPA -> Linear(proj) -> residual, LayerNormLinear(fc1, 4x)
--> GELU -> Linear(fc2) -> residual; activations [seq, batch, hidden], BF16 parameters, bias on,
-head dim 128; q, k and v are taken from the QKV output with `unbind` (`--compare-qkv-index` also
+Three architectures (--arch), each against its own torch BF16 stack:
+- gpt: LayerNormLinear(QKV) -> causal SDPA -> Linear(proj) -> residual, LayerNormLinear(fc1, 4x)
+  -> GELU -> Linear(fc2) -> residual: a stack of separate modules;
+- gpt_fused: the same model from each library's best modules: LayerNormLinear(QKV), Linear(proj),
+  LayerNormMLP (GELU) for the MLP;
+- llama: RMSNorm, SwiGLU (ffn = 8/3 hidden rounded up to 256), no bias; LayerNormLinear(QKV),
+  Linear(proj), LayerNormMLP(swiglu) in fp8dp and TE.
+Activations [seq, batch, hidden], BF16 parameters, head dim 128; q, k and v are taken from the QKV output with `unbind` (`--compare-qkv-index` also
 times the baseline and FP8 delayed with the indexing the issue's numbers used). One step = forward, backward with a fixed grad_output, gradients dropped, and for
 delayed scaling the per-step scale update (fp8dp.update_fp8_scales(); TE updates at the end of
 its autocast). Reported per variant: ms per step (median of CUDA-event samples), tokens/s, the
@@ -17,10 +22,12 @@ at its own clock, and from the GPU's energy counter (NVML) its joules per step a
 Where the GPU runs at its power limit (the H200 does at every width here), the step time follows
 the energy per step, so the ratio of joules per step (BF16 over the variant) bounds the speed-up.
 
-    python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--json out.json]
+    python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--arch gpt,gpt_fused,llama]
+        [--json out.json]
 
-Targets (ratios over torch BF16): 2048x8 >= 1.25, 4096x4 >= 1.55, 8192x2 >= 1.60, FP8 off
->= 0.98 at every width.
+Targets (ratios over torch BF16, issue 31): gpt 2048x8 >= 1.40, 4096x4 >= 1.55, 8192x2 >= 1.62;
+llama 4096x4 >= 1.50; gpt_fused >= 1.05x TE's gpt_fused where TE imports; FP8 off >= 0.98 at
+every width.
 """
 
 import argparse
@@ -61,34 +68,73 @@ SEQ, BATCH, HEAD_DIM = 2048, 2, 128
 # "index" (qkv[0], qkv[1], qkv[2]: each backward writes a zero-filled full-size gradient and autograd
 # adds the three; what this benchmark used before 2026-12-02; docs/changelog.md).
 QKV_SPLITS = ("unbind", "index")
-TARGETS = {(2048, 8): 1.25, (4096, 4): 1.55, (8192, 2): 1.60}
+TARGETS = {
+    ("gpt", 2048, 8): 1.40,
+    ("gpt", 4096, 4): 1.55,
+    ("gpt", 8192, 2): 1.62,
+    ("llama", 4096, 4): 1.50,
+}
+ARCHS = ("gpt", "gpt_fused", "llama")
+DEVICE = "cuda"  # tests/python/test_bench_gpt_block.py builds the blocks on the CPU
+
+
+def ffn_size(hidden: int, arch: str) -> int:
+    """The MLP's width: 4 hidden (GPT), or Llama's 8/3 hidden rounded up to a multiple of 256."""
+    return 4 * hidden if arch != "llama" else (8 * hidden // 3 + 255) // 256 * 256
+
+
 TARGET_FP8_OFF = 0.98
 
 
 class Block(torch.nn.Module):
-    """One GPT block built from `lib`'s layers: 'torch' (nn.LayerNorm + nn.Linear), 'fp8dp' or
-    'te' (LayerNormLinear + Linear)."""
+    """One block of `arch` (ARCHS) built from `lib`'s layers: 'torch' (nn.LayerNorm / nn.RMSNorm +
+    nn.Linear, the activation in between), 'fp8dp' or 'te' (LayerNormLinear + Linear, and for
+    gpt_fused and llama LayerNormMLP)."""
 
-    def __init__(self, hidden: int, lib: str):
+    def __init__(self, hidden: int, lib: str, arch: str = "gpt"):
         super().__init__()
-        kw = dict(params_dtype=torch.bfloat16, device="cuda")
         self.heads = hidden // HEAD_DIM
+        self.llama = arch == "llama"
+        bias = not self.llama
+        ffn = ffn_size(hidden, arch)
+        fc1_out = 2 * ffn if self.llama else ffn
         if lib == "torch":
-            tkw = dict(dtype=torch.bfloat16, device="cuda")
+            tkw = dict(dtype=torch.bfloat16, device=DEVICE)
+
+            def norm():
+                if self.llama:
+                    return torch.nn.RMSNorm(hidden, eps=1e-5, **tkw)
+                return torch.nn.LayerNorm(hidden, **tkw)
+
             self.qkv = torch.nn.Sequential(
-                torch.nn.LayerNorm(hidden, **tkw), torch.nn.Linear(hidden, 3 * hidden, **tkw)
+                norm(), torch.nn.Linear(hidden, 3 * hidden, bias=bias, **tkw)
             )
-            self.proj = torch.nn.Linear(hidden, hidden, **tkw)
+            self.proj = torch.nn.Linear(hidden, hidden, bias=bias, **tkw)
             self.fc1 = torch.nn.Sequential(
-                torch.nn.LayerNorm(hidden, **tkw), torch.nn.Linear(hidden, 4 * hidden, **tkw)
+                norm(), torch.nn.Linear(hidden, fc1_out, bias=bias, **tkw)
             )
-            self.fc2 = torch.nn.Linear(4 * hidden, hidden, **tkw)
+            self.fc2 = torch.nn.Linear(ffn, hidden, bias=bias, **tkw)
+            self.mlp = None
+            return
+        mod = fp8dp if lib == "fp8dp" else te
+        kw = dict(params_dtype=torch.bfloat16, device=DEVICE, bias=bias)
+        if self.llama:
+            kw["normalization"] = "RMSNorm"
+        self.qkv = mod.LayerNormLinear(hidden, 3 * hidden, **kw)
+        kw.pop("normalization", None)
+        self.proj = mod.Linear(hidden, hidden, **kw)
+        self.mlp = None
+        if arch == "gpt":
+            self.fc1 = mod.LayerNormLinear(hidden, ffn, **kw)
+            self.fc2 = mod.Linear(ffn, hidden, **kw)
         else:
-            mod = fp8dp if lib == "fp8dp" else te
-            self.qkv = mod.LayerNormLinear(hidden, 3 * hidden, **kw)
-            self.proj = mod.Linear(hidden, hidden, **kw)
-            self.fc1 = mod.LayerNormLinear(hidden, 4 * hidden, **kw)
-            self.fc2 = mod.Linear(4 * hidden, hidden, **kw)
+            self.mlp = mod.LayerNormMLP(
+                hidden,
+                ffn,
+                activation="swiglu" if self.llama else "gelu",
+                **({"normalization": "RMSNorm"} if self.llama else {}),
+                **kw,
+            )
 
     split = "unbind"  # how q, k, v come out of the QKV output (QKV_SPLITS); set per step
 
@@ -98,25 +144,77 @@ class Block(torch.nn.Module):
         q, k, v = qkv.unbind(0) if self.split == "unbind" else (qkv[0], qkv[1], qkv[2])
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
-        return x + self.fc2(F.gelu(self.fc1(x)))
+        if self.mlp is not None:
+            return x + self.mlp(x)
+        u = self.fc1(x)
+        if self.llama:  # [gate | up], as fp8dp.LayerNormMLP's swiglu
+            gate, up = u.chunk(2, dim=-1)
+            u = F.silu(gate) * up
+        else:
+            u = F.gelu(u)
+        return x + self.fc2(u)
 
 
-def make_model(hidden: int, layers: int, lib: str, ref=None):
+def _mlp_params(m):
+    """(norm weight, norm bias, fc1 weight, fc1 bias, fc2 weight, fc2 bias) of a LayerNormMLP,
+    fp8dp's (children fc1, fc2) or TE's (flat names); None where there is none."""
+    if isinstance(m, fp8dp.LayerNormMLP):
+        return (
+            m.fc1.layer_norm_weight,
+            getattr(m.fc1, "layer_norm_bias", None),
+            m.fc1.weight,
+            m.fc1.bias,
+            m.fc2.weight,
+            m.fc2.bias,
+        )
+    return tuple(
+        getattr(m, n, None)
+        for n in ("layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight")
+    ) + (
+        getattr(m, "fc2_bias", None),
+    )
+
+
+def _copy(dst, src) -> None:
+    """dst <- src where both exist (a module without bias has None or an empty tensor)."""
+    if dst is not None and src is not None and dst.numel() > 0:
+        dst.copy_(src)
+
+
+def copy_weights(blk: Block, rblk: Block) -> None:
+    """The torch block's weights into an fp8dp / TE block of the same arch."""
+    ln, lin = rblk.qkv
+    _copy(blk.qkv.layer_norm_weight, ln.weight)
+    _copy(getattr(blk.qkv, "layer_norm_bias", None), getattr(ln, "bias", None))
+    _copy(blk.qkv.weight, lin.weight)
+    _copy(blk.qkv.bias, lin.bias)
+    _copy(blk.proj.weight, rblk.proj.weight)
+    _copy(blk.proj.bias, rblk.proj.bias)
+    ln, lin = rblk.fc1
+    src = (ln.weight, getattr(ln, "bias", None), lin.weight, lin.bias)
+    src += (rblk.fc2.weight, rblk.fc2.bias)
+    if blk.mlp is not None:
+        dst = _mlp_params(blk.mlp)
+    else:
+        dst = (
+            blk.fc1.layer_norm_weight,
+            getattr(blk.fc1, "layer_norm_bias", None),
+            blk.fc1.weight,
+            blk.fc1.bias,
+            blk.fc2.weight,
+            blk.fc2.bias,
+        )
+    for d, r in zip(dst, src):
+        _copy(d, r)
+
+
+def make_model(hidden: int, layers: int, lib: str, ref=None, arch: str = "gpt"):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(hidden, lib) for _ in range(layers)])
+    model = torch.nn.Sequential(*[Block(hidden, lib, arch) for _ in range(layers)])
     if ref is not None:  # the baseline's weights, so that the losses compare
         with torch.no_grad():
             for blk, rblk in zip(model, ref):
-                for name in ("qkv", "fc1"):
-                    ln, lin = getattr(rblk, name)
-                    mine = getattr(blk, name)
-                    mine.layer_norm_weight.copy_(ln.weight)
-                    mine.layer_norm_bias.copy_(ln.bias)
-                    mine.weight.copy_(lin.weight)
-                    mine.bias.copy_(lin.bias)
-                for name in ("proj", "fc2"):
-                    getattr(blk, name).weight.copy_(getattr(rblk, name).weight)
-                    getattr(blk, name).bias.copy_(getattr(rblk, name).bias)
+                copy_weights(blk, rblk)
     return model
 
 
@@ -190,7 +288,7 @@ class _nullcontext:
         return False
 
 
-def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_backward, block):
+def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_backward, block, arch):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
     if fast_backward:
         modes.append("fp8dp_delayed_fastbwd")
@@ -205,11 +303,11 @@ def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_bac
     torch.manual_seed(1)
     x = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16) * 1e-2
-    ref = make_model(hidden, layers, "torch")
+    ref = make_model(hidden, layers, "torch", arch=arch)
     models = {"bf16": ref}
     for lib in ("fp8dp", "te"):
         if any(m.startswith(lib) for m in modes):
-            model = make_model(hidden, layers, lib, ref)
+            model = make_model(hidden, layers, lib, ref, arch=arch)
             for m in modes:
                 if m.startswith(lib):
                     models[m] = model
@@ -220,7 +318,7 @@ def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_bac
         ms = time_interleaved(steps, warmup=5, rounds=rounds)
     tokens = SEQ * BATCH
     base = ms["bf16"]
-    out = {"hidden": hidden, "layers": layers, "tokens": tokens, "variants": {}}
+    out = {"arch": arch, "hidden": hidden, "layers": layers, "tokens": tokens, "variants": {}}
     for m in modes:
         # each variant against the torch BF16 stack with the same QKV split
         vs = ms["bf16@index"] if m.endswith("@index") else base
@@ -232,7 +330,7 @@ def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_bac
             "host_ms": host_ms(steps[m]),
             "loss": losses[m](),
         }
-    out["target"] = TARGETS.get((hidden, layers))
+    out["target"] = TARGETS.get((arch, hidden, layers))
     out["gpu_during_timing"] = gpu.summary()  # clocks and power of the interleaved timing
     if energy is not None:
         alone = {m: time_sustained(steps[m], energy) for m in modes}
@@ -247,6 +345,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "--shapes", default="2048x8,4096x4,8192x2", help="hidden x layers, comma-separated"
+    )
+    ap.add_argument(
+        "--arch",
+        default="gpt",
+        help=f"block architectures, comma-separated, of {', '.join(ARCHS)} (default gpt)",
     )
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--no-te", action="store_true", help="leave TransformerEngine out")
@@ -278,10 +381,14 @@ def main():
     energy = None if args.no_alone else EnergyCounter()
     if energy is not None and energy.why:
         print(f"energy counter: not readable here ({energy.why}); joules are left out", flush=True)
+    archs = args.arch.split(",")
+    for a in archs:
+        if a not in ARCHS:
+            ap.error(f"--arch: expected names from {', '.join(ARCHS)}, got {a!r}")
     results = []
-    for shape in args.shapes.split(","):
+    for arch, shape in [(a, s) for a in archs for s in args.shapes.split(",")]:
         hidden, layers = (int(v) for v in shape.split("x"))
-        print(f"[gpt_block] {hidden} x {layers} ...", flush=True)
+        print(f"[gpt_block] {arch} {hidden} x {layers} ...", flush=True)
         try:
             results.append(
                 bench_shape(
@@ -293,12 +400,18 @@ def main():
                     args.compare_qkv_index,
                     args.fast_backward,
                     args.block,
+                    arch,
                 )
             )
         except Exception as e:  # one shape failing must not hide the others
-            print(f"{shape}: FAILED {type(e).__name__}: {e}", flush=True)
+            print(f"{arch} {shape}: FAILED {type(e).__name__}: {e}", flush=True)
             results.append(
-                {"hidden": hidden, "layers": layers, "error": f"{type(e).__name__}: {e}"}
+                {
+                    "arch": arch,
+                    "hidden": hidden,
+                    "layers": layers,
+                    "error": f"{type(e).__name__}: {e}",
+                }
             )
         torch.cuda.empty_cache()
     rows = []
@@ -308,7 +421,7 @@ def main():
         for m, v in r["variants"].items():
             rows.append(
                 [
-                    f"{r['hidden']}x{r['layers']}",
+                    f"{r['arch']} {r['hidden']}x{r['layers']}",
                     m,
                     f"{v['ms']:.2f}",
                     f"{v['tokens_per_s'] / 1e3:.0f}k",
@@ -320,11 +433,20 @@ def main():
             )
     print_table(
         f"GPT block stack, seq {SEQ} x batch {BATCH}, forward+backward, ratio over torch BF16",
-        ["width x layers", "variant", "ms", "tokens/s", "vs bf16", "host ms", "peak MiB", "loss"],
+        [
+            "arch width x layers",
+            "variant",
+            "ms",
+            "tokens/s",
+            "vs bf16",
+            "host ms",
+            "peak MiB",
+            "loss",
+        ],
         rows,
     )
     alone_rows = [
-        [f"{r['hidden']}x{r['layers']}", m] + alone_cells(v)
+        [f"{r['arch']} {r['hidden']}x{r['layers']}", m] + alone_cells(v)
         for r in results
         for m, v in r.get("variants", {}).items()
         if "alone" in v
@@ -333,7 +455,7 @@ def main():
         print_table(
             "Each variant alone, sustained (~1.5 s): time, energy per step, mean power, SM clock;"
             " base = torch BF16",
-            ["width x layers", "variant"] + ALONE_HEADER,
+            ["arch width x layers", "variant"] + ALONE_HEADER,
             alone_rows,
         )
     for r in results:
@@ -341,7 +463,7 @@ def main():
         if g:
             c, w = g["sm_clock_mhz"], g["power_w"]
             print(
-                f"{r['hidden']}x{r['layers']}: SM clock {c['median']:.0f} MHz median "
+                f"{r['arch']} {r['hidden']}x{r['layers']}: SM clock {c['median']:.0f} MHz median "
                 f"({c['min']:.0f}-{c['max']:.0f}), power {w['median']:.0f} W median "
                 f"({w['max']:.0f} max) while timing, {g['samples']} samples"
             )
@@ -354,7 +476,7 @@ def main():
             "te_reason": TE_REASON,
             "seq": SEQ,
             "batch": BATCH,
-            "targets": {f"{h}x{n}": t for (h, n), t in TARGETS.items()},
+            "targets": {f"{a} {h}x{n}": t for (a, h, n), t in TARGETS.items()},
             "target_fp8_off": TARGET_FP8_OFF,
             "command": " ".join(["python3"] + sys.argv),
             "qkv_split": QKV_SPLITS[0],

@@ -4,7 +4,8 @@
 # compute-sanitizer memcheck on the kernel gtest, and the reference benchmarks (bench/). Each step runs
 # even when an earlier one failed (except that nothing runs without a build); a summary of exit codes
 # comes last. Logs and JSON go to $OUT (default: build/gpu/out): build.log, tests.log, sanitizer.log,
-# bench.log, bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json, bench_mlp.json,
+# bench.log, bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json,
+# bench_gpt_best.json, bench_mlp.json,
 # bench_block.json, bench_ckpt.json,
 # and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt.
 # Not in the default STEPS (they take minutes): "matrix" (the full NCCL test matrix: matrix.log,
@@ -116,6 +117,10 @@ wantb bench_block && run_step bench_block "$OUT/bench.log" 240 "$PY" bench/block
   --json "$OUT/bench_block.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py ${GPT_ARGS:-} \
   --json "$OUT/bench_gpt.json"
+# Each library's best modules (LayerNormMLP) and the Llama-style block (issue 31), without the
+# sustained per-variant blocks so that both fit one step's limit.
+wantb bench_gpt_best && run_step bench_gpt_best "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py \
+  --arch gpt_fused,llama --no-alone ${GPT_BEST_ARGS:-} --json "$OUT/bench_gpt_best.json"
 if want dev_profile_gpt; then
   # Kernel time and launches per step of the GPT block stack, per variant (PROFILE_SHAPES;
   # PROFILE_ARGS adds arguments, e.g. --host for the CPU time per operator).
@@ -168,7 +173,7 @@ fi
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
-           bench_gpt bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
+           bench_gpt bench_gpt_best bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
            dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
