@@ -20,17 +20,21 @@ constexpr const char* kFn = "fp8dp.gemm";
 int64_t round_up4(int64_t v) { return (v + 3) / 4 * 4; }
 
 // Our row-major [rows, ceil(k/128)] tile scales -> [ceil(k/128)][round_up(rows, 4)], rows
-// contiguous (the padding is never read as a scale of a real row).
+// contiguous (the padding is never read as a scale of a real row). One transposing copy when rows
+// is a multiple of 4 (token counts and layer widths are), a zero fill and a copy otherwise.
 at::Tensor tile_scales_for_lt(const at::Tensor& s) {
   const int64_t rows = s.size(0), kb = s.size(1);
+  if (rows % 4 == 0) return s.t().contiguous();
   at::Tensor out = at::zeros({kb, round_up4(rows)}, s.options());
   out.narrow(1, 0, rows).copy_(s.t());
   return out;
 }
 
-// Our row-major [ceil(rows/128), ceil(k/128)] block scales -> rows padded to a multiple of 4.
+// Our row-major [ceil(rows/128), ceil(k/128)] block scales -> rows padded to a multiple of 4: as
+// they are when ceil(k/128) is a multiple of 4 (k a multiple of 512), no copy.
 at::Tensor block_scales_for_lt(const at::Tensor& s) {
   const int64_t rb = s.size(0), kb = s.size(1);
+  if (kb % 4 == 0) return s.contiguous();
   at::Tensor out = at::zeros({rb, round_up4(kb)}, s.options());
   out.narrow(1, 0, kb).copy_(s);
   return out;
@@ -64,9 +68,9 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
     if (args.bias.defined()) out.add_(args.bias.to(out.scalar_type()));
     return out;
   }
-  const at::Tensor sa = tile_scales_for_lt(args.a_scale_inv.contiguous());
-  const at::Tensor sb = b_blocks ? block_scales_for_lt(args.b_scale_inv.contiguous())
-                                 : tile_scales_for_lt(args.b_scale_inv.contiguous());
+  const at::Tensor sa = tile_scales_for_lt(args.a_scale_inv);
+  const at::Tensor sb =
+      b_blocks ? block_scales_for_lt(args.b_scale_inv) : tile_scales_for_lt(args.b_scale_inv);
   LtGemmParams p;
   p.m = m;
   p.n = n;
