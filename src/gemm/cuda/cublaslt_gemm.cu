@@ -207,10 +207,11 @@ cublasStatus_t matmul(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p, void*
 }
 
 // Times every heuristic candidate (after one warm-up) and returns the index of the fastest by
-// median. With accumulate the candidates write a scratch copy so that `out` is not summed into
-// repeatedly. That copy comes from cudaMallocAsync's default pool on purpose, not from the
-// keep-everything scratch pool (common/cuda_scratch.h): it is as large as `out` (a whole main_grad,
-// 256 MB at 8192 x 8192), needed once per shape, and best handed back at the next synchronize.
+// median, or -1 when none of them runs. With accumulate the candidates write a scratch copy so that
+// `out` is not summed into repeatedly. That copy comes from cudaMallocAsync's default pool on
+// purpose, not from the keep-everything scratch pool (common/cuda_scratch.h): it is as large as
+// `out` (a whole main_grad, 256 MB at 8192 x 8192), needed once per shape, and best handed back at
+// the next synchronize.
 int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
                  const cublasLtMatmulHeuristicResult_t* res, int count, void* ws, cudaStream_t st) {
   void* target = p.out;
@@ -236,7 +237,7 @@ int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
     }
   }
   FP8DP_CHECK_CUDA(cudaStreamSynchronize(st));
-  int best = ok.empty() ? 0 : ok[0];
+  int best = ok.empty() ? -1 : ok[0];
   float best_ms = std::numeric_limits<float>::infinity();
   for (size_t j = 0; j < ok.size(); ++j) {
     std::array<float, kTimedRounds> ms{};
@@ -362,6 +363,7 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
                    : (autotune && count > 1 && cap == cudaStreamCaptureStatusNone)
                        ? pick_fastest(h, *pl, p, res, count, ws, st)
                        : 0;
+  if (pick < 0) return nullptr;  // every candidate failed to run: no algorithm after all
   pl->algo = res[pick].algo;
   pl->pick = pick;
   pl->candidates = count;
