@@ -56,6 +56,13 @@ for v in "${variants[@]}"; do
     --config "$CONFIG" --no-progress --save "$OUTDIR/$v/ckpt" --stop-at "$STOP" "${sets[@]}"
   rm -rf "$OUTDIR/$v/ckpt"
 done
+for v in "${variants[@]}"; do
+  # The probe's summary (worst modules per measure) next to the table, so one command's log holds
+  # both.
+  if [ "$v" = probe ] && [ -f "$OUTDIR/probe/fp8/fp8_stats.jsonl" ]; then
+    "$PY" -m fp8dp.train.fp8_stats "$OUTDIR/probe/fp8/fp8_stats.jsonl" || true
+  fi
+done
 "$PY" - "$OUTDIR" "${variants[@]}" <<'EOF'
 import json, os, sys
 base, names = sys.argv[1], sys.argv[2:]
