@@ -15,6 +15,7 @@
 #   e4m3head  both of the two that helped most at CPU size: E4M3 gradients, the head in BF16
 #   block  fp8.recipe=block: Float8BlockScaling (1x128 tiles, 128x128 weight blocks, E4M3), the
 #          smallest lag at CPU size (0.9% and 2.1% with two seeds; delayed 2.9% and 3.1%)
+#   blockprobe  block with the probe (its casts emulated with fp8dp's own CPU block casts)
 #   fpropbf16, dgradbf16, wgradbf16  fp8.override_linear_precision: that GEMM of every layer
 #          in BF16 (which GEMM costs the loss; at CPU size the forward's: BENCHMARKS.md)
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
@@ -34,6 +35,7 @@ declare -A SETS=(
   [e4m3]="fp8.format=E4M3"
   [e4m3head]="fp8.format=E4M3 fp8.exclude=[head]"
   [block]="fp8.recipe=block"
+  [blockprobe]="fp8.recipe=block train.fp8_stats_every=100"
   [fpropbf16]="fp8.override_linear_precision=[true,false,false]"
   [dgradbf16]="fp8.override_linear_precision=[false,true,false]"
   [wgradbf16]="fp8.override_linear_precision=[false,false,true]"
@@ -57,10 +59,11 @@ for v in "${variants[@]}"; do
   rm -rf "$OUTDIR/$v/ckpt"
 done
 for v in "${variants[@]}"; do
-  # The probe's summary (worst modules per measure) next to the table, so one command's log holds
-  # both.
-  if [ "$v" = probe ] && [ -f "$OUTDIR/probe/fp8/fp8_stats.jsonl" ]; then
-    "$PY" -m fp8dp.train.fp8_stats "$OUTDIR/probe/fp8/fp8_stats.jsonl" || true
+  # A probed variant's summary (worst modules per measure) next to the table, so one command's log
+  # holds both.
+  if [ -f "$OUTDIR/$v/fp8/fp8_stats.jsonl" ]; then
+    echo "[ablate] $v: the probe's summary"
+    "$PY" -m fp8dp.train.fp8_stats "$OUTDIR/$v/fp8/fp8_stats.jsonl" || true
   fi
 done
 "$PY" - "$OUTDIR" "${variants[@]}" <<'EOF'

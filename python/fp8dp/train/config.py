@@ -511,11 +511,6 @@ class TrainConfig:
             )
         par = self.parallel
         if self.train.fp8_stats_every > 0 and self.fp8.enabled:
-            if self.fp8.recipe == "block":
-                raise ValueError(
-                    "train.fp8_stats_every: expected 0 with fp8.recipe block (the probe emulates "
-                    f"per-tensor scales only), got {self.train.fp8_stats_every}"
-                )
             if par.pipeline_parallel_size > 1:
                 raise ValueError(
                     "train.fp8_stats_every: expected 0 with parallel.pipeline_parallel_size > 1 "

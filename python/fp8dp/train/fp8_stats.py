@@ -15,8 +15,13 @@ dtypes (round to nearest even, saturating, as fp8dp's casts):
 - rel_err: ||dequant(quant(v)) - v|| / ||v||,
 
 and the relative error of the three GEMMs in FP8 against the same GEMMs of the unquantized
-operands (FP32 products of both): fprop x w^T, dgrad dy w, wgrad dy^T x. Block scaling (a scale
-per tile) is not emulated here. For a projection whose output is several tensors under one scale
+operands (FP32 products of both): fprop x w^T, dgrad dy w, wgrad dy^T x.
+
+Under block scaling (fp8.recipe block) the casts are fp8dp's own CPU block casts
+(_C.block_quantize: x and dy in 1x128 tiles along the GEMM's reduction dimension, their transposes
+for the wgrad re-cast in tiles along the tokens, w in 128x128 blocks), dequantized exactly; fill is
+then the mean over 1x128 row segments of amax * scale / fp8_max, and x and dy also report rel_err_t, the error of
+the transposed cast the wgrad reads. For a projection whose output is several tensors under one scale
 (qkv: q, k and v), dy_parts gives each part's place in the range, flushed share and errors.
 
 It also checks fp8dp's own results against that emulation (*_kernel): the module's output, its
@@ -41,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 import fp8dp
-from fp8dp.recipe import DelayedScaling, Float8CurrentScaling
+from fp8dp import _C
+from fp8dp.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 from .metrics import MetricsWriter, read_metrics
 
@@ -111,8 +117,50 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - ref)) / den if den > 0 else 0.0
 
 
+def block_quantize(v: torch.Tensor, fmt: str, qp, blocks: bool, transpose: bool) -> tuple:
+    """Float8BlockScaling's cast of v [rows, cols] with fp8dp's own CPU kernel: (dequantized
+    row-major cast, dequantized transposed cast viewed back as [rows, cols] or None, stats)."""
+    fmax = FORMATS[fmt][1]
+    v = v.float().contiguous()
+    shape = _C.BlockShape.BLOCK_128x128 if blocks else _C.BlockShape.TILE_1x128
+    c = _C.block_quantize(
+        v,
+        _C.Format.E4M3 if fmt == "E4M3" else _C.Format.E5M2,
+        shape,
+        power_2_scale=qp.power_2_scale,
+        amax_epsilon=qp.amax_epsilon,
+        transpose=transpose,
+    )
+    q = _C.block_dequantize(c.data, c.scale_inv, torch.float32)
+    q_t = None
+    if transpose and not blocks:  # a weight block serves both orientations
+        q_t = _C.block_dequantize(c.data_t, c.scale_inv_t, torch.float32).t()
+    # Each element's scale, from its tile's (or block's) scale_inv.
+    rows, cols = v.shape
+    si = c.scale_inv.repeat_interleave(128, 1)[:, :cols]
+    if blocks:
+        si = si.repeat_interleave(128, 0)[:rows]
+    scaled = v.abs() / si
+    tile_amax = torch.nn.functional.pad(scaled, (0, (-cols) % 128)).view(scaled.shape[0], -1, 128)
+    nonzero = v != 0
+    stats = {
+        "format": fmt,
+        "amax": float(v.abs().max()) if v.numel() else 0.0,
+        "scale": None,
+        "fill": float(tile_amax.amax(-1).mean()) / fmax if v.numel() else 0.0,
+        # |v| / scale_inv, not |v| * scale as the cast computes it: a few FP32 ulps of slack so
+        # that a tile's own amax (mapped onto fp8_max) does not count as saturated.
+        "saturated": int((scaled > fmax * (1 + 2.0**-20)).sum()) / max(1, v.numel()),
+        "flushed": int((nonzero & (q == 0)).sum()) / max(1, int(nonzero.sum())),
+        "rel_err": _rel(q, v),
+    }
+    if q_t is not None:
+        stats["rel_err_t"] = _rel(q_t, v)
+    return q, q_t, stats
+
+
 def _formats(recipe) -> tuple:
-    """(forward format, gradient format) names of a per-tensor recipe."""
+    """(forward format, gradient format) names of a recipe."""
     fmt = recipe.fp8_format.value
     return ("E4M3", "E4M3") if fmt == "E4M3" else ("E4M3", "E5M2")
 
@@ -135,24 +183,27 @@ def _gemm_input(m, x: torch.Tensor) -> torch.Tensor:
 class FP8Probe:
     """capture(step) wraps one micro-batch's forward and backward; the records are appended to
     `path` (a fresh file, or with truncate_after >= 0 the records of steps up to it kept, as
-    metrics.jsonl on resume) at the end of the block. recipe: the run's DelayedScaling or
-    Float8CurrentScaling (ValueError otherwise). exclude: the projection names that run outside
-    FP8 (fp8.exclude: "qkv", ..., "head")."""
+    metrics.jsonl on resume) at the end of the block. recipe: the run's DelayedScaling,
+    Float8CurrentScaling or Float8BlockScaling (ValueError otherwise). exclude: the projection
+    names that run outside FP8 (fp8.exclude: "qkv", ..., "head")."""
 
     def __init__(
         self, model: torch.nn.Module, recipe, path: str, exclude=(), truncate_after: int = -1
     ):
-        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
             raise ValueError(
-                "train.fp8_stats_every: expected fp8.recipe delayed or current (per-tensor "
-                f"scales), got {type(recipe).__name__}"
+                "train.fp8_stats_every: expected an fp8dp recipe (DelayedScaling, "
+                f"Float8CurrentScaling or Float8BlockScaling), got {type(recipe).__name__}"
             )
         self.recipe = recipe
+        self.block = isinstance(recipe, Float8BlockScaling)
         # As metrics.jsonl: a fresh run starts the file, a resumed one keeps its steps so far.
         self._out = MetricsWriter(path, truncate_after)
         self.fwd_fmt, self.bwd_fmt = _formats(recipe)
         # override_linear_precision: GEMMs emulated on the unquantized operands, no FP8 error
-        self.fprop_hp, self.dgrad_hp, self.wgrad_hp = recipe.override_linear_precision
+        # (per-tensor recipes only; block scaling runs every GEMM in FP8)
+        override = (False,) * 3 if self.block else recipe.override_linear_precision
+        self.fprop_hp, self.dgrad_hp, self.wgrad_hp = override
         self.modules = [
             (name, m)
             for name, m in model.named_modules()
@@ -176,12 +227,19 @@ class FP8Probe:
         return FORMATS[fmt][1] / amax / 2.0**self.recipe.margin, {}
 
     def _operand(self, m, role: int, v: torch.Tensor, fmt: str):
+        """(dequantized cast as the fprop / dgrad read it, the one the wgrad reads, stats); the
+        casts None when delayed scaling has no scale yet."""
+        if self.block:
+            r = self.recipe
+            qp = (r.fp8_quant_fwd_inp, r.fp8_quant_fwd_weight, r.fp8_quant_bwd_grad)[role]
+            q, q_t, stats = block_quantize(v, fmt, qp, blocks=role == 1, transpose=role != 1)
+            return q, (q if q_t is None else q_t), stats
         scale, extra = self._scale(m, role, v, fmt)
         if scale is None:
-            return None, None
+            return None, None, None
         q, stats = quantize(v, scale, fmt)
         stats.update(extra)
-        return q, stats
+        return q, q, stats
 
     @contextlib.contextmanager
     def capture(self, step: int):
@@ -208,10 +266,10 @@ class FP8Probe:
             x_in = args[0].detach()
             x = _gemm_input(m, x_in).reshape(-1, m.in_features)
             w = m.weight.detach()
-            qx, sx = self._operand(m, 0, x, self.fwd_fmt)
-            qw, sw = self._operand(m, 1, w, self.fwd_fmt)
+            qx, qx_t, sx = self._operand(m, 0, x, self.fwd_fmt)
+            qw, _, sw = self._operand(m, 1, w, self.fwd_fmt)
             rec = {"step": step, "module": name, "x": sx, "w": sw}
-            p = {"rec": rec, "x_in": x_in, "x": x, "w": w, "qx": qx, "qw": qw}
+            p = {"rec": rec, "x_in": x_in, "x": x, "w": w, "qx": qx, "qx_t": qx_t, "qw": qw}
             y = None
             if self.fprop_hp:
                 y = x.float() @ w.float().t()
@@ -242,9 +300,9 @@ class FP8Probe:
     @torch.no_grad()
     def _output_grad(self, name, m, g) -> None:
         p = self._pending[name]
-        rec, x, w, qx, qw = p["rec"], p["x"], p["w"], p["qx"], p["qw"]
+        rec, x, w, qx_t, qw = p["rec"], p["x"], p["w"], p["qx_t"], p["qw"]
         dy = g.detach().reshape(-1, m.out_features)
-        qdy, sdy = self._operand(m, 2, dy, self.bwd_fmt)
+        qdy, qdy_t, sdy = self._operand(m, 2, dy, self.bwd_fmt)
         rec["dy"] = sdy
         if self.dgrad_hp:
             p["dx"] = dy.float() @ w.float()
@@ -253,13 +311,13 @@ class FP8Probe:
             rec["dgrad"] = _rel(p["dx"], dy.float() @ w.float())
         if self.wgrad_hp:
             p["dw"] = dy.float().t() @ x.float()
-        elif qdy is not None and qx is not None:
-            p["dw"] = qdy.t() @ qx
+        elif qdy_t is not None and qx_t is not None:
+            p["dw"] = qdy_t.t() @ qx_t
             rec["wgrad"] = _rel(p["dw"], dy.float().t() @ x.float())
         parts = PARTS.get(name.rsplit(".", 1)[-1])
         if parts and qdy is not None:
             rec["dy_parts"] = _parts(dy, qdy, parts, p.get("dw"), x)
-        for k in ("x", "w", "qx", "qw"):
+        for k in ("x", "w", "qx", "qx_t", "qw"):
             del p[k]
 
     def _input_grad_hook(self, name: str):
