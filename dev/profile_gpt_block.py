@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import GpuSampler  # noqa: E402
-from gpt_block_gpu import BATCH, SEQ, make_model, make_step  # noqa: E402
+from gpt_block_gpu import ARCHS, BATCH, SEQ, make_model, make_step  # noqa: E402
 
 
 def kernel_table(step, steps, host=False):
@@ -54,6 +54,7 @@ def kernel_table(step, steps, host=False):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8192x2", help="hidden x layers")
+    ap.add_argument("--arch", default="gpt", choices=ARCHS, help="block architecture")
     ap.add_argument("--variants", default="bf16,fp8dp_off,fp8dp_delayed")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
@@ -64,11 +65,15 @@ def main():
     torch.manual_seed(1)
     x = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16) * 1e-2
-    ref = make_model(hidden, layers, "torch")
-    out = {"shape": args.shape, "variants": {}}
+    ref = make_model(hidden, layers, "torch", arch=args.arch)
+    out = {"shape": args.shape, "arch": args.arch, "variants": {}}
     for v in args.variants.split(","):
         base = v.partition("@")[0]  # "bf16@index": the same stack with the old QKV split
-        model = ref if base == "bf16" else make_model(hidden, layers, base.split("_")[0], ref)
+        model = (
+            ref
+            if base == "bf16"
+            else make_model(hidden, layers, base.split("_")[0], ref, arch=args.arch)
+        )
         step, _ = make_step(model, x, dy, v)
         table, cpu, gpu = kernel_table(step, args.steps, args.host)
         total = sum(ms for ms, _ in table.values())
