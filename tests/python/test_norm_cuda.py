@@ -48,8 +48,9 @@ ULP = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10,
 # rows that need the grid-stride loop (3000), the large hidden sizes (8192, 12288; 12288 fp32 fills
 # the 8-vector register kernel and the backward's 6-vector one; 20000 bf16 / fp16 the 8-vector
 # one), and rows longer than the register kernels take (40000: three passes from memory; 40001
-# also not vectorised). 1536, configs/gpt350m.yaml's width: 3 of the 4-vector kernel's slots per
-# thread (16-bit dtypes) with 2 rows per block, a launch no other width here takes.
+# also not vectorised). 1536, configs/gpt350m.yaml's width: 3 of the 4-vector kernel's 4 slots per
+# thread with several rows per block (4 for 16-bit dtypes, 2 for FP32), which no other width here
+# combines.
 SHAPES = [
     (1, 1),
     (5, 33),
