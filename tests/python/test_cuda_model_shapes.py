@@ -2,9 +2,9 @@
 byte vocabulary 256; BF16 parameters, FP32 main_grad), CUDA against the CPU path, under each
 recipe: two steps of one micro-batch of 1024 tokens, the second step's output, input gradient and
 main_grad compared normwise. The small-shape agreement tests (test_cuda_agreement.py) bound every
-element; these catch what only these widths reach: the norm kernel's launch for 1536-wide rows (3
-of 4 vector slots per thread, several rows per block), the casts' and GEMMs' tiling at 4608 and 6144, the head's
-256 columns. GPU only; skips with the reason otherwise.
+element; these catch what only these widths reach: the norm kernel's launch for 1536-wide rows
+(3 of 4 vector slots per thread, several rows per block), the casts' and GEMMs' tiling at 4608
+and 6144, the head's 256 columns. GPU only; skips with the reason otherwise.
 
 Tolerance. Both devices cast the same values with the same scales bit for bit (C7); the
 LayerNorm's output may differ in a few values by one FP8 step. What remains: the GEMMs'
