@@ -218,18 +218,23 @@ def test_override_linear_precision_is_refused_with_block_scaling():
         load_config(str(REPO / "configs" / "demo.yaml"), sets)
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_format_key_reaches_the_recipe(recipe):
-    """fp8.format picks the recipe's fp8_format (default HYBRID: E5M2 gradients)."""
+@pytest.mark.parametrize(
+    "recipe, default, other",
+    [("delayed", "HYBRID", "E4M3"), ("current", "HYBRID", "E4M3"), ("block", "E4M3", "HYBRID")],
+)
+def test_format_key_reaches_the_recipe(recipe, default, other):
+    """fp8.format picks the recipe's fp8_format, for every recipe; unset, the recipe's own default
+    (HYBRID, E5M2 gradients; E4M3 for block scaling), written into the run's config by name.
+    Until 2026-12-04 block scaling ignored the key and ran E4M3 whatever it said."""
     from fp8dp.recipe import Format
     from fp8dp.train.loop import make_recipe
 
     cfg = load_config(str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}"])
-    assert make_recipe(cfg).fp8_format is Format.HYBRID
+    assert cfg.fp8.format == default and make_recipe(cfg).fp8_format is Format[default]
     cfg = load_config(
-        str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}", "fp8.format=E4M3"]
+        str(REPO / "configs" / "demo.yaml"), [f"fp8.recipe={recipe}", f"fp8.format={other}"]
     )
-    assert make_recipe(cfg).fp8_format is Format.E4M3
+    assert cfg.fp8.format == other and make_recipe(cfg).fp8_format is Format[other]
 
 
 def test_fp8_gap_cpu_config_loads():

@@ -230,9 +230,11 @@ class FP8Section:
     """"delayed" (DelayedScaling), "current" (Float8CurrentScaling) or "block"
     (Float8BlockScaling: 1x128 tiles, 128x128 weight blocks, with the recipe's own defaults: the
     delayed-scaling keys and split_accumulator_* do not apply, it splits every accumulator)."""
-    format: str = _library_default(DelayedScaling, "fp8_format").value
-    """Delayed and current scaling: "HYBRID" (E4M3 forward, E5M2 gradients; the recipes'
-    default) or "E4M3" (gradients in E4M3 too: one more mantissa bit, less range)."""
+    format: Optional[str] = None
+    """Every recipe: "HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3" (gradients in E4M3 too:
+    one more mantissa bit, less range). Default null: the recipe's own default, HYBRID for
+    delayed and current scaling, E4M3 for block scaling (resolved when the config loads, so a
+    run's config.json and checkpoints name the format it ran)."""
     exclude: list = field(default_factory=list)
     """Projections kept out of FP8 (they run in params_dtype under fp8_autocast), by name: "qkv",
     "out", "up", "down" (in every block) and "head" (final norm + logits). Default none.
@@ -273,7 +275,7 @@ class FP8Section:
                 fp8_format=Format[self.format], margin=self.margin, **self.accumulation()
             )
         if self.recipe == "block":
-            return Float8BlockScaling()
+            return Float8BlockScaling(fp8_format=Format[self.format])
         return self._delayed()
 
     def _delayed(self) -> DelayedScaling:
@@ -292,10 +294,16 @@ class FP8Section:
             raise ValueError(
                 f"fp8.exclude: expected a list of {list(PROJECTIONS)}, got {self.exclude!r}"
             )
-        _choice("fp8.format", self.format, ("HYBRID", "E4M3"))
         if isinstance(self.override_linear_precision, list):
             self.override_linear_precision = tuple(self.override_linear_precision)
         _choice("fp8.recipe", self.recipe, ("delayed", "current", "block"))
+        if self.format is None:
+            # The recipe's own default (one default per setting: the library's).
+            cls = {"block": Float8BlockScaling, "current": Float8CurrentScaling}.get(
+                self.recipe, DelayedScaling
+            )
+            self.format = _library_default(cls, "fp8_format").value
+        _choice("fp8.format", self.format, ("HYBRID", "E4M3"))
         if self.recipe == "block" and self.override_linear_precision != (False,) * 3:
             raise ValueError(
                 "fp8.override_linear_precision: expected [false, false, false] with fp8.recipe "
