@@ -237,6 +237,25 @@ def test_format_key_reaches_the_recipe(recipe, default, other):
     assert cfg.fp8.format == other and make_recipe(cfg).fp8_format is Format[other]
 
 
+def test_keys_the_recipe_does_not_read_are_named():
+    """fp8.* keys set away from their defaults that the chosen recipe ignores are listed (the
+    trainer prints them): configs/demo.yaml's amax_history_len 16 under current and block scaling,
+    margin and split_accumulator_* under block scaling; nothing under delayed scaling or with FP8
+    off."""
+    demo = str(REPO / "configs" / "demo.yaml")
+    assert load_config(demo).fp8.unused_keys() == []
+    assert load_config(demo, ["fp8.enabled=false"]).fp8.unused_keys() == []
+    assert load_config(demo, ["fp8.recipe=current"]).fp8.unused_keys() == [
+        "fp8.amax_history_len=16"
+    ]
+    sets = ["fp8.recipe=block", "fp8.margin=1", "fp8.split_accumulator_fprop=true"]
+    assert load_config(demo, sets).fp8.unused_keys() == [
+        "fp8.amax_history_len=16",
+        "fp8.margin=1",
+        "fp8.split_accumulator_fprop=True",
+    ]
+
+
 def test_fp8_gap_cpu_config_loads():
     """configs/fp8_gap_cpu.yaml: the CPU reproduction of the 342M runs' FP8 lag, one rank."""
     cfg = load_config(str(REPO / "configs" / "fp8_gap_cpu.yaml"))

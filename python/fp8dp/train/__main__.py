@@ -157,6 +157,13 @@ def main(argv=None) -> int:
                     f"{run_cfg.train.steps} steps",
                     flush=True,
                 )
+                unused = run_cfg.fp8.unused_keys()
+                if unused:
+                    print(
+                        f"[fp8dp.train] {name}: not read under fp8.recipe "
+                        f"{run_cfg.fp8.recipe}: {', '.join(unused)}",
+                        flush=True,
+                    )
             summary = train(
                 run_cfg,
                 run_dir,

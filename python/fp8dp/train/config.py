@@ -268,6 +268,28 @@ class FP8Section:
         kw["override_linear_precision"] = self.override_linear_precision
         return kw
 
+    def unused_keys(self) -> list:
+        """The keys set away from their default that the run's recipe does not read: the
+        delayed-scaling keys under current scaling, those and margin and split_accumulator_*
+        under block scaling (none with FP8 off, where no recipe key is read and that is plain).
+        Not an error (a shipped config sets amax_history_len for its delayed runs and is also
+        trained with the other recipes); the trainer prints them, so that a setting that does
+        nothing is not taken for one that does."""
+        if not self.enabled:
+            return []
+        delayed_only = ("amax_history_len", "amax_compute_algo")
+        unused = {
+            "delayed": (),
+            "current": delayed_only,
+            "block": delayed_only + ("margin",) + ACCUMULATION_KEYS,
+        }[self.recipe]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [
+            f"fp8.{k}={getattr(self, k)!r}"
+            for k in unused
+            if defaults[k] is not None and getattr(self, k) != defaults[k]
+        ]
+
     def recipe_object(self):
         """The run's recipe: fp8dp.Float8CurrentScaling, fp8dp.Float8BlockScaling or fp8dp.DelayedScaling."""
         if self.recipe == "current":
