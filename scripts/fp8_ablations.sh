@@ -3,7 +3,7 @@
 # 10% at step 2,000; bench/results/gpt350m_runs.json): short runs of the same config and seed to
 # --stop-at STOP (default 700), each changing one thing, in one GPU command (~2 min each), then a
 # table of their validation losses against the stored FP8 off and FP8 delayed curves.
-#   scripts/fp8_ablations.sh                      # probe, fpropbf16, fprop, dgradbf16
+#   scripts/fp8_ablations.sh                      # probe, e4m3, fpropbf16, fprop
 #   STOP=400 scripts/fp8_ablations.sh probe head  # some of them
 # Variants (fp8.* over the config's delayed scaling):
 #   probe  nothing changed, train.fp8_stats_every=100: what the casts do, per layer
@@ -41,9 +41,12 @@ declare -A SETS=(
   [wgradbf16]="fp8.override_linear_precision=[false,false,true]"
 )
 variants=("$@")
-# The default: the forward GEMMs cost most at CPU size (BENCHMARKS.md, "Which GEMM"); fprop
-# tells whether the GPU's fast accumulation adds to it.
-[ ${#variants[@]} -gt 0 ] || variants=(probe fpropbf16 fprop dgradbf16)
+# The default: the probe (a GPU kernel wrong at these widths would show against its emulation);
+# E4M3 gradients, the largest single saving at CPU size (1.7 of 2.9 points, more than block
+# scaling's tiles: BENCHMARKS.md); the forward GEMMs in BF16, which cost most at CPU size ("Which
+# GEMM"); fprop, whether the GPU's fast accumulation adds to it. Next: dgradbf16 qkv head
+# blockprobe.
+[ ${#variants[@]} -gt 0 ] || variants=(probe e4m3 fpropbf16 fprop)
 for v in "${variants[@]}"; do
   if [ -z "${SETS[$v]+x}" ]; then
     echo "fp8_ablations: error: variant: expected one of ${!SETS[*]}, got '$v'" >&2
