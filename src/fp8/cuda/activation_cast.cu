@@ -96,22 +96,10 @@ __global__ void __launch_bounds__(kThreads)
         if (j < live) out_hp[i0 + j] = from_float<T>(v[j]);
     }
     if (out != nullptr) {
-      if (vec) {  // live == kVec
-        uint2 w{0u, 0u};
+      uint8_t q[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const uint32_t q = quantize_like_cpu<F>(v[j], scale);
-          if (j < 4)
-            w.x |= q << (8 * j);
-          else
-            w.y |= q << (8 * (j - 4));
-        }
-        *reinterpret_cast<uint2*>(out + i0) = w;
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (j < live) out[i0 + j] = quantize_like_cpu<F>(v[j], scale);
-      }
+      for (int j = 0; j < kVec; ++j) q[j] = quantize_like_cpu<F>(v[j], scale);
+      store_bytes8(out + i0, q, vec, live);  // vec: live == kVec
     }
   }
   block_amax_commit<kThreads>(am, amax_bits);
@@ -181,24 +169,8 @@ __global__ void __launch_bounds__(kThreads)
       tile[lr][tc * kVec + j] = q[j];
       if constexpr (kDbias) vals[lr][tc * kVec + j] = v[j];
     }
-    if (o.out != nullptr && row_in && live > 0) {
-      uint8_t* dst = o.out + r * a.out_cols + oc0;
-      if (o.vec) {  // live == kVec
-        uint2 w{0u, 0u};
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          if (j < 4)
-            w.x |= uint32_t{q[j]} << (8 * j);
-          else
-            w.y |= uint32_t{q[j]} << (8 * (j - 4));
-        }
-        *reinterpret_cast<uint2*>(dst) = w;
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (j < live) dst[j] = q[j];
-      }
-    }
+    if (o.out != nullptr && row_in && live > 0)
+      store_bytes8(o.out + r * a.out_cols + oc0, q, o.vec, live);  // o.vec: live == kVec
   }
   __syncthreads();
   if (o.out_t != nullptr) {

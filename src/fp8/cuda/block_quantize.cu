@@ -81,26 +81,6 @@ union Eight {
   T t[kVec];
 };
 
-// The eight bytes of one thread's row segment: one 8-byte store when `vec`, else byte by byte
-// inside the matrix.
-__device__ __forceinline__ void store8(uint8_t* dst, const uint8_t (&q)[kVec], bool vec, int live) {
-  if (vec) {
-    uint2 w{0u, 0u};
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      if (j < 4)
-        w.x |= uint32_t{q[j]} << (8 * j);
-      else
-        w.y |= uint32_t{q[j]} << (8 * (j - 4));
-    }
-    *reinterpret_cast<uint2*>(dst) = w;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      if (j < live) dst[j] = q[j];
-  }
-}
-
 struct CastArgs {
   int64_t rows, cols;
   uint8_t* out;        // row-major bytes or null
@@ -169,7 +149,7 @@ __global__ void __launch_bounds__(kThreads)
         uint8_t q[kVec];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) q[j] = quantize_like_cpu<F>(v[j], s);
-        if (live > 0) store8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
+        if (live > 0) store_bytes8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
         if (tc == 0) a.scale_inv[(r0 + lr) * kb + t] = 1.0f / s;
       }
     }
@@ -189,7 +169,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < kVec; ++j)
           q[j] = quantize_like_cpu<F>(to_float(tile[lr * S + cb + j]), bs);
-        store8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
+        store_bytes8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
       }
     }
   }

@@ -169,6 +169,27 @@ __device__ __forceinline__ void quantize_words(const float (&v)[K], float scale,
   }
 }
 
+// Eight FP8 bytes of one thread's row segment: one 8-byte store when `vec` (dst 8-byte aligned,
+// all eight inside the row), else the first `live` byte by byte.
+__device__ __forceinline__ void store_bytes8(uint8_t* dst, const uint8_t (&q)[8], bool vec,
+                                             int live) {
+  if (vec) {
+    uint2 w{0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < 4)
+        w.x |= uint32_t{q[j]} << (8 * j);
+      else
+        w.y |= uint32_t{q[j]} << (8 * (j - 4));
+    }
+    *reinterpret_cast<uint2*>(dst) = w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < live) dst[j] = q[j];
+  }
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Multiprocessors of the current device (for grid-stride grids).
