@@ -1,4 +1,4 @@
-"""Float8BlockScaling (issue 32) on one GPU: fp8dp.Linear forward+backward under block scaling
+"""Float8BlockScaling on one GPU: fp8dp.Linear forward+backward under block scaling
 against torch.nn.Linear in BF16 (the baseline), fp8dp under delayed scaling, and TransformerEngine's
 Linear under its Float8BlockScaling recipe when `import transformer_engine.pytorch` works and the
 recipe is there. Every variant is timed interleaved in one process on identical inputs (one sample
@@ -9,7 +9,7 @@ the per-step scale update (block scaling has no scaling state to update).
 
     python3 bench/block_scaling_gpu.py [--shapes 8192x8192x8192,...] [--json out.json]
 
-Target (issue 32): Linear 8192^3 >= 1.50x BF16 under block scaling.
+Target: Linear 8192^3 >= 1.50x BF16 under block scaling.
 """
 
 import argparse

@@ -25,7 +25,7 @@ the energy per step, so the ratio of joules per step (BF16 over the variant) bou
     python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--arch gpt,gpt_fused,llama]
         [--json out.json]
 
-Targets (ratios over torch BF16, issue 31): gpt 2048x8 >= 1.40, 4096x4 >= 1.55, 8192x2 >= 1.62;
+Targets (ratios over torch BF16): gpt 2048x8 >= 1.40, 4096x4 >= 1.55, 8192x2 >= 1.62;
 llama 4096x4 >= 1.50; gpt_fused >= 1.05x TE's gpt_fused where TE imports; FP8 off >= 0.98 at
 every width.
 """
@@ -369,7 +369,7 @@ def main():
     ap.add_argument(
         "--block",
         action="store_true",
-        help="also time Float8BlockScaling (fp8dp, and TE's when it has the recipe); issue 32",
+        help="also time Float8BlockScaling (fp8dp, and TE's when it has the recipe)",
     )
     ap.add_argument("--json", default="bench/results/gpt_block_gpu.json")
     args = ap.parse_args()

@@ -9,7 +9,7 @@ Shapes (tokens, in, out): Linear 8192x8192x8192, 4096x4096x14336, 16384x4096x409
 torch's nn.LayerNorm + nn.Linear. One step = forward, backward with a fixed grad_output, and (FP8)
 update_fp8_scales(), as in training. Then each of the three runs alone for ~1 s, with its energy per
 step from the GPU's counter (bench/cuda_timing.py: at the power limit the time follows the energy).
-Targets (issues 5 and 14): >= 1.85x BF16 at 8192^3, >= 1.3x at
+Targets: >= 1.85x BF16 at 8192^3, >= 1.3x at
 4096x4096x14336, >= 1.0x at 4096^3, >= 1.68x for the LayerNormLinear.
 """
 

@@ -1,6 +1,6 @@
 """Where one step of bench/gpt_block_gpu.py's GPT block stack spends its GPU time: per variant, the
 kernels grouped by name (total ms per step, launches per step) and the launch count per step, from
-torch.profiler. The tool behind issue 14's kernel and host work: it says which kernels a variant
+torch.profiler. The tool behind the GPT stack's kernel and host work: it says which kernels a variant
 runs that the torch BF16 baseline does not, and how many launches each layer costs.
 
     python3 dev/profile_gpt_block.py [--shape 8192x2] [--variants bf16,fp8dp_off,fp8dp_delayed]

@@ -1,5 +1,5 @@
 """Which CUDA kernels one training step of a single module runs, and how long each takes: the
-block-scaled Linear (issue 32) and the fused LayerNormMLP against the separate modules (issue 31).
+block-scaled Linear and the fused LayerNormMLP against the separate modules.
 torch.profiler over a few steps after warm-up; per case the top kernels by total CUDA time.
 
     python3 dev/profile_modules.py [--cases linear_block,mlp_gelu_fp8,...] [--json out.json]

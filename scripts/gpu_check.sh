@@ -109,15 +109,15 @@ want dev_gemm_energy && run_step dev_gemm_energy "$OUT/bench.log" 300 "$PY" dev/
 wantb bench_ckpt && run_step bench_ckpt "$OUT/bench.log" 180 "$PY" bench/checkpoint_memory_gpu.py \
   --json "$OUT/bench_ckpt.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
-# LayerNormMLP (issue 31): fused module vs the separate-module stack, torch BF16 and TE's LayerNormMLP.
+# LayerNormMLP: fused module vs the separate-module stack, torch BF16 and TE's LayerNormMLP.
 wantb bench_mlp && run_step bench_mlp "$OUT/bench.log" 420 "$PY" bench/layernorm_mlp_gpu.py \
   --json "$OUT/bench_mlp.json"
-# Float8BlockScaling (issue 32): Linear under block scaling vs BF16, delayed and TE's block recipe.
+# Float8BlockScaling: Linear under block scaling vs BF16, delayed and TE's block recipe.
 wantb bench_block && run_step bench_block "$OUT/bench.log" 240 "$PY" bench/block_scaling_gpu.py \
   --json "$OUT/bench_block.json"
 wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py ${GPT_ARGS:-} \
   --json "$OUT/bench_gpt.json"
-# Each library's best modules (LayerNormMLP) and the Llama-style block (issue 31), without the
+# Each library's best modules (LayerNormMLP) and the Llama-style block, without the
 # sustained per-variant blocks so that both fit one step's limit.
 wantb bench_gpt_best && run_step bench_gpt_best "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py \
   --arch gpt_fused,llama --no-alone ${GPT_BEST_ARGS:-} --json "$OUT/bench_gpt_best.json"

@@ -218,14 +218,14 @@ def may_reject(c, model):
             "every parameter frozen: nothing for DistributedDataParallel to do",
         )
     if c["forget_dw"] and any(queued_per_microbatch(c, model).values()):
-        # issue 12 item 2, as the lead's fix reports it: a RuntimeError at finish_grad_sync()
+        # A forgotten backward_dw() is reported as a RuntimeError at finish_grad_sync()
         # naming the module ("... never computed by backward_dw(): 'fp8.0.weight' (1 queued,
         # module 'fp8.0')"), or the ledger's "missing" naming its weight when grad_ledger is on.
         mods = [f"'fp8.{i}" for i in queued_per_microbatch(c, model)]
         return (
             (RuntimeError,),
             mods,
-            "forgotten backward_dw(): must be an error naming the module (issue 12 item 2)",
+            "forgotten backward_dw(): must be an error naming the module (C3)",
         )
     # Ties mixing routes (delayed / fused / immediate fp8dp uses, plain torch uses) are no longer
     # here: since the lead's grad-sink rework (2976c0b) they compute the right gradient

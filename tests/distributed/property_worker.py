@@ -1,4 +1,4 @@
-"""torchrun worker of the randomized gradient-accounting property test (issue 12).
+"""torchrun worker of the randomized gradient-accounting property test.
 
 Each case is a random configuration drawn from one integer seed: a model graph of fp8dp.Linear /
 fp8dp.LayerNormLinear, torch.nn.Linear and plain parameters (used through F.linear, matmul and

@@ -84,7 +84,7 @@ def _scenario(name, rank):
         }.get(name, [["fc1", "fc2"], ["fc1", "fc2"]])[rank]
         if name == "recipe_differs" and rank == 1:
             recipe = fp8dp.DelayedScaling(amax_history_len=4, margin=1)
-        if name == "block_on_one_rank" and rank == 0:  # issue 32: no scaling state on rank 0
+        if name == "block_on_one_rank" and rank == 0:  # block scaling keeps no scaling state
             recipe = fp8dp.Float8BlockScaling()
         if name == "block_against_current":  # neither keeps state: only the noted recipes differ
             recipe = fp8dp.Float8BlockScaling() if rank == 0 else fp8dp.Float8CurrentScaling()
@@ -199,7 +199,7 @@ MISMATCH = {
         f"rank 1: 'fc1: {LINEAR} [E4M3/E5M2",
     ),
     # No state on either rank: before the stateless recipes joined the check, nothing compared
-    # them and the ranks reduced gradients of two numerics without a word (issue 32's note)
+    # them and the ranks reduced gradients of two numerics without a word (C12)
     "block_against_current": (
         0,
         "rank 0: 'recipe without state: Float8BlockScaling E4M3/E4M3",

@@ -131,7 +131,7 @@ def test_gradient_accounting_property(world_size, tmp_path):
                 f"\n    minimal ({r['shrunk']['signature']}): " f"{_brief(r['shrunk']['config'])}"
             )
         failures.append(msg)
-    # The recipe axis (issue 32): the generated FP8 cases that ran include both recipes.
+    # The recipe axis (delayed, current, block): the generated FP8 cases that ran include both recipes.
     recipes = collections.Counter(
         rs[0]["config"].get("recipe") or "current"  # (regressions before the axis: current)
         for rs in by_case.values()

@@ -1,4 +1,4 @@
-"""Float8BlockScaling (issue 32): the recipe, the block-scaled casts and the block-scaled GEMM.
+"""Float8BlockScaling: the recipe, the block-scaled casts and the block-scaled GEMM.
 
 Casts are compared byte for byte, and scales bit for bit, with the float64 reference of
 _block_ref.py (independent: per-tile Python loops, torch's own float8 conversion). The GEMM is

@@ -1,4 +1,4 @@
-"""Float8BlockScaling on CUDA (issue 32): the CUDA casts give the CPU casts' bytes and scales bit for
+"""Float8BlockScaling on CUDA: the CUDA casts give the CPU casts' bytes and scales bit for
 bit; the cuBLASLt block-scaled GEMM agrees with the float64 product of the dequantized operands
 within the Hopper accumulation bound (_linear_cases.accumulation_error: per 128-wide K chunk the
 tensor cores' ~2^-14 accumulator, then FP32); a Linear under the recipe agrees with its CPU run.

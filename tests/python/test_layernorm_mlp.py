@@ -1,4 +1,4 @@
-"""fp8dp.LayerNormMLP (issue 31): the fused module against the unfused composition of fp8dp
+"""fp8dp.LayerNormMLP: the fused module against the unfused composition of fp8dp
 modules (bytes), against a float64 reference (derived bounds), the C2-C4 routes of both weights
 (immediate / fused / delayed, DDP), and its errors.
 

@@ -1,4 +1,4 @@
-"""fp8dp.Linear / LayerNormLinear under Float8BlockScaling (issue 32), on the CPU emulation.
+"""fp8dp.Linear / LayerNormLinear under Float8BlockScaling, on the CPU emulation.
 
 1. Each of the three GEMMs against a float64 emulation built from _block_ref.py's independent
    casts: fprop y = q1x128(x)·q128x128(W)ᵀ + b, dgrad dx = q1x128(dy)·q128x128(W), wgrad

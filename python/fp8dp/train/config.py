@@ -157,7 +157,7 @@ class TrainSection:
     final checkpoint (into DIR)."""
     seed: int = 1234
     """Seed of the initial weights and of the data order. Default 1234."""
-    # -- what a run of a real model needs (issue 30) --
+    # -- what a run of a real model needs (the 342M runs, configs/gpt350m.yaml) --
     clip_grad: float = 0.0
     """Clip the global gradient norm (over all ranks' shards, after the reduction) to this before
     the optimizer step; 0 = no clipping. Default 0 (the demo's small runs need none; 1.0 is usual
@@ -433,7 +433,7 @@ class DataSection:
     val_fraction: float = 0.1
     """Last fraction of the file held out for the validation loss. Default 0.1."""
 
-    # -- the corpus (issue 30): which one, and where the Python-source corpus is cached --
+    # -- the corpus: which one, and where the Python-source corpus is cached --
     corpus: str = "text"
     """"text": data.path, its last val_fraction held out (default: small, for CPU tests).
     "python": the Python sources of this interpreter's standard library (+ data.packages), byte

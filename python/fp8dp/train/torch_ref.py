@@ -1,6 +1,6 @@
 """The demo GPT written with plain torch (F.layer_norm / F.rms_norm, F.linear, nn.Embedding),
 trained with torch.nn.parallel.DistributedDataParallel and torch.optim.AdamW: the baseline that
-fp8dp with FP8 off must follow (issue 30). Same config, same initial weights (copied from an
+fp8dp with FP8 off must follow. Same config, same initial weights (copied from an
 fp8dp.train GPT built with the same seed), same batches, schedule, clipping and evaluation.
 
     python -m fp8dp.train.torch_ref --config CONFIG [--set k=v] [--steps N]   (under torchrun)
