@@ -94,14 +94,12 @@ def _fail(e: Exception) -> int:
     return 2
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def _check_flags(args) -> None:
+    """The command-line flags that do not fit together (ValueError naming the flag)."""
     if args.compare_bf16 and (args.save or args.resume):
-        return _fail(
-            ValueError(
-                "--compare-bf16: expected no --save or --resume (it trains two "
-                f"runs), got {'--save' if args.save else '--resume'}"
-            )
+        raise ValueError(
+            "--compare-bf16: expected no --save or --resume (it trains two "
+            f"runs), got {'--save' if args.save else '--resume'}"
         )
     for flag, value, ok, expected in (
         ("--stop-at", args.stop_at, args.stop_at is None or args.stop_at >= 1, "a step >= 1"),
@@ -113,57 +111,90 @@ def main(argv=None) -> int:
         ),
     ):
         if not ok:
-            return _fail(ValueError(f"{flag}: expected {expected}, got {value}"))
+            raise ValueError(f"{flag}: expected {expected}, got {value}")
         if value is not None and not args.save:
-            return _fail(
-                ValueError(
-                    f"{flag}: expected --save DIR too (a run that stops early continues from its "
-                    "checkpoint with --resume DIR), got no --save"
-                )
+            raise ValueError(
+                f"{flag}: expected --save DIR too (a run that stops early continues from its "
+                "checkpoint with --resume DIR), got no --save"
             )
+
+
+def _runs(cfg, compare_bf16: bool) -> list:
+    """The configs to train: cfg, and with --compare-bf16 the same with FP8 off."""
+    if not compare_bf16:
+        return [cfg]
+    if not cfg.fp8.enabled:
+        raise ValueError("--compare-bf16: expected a config with fp8.enabled true, got false")
+    return [cfg, dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, enabled=False))]
+
+
+def _print_header(name: str, run_cfg, world: int, backend: str) -> None:
+    """Rank 0's first line of a run: layout, model size, steps; and the fp8.* keys not read."""
+    par = run_cfg.parallel
+    layout = (
+        f", PP {par.pipeline_parallel_size} x DP "
+        f"{world // par.pipeline_parallel_size} ({par.schedule})"
+        if par.pipeline_parallel_size > 1
+        else ""
+    )
+    n = param_counts(run_cfg.model)
+    print(
+        f"[fp8dp.train] {name}: {world} rank(s), {backend}{layout}, "
+        f"{run_cfg.model.n_layer} layers x {run_cfg.model.d_model}, "
+        f"{n['total'] / 1e6:.1f}M parameters ({n['gemm'] / 1e6:.1f}M in GEMMs, "
+        f"{flops_per_token(run_cfg.model) / 1e9:.3g} GFLOP/token), "
+        f"{run_cfg.train.steps} steps",
+        flush=True,
+    )
+    unused = run_cfg.fp8.unused_keys()
+    if unused:
+        print(
+            f"[fp8dp.train] {name}: not read under fp8.recipe "
+            f"{run_cfg.fp8.recipe}: {', '.join(unused)}",
+            flush=True,
+        )
+
+
+def _print_outcome(name: str, summary: dict, run_dir: str, args) -> None:
+    """Rank 0's last line of a run: nothing to train, where to continue, or the losses."""
+    if summary["start_step"] == summary["steps"]:
+        print(
+            f"[fp8dp.train] {name}: the checkpoint in {args.resume} is at step "
+            f"{summary['steps']} = train.steps, nothing to train (continue with "
+            f"--set train.steps=N)",
+            flush=True,
+        )
+    elif not summary["complete"]:
+        print(
+            f"[fp8dp.train] {name}: stopped after step {summary['stopped_at']} of "
+            f"{summary['steps']}; continue with --resume {args.save}",
+            flush=True,
+        )
+    else:
+        print(
+            f"[fp8dp.train] {name}: val loss {summary['first_val_loss']} -> "
+            f"{summary['last_val_loss']:.4f}; metrics {run_dir}/metrics.jsonl",
+            flush=True,
+        )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     # --device / --backend are run.device / run.backend, applied after --set: the flag wins.
     flags = [f"run.{k}={getattr(args, k)}" for k in ("device", "backend") if getattr(args, k)]
     try:
+        _check_flags(args)
         cfg = load_config(args.config, args.set + flags)  # errors name the key, before any work
         rank, world, device, backend = setup_distributed(cfg.run)  # errors before it joins
     except (ValueError, OSError) as e:
         return _fail(e)
     try:
         cfg.check_world_size(world)
-        runs = [cfg]
-        if args.compare_bf16:
-            if not cfg.fp8.enabled:
-                raise ValueError(
-                    "--compare-bf16: expected a config with fp8.enabled true, " "got false"
-                )
-            runs.append(dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, enabled=False)))
-        for run_cfg in runs:
+        for run_cfg in _runs(cfg, args.compare_bf16):
             name = "fp8" if run_cfg.fp8.enabled else "nofp8"
             run_dir = os.path.join(run_cfg.out.dir, name)
             if rank == 0:
-                par = run_cfg.parallel
-                layout = (
-                    f", PP {par.pipeline_parallel_size} x DP "
-                    f"{world // par.pipeline_parallel_size} ({par.schedule})"
-                    if par.pipeline_parallel_size > 1
-                    else ""
-                )
-                n = param_counts(run_cfg.model)
-                print(
-                    f"[fp8dp.train] {name}: {world} rank(s), {backend}{layout}, "
-                    f"{run_cfg.model.n_layer} layers x {run_cfg.model.d_model}, "
-                    f"{n['total'] / 1e6:.1f}M parameters ({n['gemm'] / 1e6:.1f}M in GEMMs, "
-                    f"{flops_per_token(run_cfg.model) / 1e9:.3g} GFLOP/token), "
-                    f"{run_cfg.train.steps} steps",
-                    flush=True,
-                )
-                unused = run_cfg.fp8.unused_keys()
-                if unused:
-                    print(
-                        f"[fp8dp.train] {name}: not read under fp8.recipe "
-                        f"{run_cfg.fp8.recipe}: {', '.join(unused)}",
-                        flush=True,
-                    )
+                _print_header(name, run_cfg, world, backend)
             summary = train(
                 run_cfg,
                 run_dir,
@@ -176,25 +207,8 @@ def main(argv=None) -> int:
                 stop_at=args.stop_at,
                 time_budget_s=args.time_budget,
             )
-            if rank == 0 and summary["start_step"] == summary["steps"]:
-                print(
-                    f"[fp8dp.train] {name}: the checkpoint in {args.resume} is at step "
-                    f"{summary['steps']} = train.steps, nothing to train (continue with "
-                    f"--set train.steps=N)",
-                    flush=True,
-                )
-            elif rank == 0 and not summary["complete"]:
-                print(
-                    f"[fp8dp.train] {name}: stopped after step {summary['stopped_at']} of "
-                    f"{summary['steps']}; continue with --resume {args.save}",
-                    flush=True,
-                )
-            elif rank == 0:
-                print(
-                    f"[fp8dp.train] {name}: val loss {summary['first_val_loss']} -> "
-                    f"{summary['last_val_loss']:.4f}; metrics {run_dir}/metrics.jsonl",
-                    flush=True,
-                )
+            if rank == 0:
+                _print_outcome(name, summary, run_dir, args)
         if rank == 0:
             dtype = cfg.model.params_dtype
             png = plot_losses(
