@@ -15,10 +15,8 @@ BACKEND = "gloo"  # of the world group, and so of the pipeline cases' groups (ma
 
 
 # ---- the configuration generator -----------------------------------------------------------
-def gen_config(case_seed: int, ws: int) -> dict:
-    """A random configuration from one seed (JSON-serialisable). ws only shapes nothing but the
-    record: the same seed gives the same graph at every world size."""
-    rng = random.Random(case_seed)
+def _gen_shape(rng: random.Random) -> tuple:
+    """Width, FP8 on or off, the graph's pattern and how many modules of each kind it has."""
     D = rng.choice([16, 16, 32])
     fp8 = rng.random() < 0.3
     pattern = rng.choice(["gpt_tie", "fp8_fp8_tie", "used_twice", "tl_tie", "random", "plain"])
@@ -33,27 +31,29 @@ def gen_config(case_seed: int, ws: int) -> dict:
         n_tl = max(n_tl, 1)
     if pattern == "plain":  # no fp8dp module in the forward at all (an fp8dp module may be unused)
         n_plain = max(n_plain, 1)
-    fp8_mods = []
-    for _ in range(n_fp8):
-        kind = rng.choice(["Linear", "LayerNormLinear"])
-        fp8_mods.append(
-            dict(
-                kind=kind,
-                norm=rng.choice(["LayerNorm", "RMSNorm"]) if kind == "LayerNormLinear" else None,
-                bias=rng.random() < 0.6,
-                fuse=rng.random() < 0.5,
-                delay=rng.random() < 0.5,
-                # LayerNormLinear only: the norm output also returned and used by plain code
-                # (one more gradient path into the norm's parameters), 1 + gamma scaling
-                ret_ln=kind == "LayerNormLinear" and rng.random() < 0.25,
-                zcg=kind == "LayerNormLinear" and rng.random() < 0.25,
-                # weight.zero_out_wgrad (C2 b: the fused route's stand-in is zero-filled)
-                zero_out_wgrad=rng.random() < 0.15,
-            )
-        )
-    tl_mods = [dict(bias=rng.random() < 0.6) for _ in range(n_tl)]
+    return D, fp8, pattern, n_fp8, n_tl, n_plain
 
-    # ops: what the forward runs, in order; each followed by tanh; some residual.
+
+def _gen_fp8_module(rng: random.Random) -> dict:
+    kind = rng.choice(["Linear", "LayerNormLinear"])
+    return dict(
+        kind=kind,
+        norm=rng.choice(["LayerNorm", "RMSNorm"]) if kind == "LayerNormLinear" else None,
+        bias=rng.random() < 0.6,
+        fuse=rng.random() < 0.5,
+        delay=rng.random() < 0.5,
+        # LayerNormLinear only: the norm output also returned and used by plain code
+        # (one more gradient path into the norm's parameters), 1 + gamma scaling
+        ret_ln=kind == "LayerNormLinear" and rng.random() < 0.25,
+        zcg=kind == "LayerNormLinear" and rng.random() < 0.25,
+        # weight.zero_out_wgrad (C2 b: the fused route's stand-in is zero-filled)
+        zero_out_wgrad=rng.random() < 0.15,
+    )
+
+
+def _gen_ops_and_ties(rng: random.Random, pattern: str, n_fp8: int, n_tl: int, n_plain: int):
+    """What the forward runs, in order (each op followed by tanh), and the weight ties."""
+
     def pick_op():
         choices = [("fp8", i) for i in range(n_fp8)] * 2 + [("tl", i) for i in range(n_tl)]
         for j in range(n_plain):
@@ -95,29 +95,30 @@ def gen_config(case_seed: int, ws: int) -> dict:
         sources = [s for _, s in ties]
         if tgt not in targets and tgt not in sources and src not in targets:
             ties.append([tgt, src])
-    residual = [rng.random() < 0.3 for _ in ops]
-    # an op that runs only in some micro-batches (control flow): its parameters are unused in the
-    # others (and, for "not_last", in the micro-batch whose readiness launches the buckets)
-    when = ["all"] * len(ops)
-    if rng.random() < 0.15:
-        when[rng.randrange(len(ops))] = rng.choice(["not_last", "last_only"])
-    # frozen: a few parameters (by module slot and parameter name) get requires_grad=False
-    frozen = []
-    if rng.random() < 0.3:
-        cands = [["fp8", i, "weight"] for i in range(n_fp8)]
-        cands += [["fp8", i, "bias"] for i in range(n_fp8) if fp8_mods[i]["bias"]]
-        cands += [
-            ["fp8", i, "layer_norm_weight"]
-            for i in range(n_fp8)
-            if fp8_mods[i]["kind"] == "LayerNormLinear"
-        ]
-        cands += [["tl", i, "weight"] for i in range(n_tl)]
-        cands += [["plain", j, "weight"] for j in range(n_plain)]
-        frozen = rng.sample(cands, min(len(cands), rng.randint(1, 2)))
-    n_mb = rng.randint(1, 4)
+    return ops, ties
+
+
+def _gen_frozen(rng: random.Random, fp8_mods: list, n_tl: int, n_plain: int) -> list:
+    """A few parameters (by module slot and parameter name) with requires_grad=False."""
+    if rng.random() >= 0.3:
+        return []
+    n_fp8 = len(fp8_mods)
+    cands = [["fp8", i, "weight"] for i in range(n_fp8)]
+    cands += [["fp8", i, "bias"] for i in range(n_fp8) if fp8_mods[i]["bias"]]
+    cands += [
+        ["fp8", i, "layer_norm_weight"]
+        for i in range(n_fp8)
+        if fp8_mods[i]["kind"] == "LayerNormLinear"
+    ]
+    cands += [["tl", i, "weight"] for i in range(n_tl)]
+    cands += [["plain", j, "weight"] for j in range(n_plain)]
+    return rng.sample(cands, min(len(cands), rng.randint(1, 2)))
+
+
+def _gen_ddp(rng: random.Random, D: int) -> dict:
     overlap = rng.random() < 0.6
     dist_opt = rng.random() < 0.5
-    ddp = dict(
+    return dict(
         overlap_grad_reduce=overlap,
         use_distributed_optimizer=dist_opt,
         average_in_collective=rng.random() < 0.5,
@@ -128,6 +129,27 @@ def gen_config(case_seed: int, ws: int) -> dict:
         # the parameter all-gather left in flight after step(); each module's forward waits
         overlap_param_gather=dist_opt and rng.random() < 0.4,
     )
+
+
+def gen_config(case_seed: int, ws: int) -> dict:
+    """A random configuration from one seed (JSON-serialisable). ws only shapes nothing but the
+    record: the same seed gives the same graph at every world size. The draws happen in one fixed
+    order (the helpers above, called in sequence), so a seed names the same case in every
+    version that keeps that order."""
+    rng = random.Random(case_seed)
+    D, fp8, pattern, n_fp8, n_tl, n_plain = _gen_shape(rng)
+    fp8_mods = [_gen_fp8_module(rng) for _ in range(n_fp8)]
+    tl_mods = [dict(bias=rng.random() < 0.6) for _ in range(n_tl)]
+    ops, ties = _gen_ops_and_ties(rng, pattern, n_fp8, n_tl, n_plain)
+    residual = [rng.random() < 0.3 for _ in ops]
+    # an op that runs only in some micro-batches (control flow): its parameters are unused in the
+    # others (and, for "not_last", in the micro-batch whose readiness launches the buckets)
+    when = ["all"] * len(ops)
+    if rng.random() < 0.15:
+        when[rng.randrange(len(ops))] = rng.choice(["not_last", "last_only"])
+    frozen = _gen_frozen(rng, fp8_mods, n_tl, n_plain)
+    n_mb = rng.randint(1, 4)
+    ddp = _gen_ddp(rng, D)
     # backward_dw schedule: each queued entry of micro-batch k is popped in window w >= k (window
     # n_mb is after the loop, before finish_grad_sync); mostly w == k. The windows are fixed for
     # the configuration (like a pipeline schedule); the interleaving inside a window is random
