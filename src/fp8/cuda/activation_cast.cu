@@ -145,7 +145,8 @@ __global__ void __launch_bounds__(kThreads)
   // +1 byte / float of padding per row: the column-wise reads below fall into different banks.
   __shared__ uint8_t tile[kTileRows][kTileCols + 1];
   __shared__ float vals[kDbias ? kTileRows : 1][kTileCols + 1];
-  const float scale = *scale_ptr;
+  // No scale with dbias alone (activation_cuda allows it): cast nothing, as the CPU's 1.0.
+  const float scale = scale_ptr != nullptr ? *scale_ptr : 1.0f;
   const int tc = threadIdx.x % kTpr, tr = threadIdx.x / kTpr;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
