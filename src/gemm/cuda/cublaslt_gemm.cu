@@ -325,22 +325,29 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
   FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lc, to_cuda(p.out_type), p.n, p.m, p.ldo),
                      shape_of(p));
 
+  // The block-scaled modes are validated against their scale pointers when the heuristic is
+  // asked (H200, cuBLASLt 13.0: INVALID_VALUE for every block GEMM while they were still null), so
+  // the pointers go in first; set_pointers runs again per call.
+  set_pointers(*pl, p);
   cublasLtMatmulPreference_t pref = nullptr;
   FP8DP_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref), shape_of(p));
   const uint64_t ws_bytes = kWorkspaceBytes;
   const uint32_t al_a = alignment(p.b), al_b = alignment(p.a), al_c = alignment(p.out);
   cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
-  if (s == CUBLAS_STATUS_SUCCESS)
+  // Block-scaled plans keep cuBLASLt's default alignment preference (256 bytes), as the
+  // GPU-verified block path before the shared plan cache did; the pointers' alignment is still
+  // part of the plan key.
+  if (s == CUBLAS_STATUS_SUCCESS && !is_block(p))
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
                                              &al_a, sizeof(al_a));
-  if (s == CUBLAS_STATUS_SUCCESS)
+  if (s == CUBLAS_STATUS_SUCCESS && !is_block(p))
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                                              &al_b, sizeof(al_b));
-  if (s == CUBLAS_STATUS_SUCCESS)
+  if (s == CUBLAS_STATUS_SUCCESS && !is_block(p))
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
                                              &al_c, sizeof(al_c));
-  if (s == CUBLAS_STATUS_SUCCESS)
+  if (s == CUBLAS_STATUS_SUCCESS && !is_block(p))
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                              &al_c, sizeof(al_c));
   cublasLtMatmulHeuristicResult_t res[kMaxAlgos] = {};
