@@ -13,7 +13,7 @@
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
 # (profile.log, profile_gpt_SHAPE.json), dev_profile_modules (profile_modules.json),
-# dev_host_profile (dev_host_profile.json). The 2-GPU parts
+# dev_host_profile (dev_host_profile.json), dev_graph_ceiling (dev_graph_ceiling.json). The 2-GPU parts
 # (tests/distributed's NCCL cases, the reduce-scatter and DDP benchmarks) run when two or more GPUs
 # are visible: the NCCL tests on 2, the benchmarks on all.
 set -uo pipefail
@@ -135,6 +135,9 @@ want dev_profile_modules && run_step dev_profile_modules "$OUT/profile.log" 200 
 # Host time of one Linear step by Python function and operator (HOST_PROFILE_ARGS adds arguments).
 want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" dev/host_profile.py \
   ${HOST_PROFILE_ARGS:-} --json "$OUT/dev_host_profile.json"
+# What capturing the GPT stack whole in a CUDA graph gives at most, with today's code.
+want dev_graph_ceiling && run_step dev_graph_ceiling "$OUT/bench.log" 200 "$PY" dev/graph_ceiling.py \
+  --json "$OUT/dev_graph_ceiling.json"
 if [ "$NGPU" -ge 2 ]; then
   # Every visible GPU: the same benchmarks run on 4 or 8 GPUs where lent.
   TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU")
@@ -174,7 +177,7 @@ fi
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
            bench_gpt bench_gpt_best bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
-           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile matrix demo sanitizer; do
+           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile dev_graph_ceiling matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8
