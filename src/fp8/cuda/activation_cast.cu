@@ -10,10 +10,8 @@
 // eight neighbouring output elements per thread and step. With the transposed bytes or dbias (the
 // backward's fc1 grad_output, and the forward when the wgrad needs the transpose): one tiled pass
 // that writes the row-major bytes, transposes the tile through shared memory and sums each
-// column's 64 rows, so the activation is computed once and h / da are read once (the first
-// version recomputed it in a dbias column pass, 0.16 ms of the fused module's 1.28 at GELU 2048,
-// and transposed in a second byte pass, one of three byte transposes that took 0.07 ms together:
-// BENCHMARKS.md, LayerNormMLP).
+// column's 64 rows, so the activation is computed once and h / da are read once (a dbias pass
+// that recomputed it and a byte-transpose pass cost more: docs/changelog.md, 2026-12-04).
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -10,9 +10,8 @@
 //   128x128 blocks: the region's amax (block-wide), then both layouts from the staged values with
 //            the block's one scale.
 // Max is order-free and each byte comes from the shared block_scale() and quantize_like_cpu, so
-// CPU and GPU agree bit for bit. (History: byte-wide transposed stores took the three casts of an
-// 8192^3 Linear step to 4.0 ms of kernel time; separate row / column kernels with scalar loads,
-// 0.95 ms: docs/changelog.md, 2026-12-03.)
+// CPU and GPU agree bit for bit. (Separate row / column kernels with scalar loads were slower:
+// docs/changelog.md, 2026-12-03 and 2026-12-04.)
 // Torch-free (compiled in CUDA compile-only CI builds too).
 #include <cuda_runtime.h>
 
