@@ -31,9 +31,12 @@ from .metrics import read_metrics
 RUNS = (
     ("delayed", "fp8", "FP8 delayed (HYBRID)"),
     ("current", "fp8", "FP8 current"),
+    ("block", "fp8", "FP8 block scaling (E4M3, 1x128 tiles)"),
     ("off", "nofp8", "FP8 off"),
     ("torch", "torch", "torch.nn + DDP"),
 )
+# The FP8 runs, each compared with FP8 off (block: trained only when runs.py --only names it).
+FP8_RUNS = tuple(n for n, sub, _ in RUNS if sub == "fp8")
 
 
 def load_runs(base: str) -> dict:
@@ -78,7 +81,7 @@ def compare(runs: dict, after: int = 200, skip: int = 10) -> dict:
         return res
     off_val = _series(runs["off"], "val_loss")
     off = res["runs"]["off"]
-    for name in ("delayed", "current"):
+    for name in FP8_RUNS:
         if name not in runs:
             continue
         val = _series(runs[name], "val_loss")
@@ -145,7 +148,13 @@ def plot(runs: dict, res: dict, out_png: str, title: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"delayed": "tab:blue", "current": "tab:green", "off": "tab:orange", "torch": "k"}
+    colors = {
+        "delayed": "tab:blue",
+        "current": "tab:green",
+        "block": "tab:purple",
+        "off": "tab:orange",
+        "torch": "k",
+    }
     labels = {n: lab for n, _, lab in RUNS}
     fig, (ax, gx) = plt.subplots(
         2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]}
@@ -163,7 +172,7 @@ def plot(runs: dict, res: dict, out_png: str, title: str) -> str:
     ax.legend()
     if "off" in runs:
         off = _series(runs["off"], "val_loss")
-        for name in ("delayed", "current"):
+        for name in FP8_RUNS:
             if name in runs:
                 val = _series(runs[name], "val_loss")
                 steps = sorted(set(val) & set(off))
@@ -192,7 +201,7 @@ def plot(runs: dict, res: dict, out_png: str, title: str) -> str:
 def check(res: dict, final_tol: float, curve_tol: float) -> list:
     """The targets missed, one line each (empty: all met, or a run missing)."""
     bad = []
-    for name in ("delayed", "current"):
+    for name in FP8_RUNS:
         r = res["runs"].get(name, {})
         if r.get("final_gap") is None:
             bad.append(f"{name}: no validation loss to compare with FP8 off")
@@ -235,7 +244,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.base, "compare.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(md)
-    for name in ("delayed", "current"):
+    for name in FP8_RUNS:
         r = res["runs"].get(name, {})
         if r.get("final_gap") is not None:
             print(

@@ -4,7 +4,8 @@
         [--device cuda] [--out runs/gpt350m] [--torch-steps 200] [--set k=v ...]
 
 trains, with the same seed and data order, FP8 delayed scaling (HYBRID), FP8 current scaling and
-FP8 off (the config's fp8.* overridden, nothing else), then --torch-steps steps of the same model
+FP8 off (the config's fp8.* overridden, nothing else; `--only block` adds Float8BlockScaling to
+the runs already trained), then --torch-steps steps of the same model
 in plain torch.nn + torch DDP (torch_ref.py). Each fp8dp run continues from its checkpoint
 (<out>/<run>/ckpt, --resume, bit-exact) and stops with --time-budget before this command's
 --budget seconds are spent; run the same command again until it prints "all runs complete" (exit
@@ -36,6 +37,9 @@ from .config import load_config
 VARIANTS = {
     "delayed": ["fp8.enabled=true", "fp8.recipe=delayed"],
     "current": ["fp8.enabled=true", "fp8.recipe=current"],
+    # Float8BlockScaling (E4M3 in 1x128 tiles, 128x128 weight blocks): not in --only's default;
+    # `--only block` adds it to runs already trained.
+    "block": ["fp8.enabled=true", "fp8.recipe=block"],
     "off": ["fp8.enabled=false"],
 }
 
