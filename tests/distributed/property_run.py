@@ -38,66 +38,69 @@ from property_model import (
 import fp8dp
 
 
-def run_case(c, group, found):
-    """Runs configuration c to its end (every rank runs the same collectives whatever the checks
-    find, so a mismatch on one rank does not desynchronise the others); appends each check's
-    first mismatch to `found`."""
-    agree = lambda bad: bad and found.append(bad)  # noqa: E731
-    rank = group.rank()
-    torch.manual_seed(c["case_seed"])
-    model = GenModel(c)
-    named = distinct_params(model)
-    name_of = {id(p): n for n, p in named}
-    per_mb = queued_per_microbatch(c, model)
-    windows = make_windows(c, model)
-    any_delay = any(m["delay"] for m in c["fp8_mods"])
-    cfg = fp8dp.DistributedDataParallelConfig(delay_wgrad_compute=any_delay, **c["ddp"])
-    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
-    ddp._sync.communicator().set_timeout(COMM_TIMEOUT_S)
-    opt = None
-    if c["ddp"]["use_distributed_optimizer"]:
-        opt = fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=LR)
-    ddp_params = {n for n, p in named if p.requires_grad}
-    # frozen: no main_grad
-    bad = None
-    for n, p in named:
-        if not p.requires_grad and hasattr(p, "main_grad"):
-            bad = bad or dict(step=-1, what="frozen parameter has main_grad", param=n)
-    agree(bad)
-    rng = random.Random(c["schedule_seed"] + 1)
-    n_mb = c["n_mb"]
-    checks = 0
-    opg = c["ddp"].get("overlap_param_gather", False)
-    pending = None  # (step, {name: (expected parameter, tolerance)}) of the last step()
+class _Case:
+    """One configuration run step by step against its float64 reference: setup, then per step the
+    micro-batches (forward, backward, the backward_dw windows), the gradient checks and the
+    optimizer step with its parameter check. Every rank makes the same calls whatever the checks
+    find; each check's first mismatch goes to `found`."""
 
-    def check_params(pend):
+    def __init__(self, c, group, found):
+        self.c, self.found = c, found
+        self.rank = group.rank()
+        torch.manual_seed(c["case_seed"])
+        self.model = GenModel(c)
+        self.named = distinct_params(self.model)
+        self.name_of = {id(p): n for n, p in self.named}
+        self.per_mb = queued_per_microbatch(c, self.model)
+        self.windows = make_windows(c, self.model)
+        any_delay = any(m["delay"] for m in c["fp8_mods"])
+        cfg = fp8dp.DistributedDataParallelConfig(delay_wgrad_compute=any_delay, **c["ddp"])
+        self.ddp = fp8dp.DistributedDataParallel(self.model, cfg, process_group=group)
+        self.ddp._sync.communicator().set_timeout(COMM_TIMEOUT_S)
+        self.opt = None
+        if c["ddp"]["use_distributed_optimizer"]:
+            self.opt = fp8dp.DistributedOptimizer(torch.optim.SGD, self.ddp, lr=LR)
+        self.ddp_params = {n for n, p in self.named if p.requires_grad}
+        # frozen: no main_grad
         bad = None
-        for n, p in named:
+        for n, p in self.named:
+            if not p.requires_grad and hasattr(p, "main_grad"):
+                bad = bad or dict(step=-1, what="frozen parameter has main_grad", param=n)
+        self.agree(bad)
+        self.rng = random.Random(c["schedule_seed"] + 1)
+        self.n_mb = c["n_mb"]
+        self.checks = 0
+        self.opg = c["ddp"].get("overlap_param_gather", False)
+        self.pending = None  # (step, {name: (expected parameter, tolerance)}) of the last step()
+
+    def agree(self, bad):
+        if bad:
+            self.found.append(bad)
+
+    def check_params(self, pend):
+        bad = None
+        for n, p in self.named:
             exp, tol = pend[1][n]
             bad = bad or first_mismatch(pend[0], "param after step", n, p.detach(), exp, tol)
-        agree(bad)
+        self.agree(bad)
 
-    for step in range(c["steps"]):
-        data = make_data(c, step)
+    def pop_window(self, w, forget_at):
+        order = list(self.windows[w])
+        self.rng.shuffle(order)
+        for j, i in enumerate(order):
+            if forget_at == (w, j):
+                continue
+            self.model.fp8[i].backward_dw()
+
+    def microbatches(self, step, data, forget_at):
+        """Forward, backward and the backward_dw window of every micro-batch; the reference of
+        the step's parameters (read after the first forward) in self.ref / self.mag / self.before.
+        """
+        c, ddp, model = self.c, self.ddp, self.model
         ids, x, y = data
-        forget = c["forget_dw"] and step == c["steps"] - 1 and any(per_mb.values())
-        forget_at = None
-        if forget:
-            nonempty = [w for w in range(n_mb + 1) if windows[w]]
-            forget_at = (rng.choice(nonempty), 0)
-        (opt.zero_grad() if opt is not None else ddp.zero_grad_buffer())
-
-        def pop_window(w):
-            order = list(windows[w])
-            rng.shuffle(order)
-            for j, i in enumerate(order):
-                if forget_at == (w, j):
-                    continue
-                model.fp8[i].backward_dw()
-
-        for k in range(n_mb):
-            ctx = ddp.no_sync() if k < n_mb - 1 else contextlib.nullcontext()
-            r = rank * n_mb + k
+        for k in range(self.n_mb):
+            ctx = ddp.no_sync() if k < self.n_mb - 1 else contextlib.nullcontext()
+            r = self.rank * self.n_mb + k
             model.microbatch = k
             with ctx:
                 with fp8dp.fp8_autocast(enabled=c["fp8"], fp8_recipe=recipe_of(c)):
@@ -106,24 +109,27 @@ def run_case(c, group, found):
                     # The parameters this step uses, read after the first forward: with
                     # overlap_param_gather that forward must have waited for the all-gather
                     # (else it computed with stale values and the gradients below differ).
-                    if pending is not None:
-                        check_params(pending)
-                        pending = None
-                    before = {n: p.detach().double().clone() for n, p in named}
-                    ref, mag = reference(c, model, data)
-                loss = mse(out, y[r]) / n_mb
+                    if self.pending is not None:
+                        self.check_params(self.pending)
+                        self.pending = None
+                    self.before = {n: p.detach().double().clone() for n, p in self.named}
+                    self.ref, self.mag = reference(c, model, data)
+                loss = mse(out, y[r]) / self.n_mb
                 if loss.requires_grad:  # else every parameter on the path is frozen
                     loss.backward()
-                pop_window(k)
-        pop_window(n_mb)
-        ddp.finish_grad_sync()
-        # -- gradients
+                self.pop_window(k, forget_at)
+        self.pop_window(self.n_mb, forget_at)
+
+    def check_grads(self, step, forget, forget_at):
+        """main_grad (or this rank's shards of it) against the reference, and what must hold
+        after the sync: no .grad left, frozen parameters without main_grad, the queues empty."""
+        c, ref, mag = self.c, self.ref, self.mag
         bad = None
-        if opt is not None:
-            sync = ddp._sync
-            params = ddp._params
+        if self.opt is not None:
+            sync = self.ddp._sync
+            params = self.ddp._params
             for s in sync.owned_shards():
-                n = name_of[id(params[s.param])]
+                n = self.name_of[id(params[s.param])]
                 exp = ref[n].flatten()[s.param_offset : s.param_offset + s.numel]
                 bad = bad or first_mismatch(
                     step,
@@ -134,53 +140,83 @@ def run_case(c, group, found):
                     grad_tolerance(c, mag[n]),
                     dict(shard_offset=s.param_offset, shard_numel=s.numel),
                 )
-                checks += 1
+                self.checks += 1
         else:
-            for n, p in named:
+            for n, p in self.named:
                 if not p.requires_grad:
                     continue
                 bad = bad or first_mismatch(
                     step, "main_grad", n, p.main_grad, ref[n], grad_tolerance(c, mag[n])
                 )
-                checks += 1
-        for n, p in named:
-            if n in ddp_params and p.grad is not None:
+                self.checks += 1
+        for n, p in self.named:
+            if n in self.ddp_params and p.grad is not None:
                 bad = bad or dict(step=step, what="p.grad is not None after the sync", param=n)
             if not p.requires_grad and hasattr(p, "main_grad"):
                 bad = bad or dict(step=step, what="frozen parameter has main_grad", param=n)
-        for i in per_mb:
-            if model.fp8[i].need_backward_dw() and not forget:
+        for i in self.per_mb:
+            if self.model.fp8[i].need_backward_dw() and not forget:
                 bad = bad or dict(step=step, what="queue not empty", param=f"fp8.{i}")
         if forget:
             # every queued item was popped but one: the library must have raised by now
             bad = dict(
                 step=step,
                 what="forgotten backward_dw() passed silently",
-                param=f"fp8.{windows[forget_at[0]][0]}",
+                param=f"fp8.{self.windows[forget_at[0]][0]}",
                 mismatch_then=bad,
             )
-        agree(bad)
-        # -- the step (distributed optimizer): p - LR * g_ref on every rank, frozen unchanged
-        if opt is not None:
-            opt.step()
-            exp = {}
-            for n, p in named:
-                if p.requires_grad:
-                    # the gradient's tolerance, scaled, plus the FP32 rounding of p - LR * g
-                    # (half an ulp of the result, <= 2^-24 |p| each for the product and the sum)
-                    tol = LR * grad_tolerance(c, mag[n]) + 2 * U32 * float(before[n].abs().max())
-                    exp[n] = (before[n] - LR * ref[n], tol)
-                else:
-                    exp[n] = (before[n], 0.0)
-                checks += 1
-            pending = (step, exp)
-            if not opg:
-                check_params(pending)
-                pending = None
-    if pending is not None:
-        opt.finish_param_sync()
-        check_params(pending)
-    return checks
+        self.agree(bad)
+
+    def optimizer_step(self, step):
+        """The distributed optimizer's step: p - LR * g_ref on every rank, frozen unchanged,
+        checked now or (overlap_param_gather) after the next forward."""
+        self.opt.step()
+        exp = {}
+        for n, p in self.named:
+            if p.requires_grad:
+                # the gradient's tolerance, scaled, plus the FP32 rounding of p - LR * g
+                # (half an ulp of the result, <= 2^-24 |p| each for the product and the sum)
+                tol = LR * grad_tolerance(self.c, self.mag[n])
+                tol += 2 * U32 * float(self.before[n].abs().max())
+                exp[n] = (self.before[n] - LR * self.ref[n], tol)
+            else:
+                exp[n] = (self.before[n], 0.0)
+            self.checks += 1
+        self.pending = (step, exp)
+        if not self.opg:
+            self.check_params(self.pending)
+            self.pending = None
+
+    def step(self, step):
+        c = self.c
+        data = make_data(c, step)
+        forget = c["forget_dw"] and step == c["steps"] - 1 and any(self.per_mb.values())
+        forget_at = None
+        if forget:
+            nonempty = [w for w in range(self.n_mb + 1) if self.windows[w]]
+            forget_at = (self.rng.choice(nonempty), 0)
+        (self.opt.zero_grad() if self.opt is not None else self.ddp.zero_grad_buffer())
+        self.microbatches(step, data, forget_at)
+        self.ddp.finish_grad_sync()
+        self.check_grads(step, forget, forget_at)
+        if self.opt is not None:
+            self.optimizer_step(step)
+
+    def finish(self):
+        if self.pending is not None:
+            self.opt.finish_param_sync()
+            self.check_params(self.pending)
+
+
+def run_case(c, group, found):
+    """Runs configuration c to its end (every rank runs the same collectives whatever the checks
+    find, so a mismatch on one rank does not desynchronise the others); appends each check's
+    first mismatch to `found`. Returns the number of checks made."""
+    case = _Case(c, group, found)
+    for step in range(c["steps"]):
+        case.step(step)
+    case.finish()
+    return case.checks
 
 
 def run_one(c, group):
