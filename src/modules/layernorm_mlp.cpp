@@ -11,6 +11,7 @@
 #include "fp8/activation.h"
 #include "fp8/activation_kernel.h"
 #include "fp8/scaling_registry.h"
+#include "modules/capture_check.h"
 #include "modules/linear_autograd.h"
 
 namespace fp8dp {
@@ -107,6 +108,12 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
   const bool grad = at::GradMode::is_enabled();
   const bool need_wgrad1 = grad && fc1_weight.requires_grad();
   const bool need_wgrad2 = grad && fc2_weight.requires_grad();
+  check_graph_capture(x.device(), mod, ac, need_wgrad1 || need_wgrad2,
+                      (need_wgrad1 && fc1_->grad_sink() != nullptr) ||
+                          (need_wgrad2 && fc2_->grad_sink() != nullptr),
+                      (need_wgrad1 && fc1_->config().delay_wgrad_compute) ||
+                          (need_wgrad2 && fc2_->config().delay_wgrad_compute),
+                      is_first_microbatch);
   // C9: a training forward's recipe without state joins the next update_fp8_scales check.
   if (ac.enabled && (need_wgrad1 || need_wgrad2) && !recompute) registry_note_recipe(ac.recipe);
   if (need_wgrad1) check_bound(*fc1_, fc1_weight, fc1_bias, mod, "fc1");

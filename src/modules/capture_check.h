@@ -1,0 +1,34 @@
+// What an fp8dp layer refuses to be captured into a CUDA graph with (torch.cuda.graph,
+// torch.cuda.make_graphed_callables): the host-side work that a replay would skip, silently.
+// A replay re-runs the captured kernels only; what fp8dp does on the host during a forward or
+// backward happens once, at capture. Three of those break a contract when skipped:
+//   - delayed scaling marks the step's amaxes as observed (C9): without the mark
+//     update_fp8_scales() updates nothing, and every scale freezes at its capture-time value;
+//   - a layer bound to DistributedDataParallel hands its weight gradient to the gradient sink
+//     (C2, C5): replays would deliver nothing, and the bucket's collective would never see it;
+//   - delay_wgrad_compute queues the weight gradient for backward_dw() (C3): replays queue
+//     nothing, and the gradient is lost.
+// And is_first_microbatch=False reuses the FP8 weight cast before capture in every replay, after
+// the optimizer has changed the weight (C13). What remains capturable (current or block scaling,
+// or FP8 off; no fp8dp DistributedDataParallel; no delayed weight gradients; the weight cast in
+// every forward) is the same on replay as eagerly. docs/cuda_graphs_design.md: how fp8dp would
+// record and re-issue that host work to lift these limits.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <optional>
+#include <string>
+
+#include "fp8/recipe.h"
+
+namespace fp8dp {
+
+// `what`: the layer's name; `bound`: its weight gradient goes to a DistributedDataParallel sink.
+// FP8DP_UNSAFE_CAPTURE=1 lets the capture through anyway, for measurements that replay without
+// the host work (dev/graph_ceiling.py), never for training.
+void check_graph_capture(const c10::Device& device, const std::string& what,
+                         const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
+                         std::optional<bool> is_first_microbatch);
+
+}  // namespace fp8dp
