@@ -31,6 +31,8 @@ def _step(m, x, dy, recipe, **fwd):
     with fp8dp.fp8_autocast(fp8_recipe=recipe):
         y = m(x, **fwd)
     y.backward(dy)
+    if getattr(m, "delay_wgrad_compute", False):
+        m.backward_dw()  # the warm-up's queued weight gradient, as a training loop pops it
     return y
 
 
