@@ -17,7 +17,8 @@
 #          smallest lag at CPU size (0.9% and 2.1% with two seeds; delayed 2.9% and 3.1%)
 #   blockprobe  block with the probe (its casts emulated with fp8dp's own CPU block casts)
 #   blockhead  block with the output head in BF16 (DeepSeek-V3 keeps its output head in high
-#          precision; at CPU size the head in FP32 saved 1 of delayed scaling's 2.9 points)
+#          precision; at CPU size the head in FP32 saved 1 of delayed scaling's 2.9 points,
+#          nothing under block scaling)
 #   fpropbf16, dgradbf16, wgradbf16  fp8.override_linear_precision: that GEMM of every layer
 #          in BF16 (which GEMM costs the loss; at CPU size the forward's: BENCHMARKS.md)
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
