@@ -32,28 +32,29 @@ bool unsafe_capture_allowed() {
 
 }  // namespace
 
+const char* capture_refusal(const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
+                            std::optional<bool> is_first_microbatch) {
+  if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed)
+    return "under delayed scaling (a replay would not mark its amaxes observed, so "
+           "update_fp8_scales() would leave every scale at its capture-time value); use "
+           "Float8CurrentScaling or Float8BlockScaling";
+  if (need_wgrad && bound)
+    return "while bound to fp8dp.DistributedDataParallel (a replay would not hand the weight "
+           "gradient to its gradient buffer)";
+  if (need_wgrad && delay_wgrad)
+    return "with delay_wgrad_compute=True (a replay would queue no weight gradient for "
+           "backward_dw())";
+  if (ac.enabled && is_first_microbatch.has_value() && !*is_first_microbatch)
+    return "with is_first_microbatch=False (every replay would reuse the FP8 weight cast before "
+           "capture, after the optimizer has changed the weight); leave it None";
+  return nullptr;
+}
+
 void check_graph_capture(const c10::Device& device, const std::string& what,
                          const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
                          std::optional<bool> is_first_microbatch) {
   if (!capturing(device) || unsafe_capture_allowed()) return;
-  const char* why = nullptr;
-  if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed)
-    why =
-        "under delayed scaling (a replay would not mark its amaxes observed, so "
-        "update_fp8_scales() would leave every scale at its capture-time value); use "
-        "Float8CurrentScaling or Float8BlockScaling";
-  else if (need_wgrad && bound)
-    why =
-        "while bound to fp8dp.DistributedDataParallel (a replay would not hand the weight "
-        "gradient to its gradient buffer)";
-  else if (need_wgrad && delay_wgrad)
-    why =
-        "with delay_wgrad_compute=True (a replay would queue no weight gradient for "
-        "backward_dw())";
-  else if (ac.enabled && is_first_microbatch.has_value() && !*is_first_microbatch)
-    why =
-        "with is_first_microbatch=False (every replay would reuse the FP8 weight cast before "
-        "capture, after the optimizer has changed the weight); leave it None";
+  const char* why = capture_refusal(ac, need_wgrad, bound, delay_wgrad, is_first_microbatch);
   FP8DP_CHECK(why == nullptr, what, ": cannot be captured into a CUDA graph ", why,
               ". fp8dp does work on the host in each forward and backward that a graph replay "
               "skips; docs/cuda_graphs_design.md says what graphs of fp8dp need");

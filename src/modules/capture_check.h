@@ -24,6 +24,12 @@
 
 namespace fp8dp {
 
+// Why a forward with these settings cannot be captured (the first reason that applies), or null
+// when its replays compute what the eager forward computes. Pure, so the table is tested on the
+// CPU (tests/cpp/test_modules.cpp); check_graph_capture applies it only under capture.
+const char* capture_refusal(const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
+                            std::optional<bool> is_first_microbatch);
+
 // `what`: the layer's name; `bound`: its weight gradient goes to a DistributedDataParallel sink.
 // FP8DP_UNSAFE_CAPTURE=1 lets the capture through anyway, for measurements that replay without
 // the host work (dev/graph_ceiling.py), never for training.

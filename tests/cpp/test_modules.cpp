@@ -1,6 +1,6 @@
 // C++ pieces of src/modules: the fused norm + FP8 cast kernel, the WeightGradStore FIFO, the
 // delayed-scaling first-cast rule and registry update, the CPU GEMM, and the autograd function's
-// routing of a captured weight gradient (C14).
+// routing of a captured weight gradient (C14), and what a forward refuses under CUDA graph capture.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -15,6 +15,7 @@
 #include "fp8/scaling_registry.h"
 #include "fp8/scaling_state.h"
 #include "gemm/gemm.h"
+#include "modules/capture_check.h"
 #include "modules/linear_autograd.h"
 #include "modules/linear_core.h"
 #include "modules/wgrad_store.h"
@@ -204,6 +205,49 @@ TEST(LinearAutograd, CapturedWeightGradientIsReturnedNotFused) {
 }
 
 TEST(LinearAutograd, ForwardOutsideBackwardIsNoRecompute) { EXPECT_FALSE(in_backward_pass()); }
+
+// ---- CUDA graph capture: what a replay would get wrong is refused (capture_check.h) ------------
+TEST(CaptureRefusal, RefusesExactlyWhatAReplaySkips) {
+  AutocastState off;
+  off.enabled = false;
+  AutocastState delayed;
+  delayed.enabled = true;
+  delayed.recipe.kind = RecipeKind::kDelayed;
+  AutocastState current = delayed;
+  current.recipe.kind = RecipeKind::kCurrent;
+  AutocastState block = delayed;
+  block.recipe.kind = RecipeKind::kBlock;
+  auto why = [](const AutocastState& ac, bool wgrad, bool bound, bool delay,
+                std::optional<bool> first) -> std::string {
+    const char* r = capture_refusal(ac, wgrad, bound, delay, first);
+    return r ? r : "";
+  };
+  // Capturable: current / block scaling or FP8 off, unbound, no delayed wgrad, weight recast.
+  for (const AutocastState* ac : {&off, &current, &block}) {
+    EXPECT_EQ(why(*ac, true, false, false, std::nullopt), "");
+    EXPECT_EQ(why(*ac, true, false, false, true), "");
+    EXPECT_EQ(why(*ac, false, true, true, std::nullopt), "");  // no weight gradient wanted
+  }
+  EXPECT_EQ(why(off, true, false, false, false), "");  // FP8 off keeps no FP8 weight cache
+  // Refused, each for its reason.
+  EXPECT_NE(why(delayed, false, false, false, std::nullopt).find("delayed scaling"),
+            std::string::npos);
+  EXPECT_NE(why(current, true, true, false, std::nullopt).find("DistributedDataParallel"),
+            std::string::npos);
+  EXPECT_NE(why(block, true, false, true, std::nullopt).find("delay_wgrad_compute"),
+            std::string::npos);
+  EXPECT_NE(why(current, true, false, false, false).find("is_first_microbatch=False"),
+            std::string::npos);
+}
+
+// check_graph_capture does nothing where nothing is captured (CPU tensors).
+TEST(CaptureRefusal, NothingIsRefusedOutsideCapture) {
+  AutocastState delayed;
+  delayed.enabled = true;
+  delayed.recipe.kind = RecipeKind::kDelayed;
+  EXPECT_NO_THROW(
+      check_graph_capture(c10::Device(c10::kCPU), "m", delayed, true, true, true, false));
+}
 
 }  // namespace
 }  // namespace fp8dp
