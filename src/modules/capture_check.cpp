@@ -32,10 +32,10 @@ bool unsafe_capture_allowed() {
 
 }  // namespace
 
-const char* capture_refusal(const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
-                            std::optional<bool> is_first_microbatch) {
-  if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed)
-    return "under delayed scaling (a replay would not mark its amaxes observed, so "
+const char* capture_refusal(const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
+                            bool delay_wgrad, std::optional<bool> is_first_microbatch) {
+  if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed && grad_enabled)
+    return "in training under delayed scaling (a replay would not mark its amaxes observed, so "
            "update_fp8_scales() would leave every scale at its capture-time value); use "
            "Float8CurrentScaling or Float8BlockScaling";
   if (need_wgrad && bound)
@@ -51,10 +51,11 @@ const char* capture_refusal(const AutocastState& ac, bool need_wgrad, bool bound
 }
 
 void check_graph_capture(const c10::Device& device, const std::string& what,
-                         const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
-                         std::optional<bool> is_first_microbatch) {
+                         const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
+                         bool delay_wgrad, std::optional<bool> is_first_microbatch) {
   if (!capturing(device) || unsafe_capture_allowed()) return;
-  const char* why = capture_refusal(ac, need_wgrad, bound, delay_wgrad, is_first_microbatch);
+  const char* why =
+      capture_refusal(ac, grad_enabled, need_wgrad, bound, delay_wgrad, is_first_microbatch);
   FP8DP_CHECK(why == nullptr, what, ": cannot be captured into a CUDA graph ", why,
               ". fp8dp does work on the host in each forward and backward that a graph replay "
               "skips; docs/cuda_graphs_design.md says what graphs of fp8dp need");

@@ -2,8 +2,9 @@
 // torch.cuda.make_graphed_callables): the host-side work that a replay would skip, silently.
 // A replay re-runs the captured kernels only; what fp8dp does on the host during a forward or
 // backward happens once, at capture. Three of those break a contract when skipped:
-//   - delayed scaling marks the step's amaxes as observed (C9): without the mark
-//     update_fp8_scales() updates nothing, and every scale freezes at its capture-time value;
+//   - a training forward under delayed scaling marks the step's amaxes as observed (C9):
+//     without the mark update_fp8_scales() updates nothing, and every scale freezes at its
+//     capture-time value (an inference forward is capturable: nothing updates its scales);
 //   - a layer bound to DistributedDataParallel hands its weight gradient to the gradient sink
 //     (C2, C5): replays would deliver nothing, and the bucket's collective would never see it;
 //   - delay_wgrad_compute queues the weight gradient for backward_dw() (C3): replays queue
@@ -27,14 +28,17 @@ namespace fp8dp {
 // Why a forward with these settings cannot be captured (the first reason that applies), or null
 // when its replays compute what the eager forward computes. Pure, so the table is tested on the
 // CPU (tests/cpp/test_modules.cpp); check_graph_capture applies it only under capture.
-const char* capture_refusal(const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
-                            std::optional<bool> is_first_microbatch);
+// `grad_enabled`: autograd records this forward (a training forward, whose scales the step
+// updates); an inference forward under delayed scaling is capturable, since nothing updates its
+// scales.
+const char* capture_refusal(const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
+                            bool delay_wgrad, std::optional<bool> is_first_microbatch);
 
 // `what`: the layer's name; `bound`: its weight gradient goes to a DistributedDataParallel sink.
 // FP8DP_UNSAFE_CAPTURE=1 lets the capture through anyway, for measurements that replay without
 // the host work (dev/graph_ceiling.py), never for training.
 void check_graph_capture(const c10::Device& device, const std::string& what,
-                         const AutocastState& ac, bool need_wgrad, bool bound, bool delay_wgrad,
-                         std::optional<bool> is_first_microbatch);
+                         const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
+                         bool delay_wgrad, std::optional<bool> is_first_microbatch);
 
 }  // namespace fp8dp

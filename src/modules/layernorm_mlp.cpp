@@ -108,7 +108,7 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
   const bool grad = at::GradMode::is_enabled();
   const bool need_wgrad1 = grad && fc1_weight.requires_grad();
   const bool need_wgrad2 = grad && fc2_weight.requires_grad();
-  check_graph_capture(x.device(), mod, ac, need_wgrad1 || need_wgrad2,
+  check_graph_capture(x.device(), mod, ac, grad, need_wgrad1 || need_wgrad2,
                       (need_wgrad1 && fc1_->grad_sink() != nullptr) ||
                           (need_wgrad2 && fc2_->grad_sink() != nullptr),
                       (need_wgrad1 && fc1_->config().delay_wgrad_compute) ||

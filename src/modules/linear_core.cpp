@@ -229,8 +229,8 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
   const AutocastState ac = recompute && forward_autocast_ ? *forward_autocast_ : autocast_current();
   if (!recompute && !c10::InferenceMode::is_enabled()) forward_autocast_ = ac;
   const bool need_wgrad = at::GradMode::is_enabled() && weight.requires_grad();
-  check_graph_capture(x.device(), mod, ac, need_wgrad, grad_sink() != nullptr,
-                      cfg_.delay_wgrad_compute, is_first_microbatch);
+  check_graph_capture(x.device(), mod, ac, at::GradMode::is_enabled(), need_wgrad,
+                      grad_sink() != nullptr, cfg_.delay_wgrad_compute, is_first_microbatch);
   // C9: a training forward's recipe without state joins the next update_fp8_scales check.
   if (ac.enabled && need_wgrad && !recompute) registry_note_recipe(ac.recipe);
   if (need_wgrad) {

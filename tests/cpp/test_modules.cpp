@@ -217,9 +217,10 @@ TEST(CaptureRefusal, RefusesExactlyWhatAReplaySkips) {
   current.recipe.kind = RecipeKind::kCurrent;
   AutocastState block = delayed;
   block.recipe.kind = RecipeKind::kBlock;
+  // grad mode on (a training forward) unless an argument says otherwise
   auto why = [](const AutocastState& ac, bool wgrad, bool bound, bool delay,
-                std::optional<bool> first) -> std::string {
-    const char* r = capture_refusal(ac, wgrad, bound, delay, first);
+                std::optional<bool> first, bool grad = true) -> std::string {
+    const char* r = capture_refusal(ac, grad, wgrad, bound, delay, first);
     return r ? r : "";
   };
   // Capturable: current / block scaling or FP8 off, unbound, no delayed wgrad, weight recast.
@@ -229,6 +230,8 @@ TEST(CaptureRefusal, RefusesExactlyWhatAReplaySkips) {
     EXPECT_EQ(why(*ac, false, true, true, std::nullopt), "");  // no weight gradient wanted
   }
   EXPECT_EQ(why(off, true, false, false, false), "");  // FP8 off keeps no FP8 weight cache
+  // An inference forward under delayed scaling: nothing updates its scales.
+  EXPECT_EQ(why(delayed, false, false, false, std::nullopt, /*grad=*/false), "");
   // Refused, each for its reason.
   EXPECT_NE(why(delayed, false, false, false, std::nullopt).find("delayed scaling"),
             std::string::npos);
@@ -246,7 +249,7 @@ TEST(CaptureRefusal, NothingIsRefusedOutsideCapture) {
   delayed.enabled = true;
   delayed.recipe.kind = RecipeKind::kDelayed;
   EXPECT_NO_THROW(
-      check_graph_capture(c10::Device(c10::kCPU), "m", delayed, true, true, true, false));
+      check_graph_capture(c10::Device(c10::kCPU), "m", delayed, true, true, true, true, false));
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 replay would silently get wrong is refused at capture with an error that says why (delayed
 scaling's amax marks, delayed weight gradients, a reused FP8 weight cast), and what is left
 (current scaling, no delayed weight gradient, the weight cast in every forward) replays to the
-eager results bit for bit. Skipped without a GPU.
+eager results bit for bit, as does an inference forward under delayed scaling. Skipped without a
+GPU.
 
 Not yet run on a GPU when written (2026-12-05); the capture itself was shown to work for
 fp8dp's layers by dev/graph_ceiling.py on the H200 the same day.
@@ -60,7 +61,9 @@ def test_delayed_scaling_is_refused_at_capture(kind):
     dy = torch.randn(
         64, 256 if kind == "LayerNormMLP" else 128, device="cuda", dtype=torch.bfloat16
     )
-    with pytest.raises(RuntimeError, match="cannot be captured into a CUDA graph under delayed"):
+    with pytest.raises(
+        RuntimeError, match="cannot be captured into a CUDA graph in training under delayed"
+    ):
         _capture(m, x, dy, fp8dp.DelayedScaling())
 
 
@@ -128,3 +131,27 @@ def test_unsafe_capture_lets_delayed_scaling_through(monkeypatch):
     g, _ = _capture(m, x, dy, fp8dp.DelayedScaling())
     g.replay()
     torch.cuda.synchronize()
+
+
+def test_inference_under_delayed_scaling_is_capturable():
+    """No autograd, no scale update: an inference forward replays to the eager output."""
+    m = _layer("LayerNormLinear")
+    recipe = fp8dp.DelayedScaling()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            m(x)  # the first cast's scales, eagerly
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), fp8dp.fp8_autocast(fp8_recipe=recipe):
+            m(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s), fp8dp.fp8_autocast(fp8_recipe=recipe):
+            y = m(x)
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            ye = m(x)
+    torch.cuda.synchronize()
+    assert torch.equal(y, ye)
