@@ -42,6 +42,8 @@ def recipe_ctx(mode):
 
 
 def eager_step(model, x, dy, ctx):
+    # Not bench/gpt_block_gpu.py's make_step: that one also updates the delayed scales after each
+    # step, which a replay cannot (module docstring), so eager and replayed steps do the same work.
     def step():
         xa = x.detach().requires_grad_(True)
         with ctx():
