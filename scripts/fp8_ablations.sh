@@ -21,6 +21,8 @@
 #          nothing under block scaling)
 #   fpropbf16, dgradbf16, wgradbf16  fp8.override_linear_precision: that GEMM of every layer
 #          in BF16 (which GEMM costs the loss; at CPU size the forward's: BENCHMARKS.md)
+#   off    fp8.enabled=false: FP8 off again, the noise floor of the comparison (GPU runs of the
+#          same seed are not bit-identical: two E4M3 runs were 1.46 and 1.70 at step 700)
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,14 +45,18 @@ declare -A SETS=(
   [fpropbf16]="fp8.override_linear_precision=[true,false,false]"
   [dgradbf16]="fp8.override_linear_precision=[false,true,false]"
   [wgradbf16]="fp8.override_linear_precision=[false,false,true]"
+  [off]="fp8.enabled=false"
 )
 variants=("$@")
 # The default: the probe (a GPU kernel wrong at these widths would show against its emulation);
 # E4M3 gradients, the largest single saving at CPU size (1.7 of 2.9 points, more than block
 # scaling's tiles: BENCHMARKS.md); the forward GEMMs in BF16, which cost most at CPU size ("Which
 # GEMM"); fprop, whether the GPU's fast accumulation adds to it. Measured on the H200 on
-# 2026-12-05 with block (BENCHMARKS.md, "Training runs": block scaling 6.1% behind at step 700,
-# E4M3 gradients 13%, delayed 32%). Next: STOP=2000 block, STOP=2000 e4m3, then blockhead.
+# 2026-12-05 (BENCHMARKS.md, "Training runs"). At step 2,000: block 1.8% behind FP8 off, E4M3
+# gradients 11.7%, delayed 10.3%; mid-run gaps are noise-dominated (the loss's fast drop starts
+# 100-200 steps earlier or later between repeats), so only 2,000-step runs decide. Next, one per
+# GPU command: STOP=2000 for fprop (the forward's fast accumulation: the only per-tensor difference
+# from block scaling's GEMMs besides the tiles), head, blockhead, and off (the noise floor).
 [ ${#variants[@]} -gt 0 ] || variants=(probe e4m3 fpropbf16 fprop)
 for v in "${variants[@]}"; do
   if [ -z "${SETS[$v]+x}" ]; then
@@ -81,7 +87,7 @@ ref = json.load(open("bench/results/gpt350m_runs.json"))["curves"]
 off, delayed = ref["off"]["val_loss"], ref["delayed"]["val_loss"]
 runs = {}
 for n in names:
-    path = os.path.join(base, n, "fp8", "metrics.jsonl")
+    path = os.path.join(base, n, "nofp8" if n == "off" else "fp8", "metrics.jsonl")
     recs = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
     runs[n] = {str(r["step"]): r["val_loss"] for r in recs if r.get("val_loss") is not None}
 steps = sorted({int(s) for r in runs.values() for s in r} & {int(s) for s in off})
