@@ -4,10 +4,10 @@
 // Why not std::erf / expf: glibc's and CUDA's libm differ in the last bit for some inputs, and a
 // last-bit difference survives the rounding to bf16 (and then the FP8 cast) whenever the value
 // lies next to a rounding boundary, so CPU and CUDA bytes would differ (C7 asks for identical
-// bytes). Everything below is built from IEEE-correctly-rounded +, -, *, /, fma and rint, which
-// both devices implement exactly alike. Every operation is spelled out: nvcc contracts a*b+c into
-// an fma on its own (the device macros use the _rn intrinsics, which it never contracts) and so
-// does g++ with -march=native (the CPU file that includes this header turns fp-contract off).
+// bytes). Everything below is built from IEEE-correctly-rounded +, -, *, /, reciprocal and fma,
+// which both devices implement exactly alike. Every operation is spelled out: nvcc contracts a*b+c
+// into an fma on its own (the device macros use the _rn intrinsics, which it never contracts) and
+// so does g++ with -march=native (the CPU file that includes this header turns fp-contract off).
 //
 // Accuracy (against float64): exp within 2 ulp; erf within 2e-7 absolute (Abramowitz-Stegun
 // 7.1.26 refined: see act_erf); far below the bf16 rounding (2^-9 relative) that every result
@@ -20,6 +20,7 @@
 
 #if !defined(__CUDA_ARCH__)
 #include <cmath>
+#include <cstring>
 #endif
 
 namespace fp8dp {
@@ -32,35 +33,42 @@ namespace act {
 FP8DP_HD float mul(float a, float b) { return __fmul_rn(a, b); }
 FP8DP_HD float add(float a, float b) { return __fadd_rn(a, b); }
 FP8DP_HD float sub(float a, float b) { return __fsub_rn(a, b); }
-FP8DP_HD float div(float a, float b) { return __fdiv_rn(a, b); }
+FP8DP_HD float rcp(float a) { return __frcp_rn(a); }
 FP8DP_HD float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-FP8DP_HD float rint(float a) { return rintf(a); }
 FP8DP_HD float from_bits(uint32_t u) { return __uint_as_float(u); }
+FP8DP_HD uint32_t to_bits(float f) { return __float_as_uint(f); }
 #else
 FP8DP_HD float mul(float a, float b) { return a * b; }
 FP8DP_HD float add(float a, float b) { return a + b; }
 FP8DP_HD float sub(float a, float b) { return a - b; }
-FP8DP_HD float div(float a, float b) { return a / b; }
+FP8DP_HD float rcp(float a) { return 1.0f / a; }  // correctly rounded, as __frcp_rn
 FP8DP_HD float fma(float a, float b, float c) { return std::fma(a, b, c); }
-FP8DP_HD float rint(float a) { return std::nearbyint(a); }  // default mode: to nearest even
 FP8DP_HD float from_bits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+FP8DP_HD uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
 }
 #endif
 
 // 2^k for k in [-126, 127], exactly.
 FP8DP_HD float pow2(int k) { return from_bits(static_cast<uint32_t>(k + 127) << 23); }
 
-// e^x: x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by a degree-7 Taylor
-// polynomial in Horner form (truncation < 2e-9 relative), scaled by 2^k in two exact steps so that
-// only the last one rounds (the result may be subnormal). NaN stays NaN; overflow gives +Inf.
-FP8DP_HD float exp(float x) {
-  if (x != x) return x;
-  if (x > 88.7228394f) return from_bits(0x7F800000u);
-  if (x < -103.972084f) return 0.0f;
-  const float k = rint(mul(x, 1.44269504f));
+// e^x for x in [-103.972084, 88.7228394] (callers that know their range, such as erf): x = k ln2 +
+// r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by a degree-7 Taylor polynomial in Horner
+// form (truncation < 2e-9 relative), scaled by 2^k in two exact steps so that only the last one
+// rounds (the result may be subnormal). k = rint(x log2 e) by the shifter 1.5 * 2^23: adding it
+// rounds to an integer (to nearest even; |x log2 e| < 2^22 here), and the sum's low bits are k, so
+// no float-to-int conversion is needed: the kernels are bound by instruction issue, and FRND / F2I
+// run at a quarter of the FMA rate.
+FP8DP_HD float exp_in_range(float x) {
+  constexpr float kShifter = 12582912.0f;  // 1.5 * 2^23
+  const float shifted = add(mul(x, 1.44269504f), kShifter);
+  const float k = sub(shifted, kShifter);
   const float r = fma(-k, -2.12194440e-4f, fma(-k, 0.693359375f, x));  // ln2 = hi + lo (Cephes)
   float p = 1.0f / 5040.0f;
   p = fma(p, r, 1.0f / 720.0f);
@@ -70,25 +78,34 @@ FP8DP_HD float exp(float x) {
   p = fma(p, r, 0.5f);
   p = fma(p, r, 1.0f);
   p = fma(p, r, 1.0f);
-  const int ki = static_cast<int>(k);
+  const int ki = static_cast<int>(static_cast<int32_t>(to_bits(shifted) - to_bits(kShifter)));
   const int k1 = ki / 2;
   return mul(mul(p, pow2(k1)), pow2(ki - k1));
 }
 
+// e^x for every x: NaN stays NaN, overflow gives +Inf, underflow 0. The out-of-range inputs are
+// computed on a stand-in and answered by selects, not branches.
+FP8DP_HD float exp(float x) {
+  const bool high = x > 88.7228394f, low = x < -103.972084f;
+  const float e = exp_in_range((high || low || x != x) ? 0.0f : x);
+  return x != x ? x : (high ? from_bits(0x7F800000u) : (low ? 0.0f : e));
+}
+
 // erf(x) for |x| by Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7), odd in x; 1 for |x| >= 6.
+// Branch-free as exp: |x| >= 6 and NaN are computed on a stand-in and answered by selects.
 FP8DP_HD float erf(float x) {
-  if (x != x) return x;
   const float ax = x < 0.0f ? -x : x;
-  if (ax >= 6.0f) return x < 0.0f ? -1.0f : 1.0f;
-  const float t = div(1.0f, fma(0.3275911f, ax, 1.0f));
+  const bool big = !(ax < 6.0f);  // and NaN
+  const float ac = big ? 0.0f : ax;
+  const float t = rcp(fma(0.3275911f, ac, 1.0f));
   float p = 1.061405429f;
   p = fma(p, t, -1.453152027f);
   p = fma(p, t, 1.421413741f);
   p = fma(p, t, -0.284496736f);
   p = fma(p, t, 0.254829592f);
   p = mul(p, t);
-  const float y = sub(1.0f, mul(p, exp(-mul(ax, ax))));
-  return x < 0.0f ? -y : y;
+  const float y = big ? 1.0f : sub(1.0f, mul(p, exp_in_range(-mul(ac, ac))));  // in (-36, 0]
+  return x != x ? x : (x < 0.0f ? -y : y);
 }
 
 constexpr float kSqrtHalf = 0.707106781f;    // 1 / sqrt(2)
@@ -107,7 +124,7 @@ FP8DP_HD float dgelu(float x) {
 }
 
 // sigmoid(x) = 1 / (1 + e^-x): 0 for x below -88 (e^-x overflows), no NaN from Inf / Inf.
-FP8DP_HD float sigmoid(float x) { return div(1.0f, add(1.0f, exp(-x))); }
+FP8DP_HD float sigmoid(float x) { return rcp(add(1.0f, exp(-x))); }
 FP8DP_HD float silu(float x) { return mul(x, sigmoid(x)); }
 
 // SwiGLU forward of one (gate, up) pair: silu(gate) * up.

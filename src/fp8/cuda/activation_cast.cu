@@ -1,10 +1,12 @@
 // CUDA kernels of the activation + FP8 cast (activation_kernel.h). Same bytes, amax and dbias as
 // activation_cpu: the activation is activation_math.h on both devices (IEEE-rounded operations
 // only), each result is rounded to the high-precision dtype and widened back (exact) before the
-// cast, and the cast is quantize_like_cpu, the conversion the quantize kernels use. dbias sums in
-// the CPU's order (64-row chunks in row order, then the chunks in order), so it is bit-identical
-// too. The high-precision result is written only when asked for (FP8 off): with FP8 on, nothing of
-// size tokens × ffn but the FP8 bytes is written.
+// cast, and the cast is quantize_scaled, as in the quantize kernels: the hardware conversion, or
+// the CPU's bit recipe once the thread has seen a NaN. dbias sums in the CPU's order (64-row chunks
+// in row order, then the chunks in order), so it is bit-identical too. The high-precision result
+// is written only when asked for (FP8 off): with FP8 on, nothing of size tokens × ffn but the FP8
+// bytes is written. The kernels are bound by instruction issue (the activation's arithmetic), so
+// inputs come in 16-byte loads where the layout allows (elements_vec).
 //
 // Two kernels. Row-major bytes alone (the forward's fc2 input, and the amax pass): a flat pass,
 // eight neighbouring output elements per thread and step. With the transposed bytes or dbias (the
@@ -34,6 +36,10 @@ struct Args {
   const void* h;
   const void* da;
   int64_t rows, cols, in_cols, out_cols;
+  // Every row of h and da starts 16-byte aligned and cols % kVec == 0: a group of kVec outputs
+  // inside the matrix loads its inputs with 16-byte loads (elements_vec), and no group straddles
+  // SwiGLU's gate / up halves.
+  bool vec_in;
 };
 
 // Output element (r, oc) of the activation (forward: a [rows, cols]) or of its derivative
@@ -62,17 +68,92 @@ __device__ __forceinline__ float element(const Args& a, int64_t r, int64_t oc) {
   return to_float(from_float<T>(v));
 }
 
+constexpr int kVec = 8;
+
+// kVec neighbouring inputs p[0 .. kVec), widened; p 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&f)[kVec]) {
+  constexpr int kLoads = kVec * static_cast<int>(sizeof(T)) / 16;
+  union {
+    uint4 u[kLoads];
+    T t[kVec];
+  } x;
+#pragma unroll
+  for (int j = 0; j < kLoads; ++j) x.u[j] = reinterpret_cast<const uint4*>(p)[j];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) f[j] = to_float(x.t[j]);
+}
+
+// The kVec outputs (r, oc0 .. oc0 + kVec) of element(), all inside the matrix, with 16-byte loads
+// (a.vec_in): one load instruction per operand instead of one per element and operand, and no
+// bounds check per element. The same arithmetic as element(), so the same bits.
+template <typename T, Activation A, bool kBackward>
+__device__ __forceinline__ void elements_vec(const Args& a, int64_t r, int64_t oc0,
+                                             float (&v)[kVec]) {
+  const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
+  float x[kVec];
+  if constexpr (!kBackward) {
+    load_vec(h + oc0, x);
+    if constexpr (A == Activation::kGelu) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = act::gelu(x[j]);
+    } else {
+      float up[kVec];
+      load_vec(h + a.cols + oc0, up);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = act::swiglu(x[j], up[j]);
+    }
+  } else {
+    const T* da = static_cast<const T*>(a.da) + r * a.cols;
+    float g[kVec];
+    if constexpr (A == Activation::kGelu) {
+      load_vec(da + oc0, g);
+      load_vec(h + oc0, x);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = act::mul(g[j], act::dgelu(x[j]));
+    } else {
+      const bool gate = oc0 < a.cols;
+      const int64_t c0 = gate ? oc0 : oc0 - a.cols;
+      float up[kVec];
+      load_vec(da + c0, g);
+      load_vec(h + c0, x);
+      load_vec(h + a.cols + c0, up);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float dgate, dup;
+        act::dswiglu(g[j], x[j], up[j], dgate, dup);
+        v[j] = gate ? dgate : dup;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) v[j] = to_float(from_float<T>(v[j]));
+}
+
+// kVec high-precision results, one 16-byte store per 16 bytes (p 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[kVec]) {
+  constexpr int kStores = kVec * static_cast<int>(sizeof(T)) / 16;
+  union {
+    uint4 u[kStores];
+    T t[kVec];
+  } x;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) x.t[j] = from_float<T>(v[j]);
+#pragma unroll
+  for (int j = 0; j < kStores; ++j) reinterpret_cast<uint4*>(p)[j] = x.u[j];
+}
+
 // One pass over the output elements: high-precision result, FP8 bytes and amax, each optional.
 // Each thread takes kVec neighbouring elements of a row (one index division per group, not per
 // element: the 64-bit division cost more than the activation), and with `vec` (out_cols a multiple
 // of kVec, out aligned) stores their FP8 bytes as one 8-byte word.
-constexpr int kVec = 8;
 
 template <typename T, Activation A, bool kBackward, Format F>
 __global__ void __launch_bounds__(kThreads)
     act_kernel(const Args a, T* __restrict__ out_hp, uint8_t* __restrict__ out,
                const float* __restrict__ scale_ptr, unsigned int* __restrict__ amax_bits,
-               float* __restrict__ scale_inv, bool vec) {
+               float* __restrict__ scale_inv, bool vec, bool vec_hp) {
   const float scale = scale_ptr != nullptr ? *scale_ptr : 1.0f;
   const int64_t per_row = (a.out_cols + kVec - 1) / kVec;
   const int64_t n = a.rows * per_row;
@@ -83,20 +164,28 @@ __global__ void __launch_bounds__(kThreads)
     const int live = static_cast<int>(a.out_cols - oc0 < kVec ? a.out_cols - oc0 : kVec);
     const int64_t i0 = r * a.out_cols + oc0;
     float v[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      v[j] = j < live ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
-      am = max(am, abs_bits(v[j]));
-    }
-    if (out_hp != nullptr) {
+    if (a.vec_in && live == kVec) {
+      elements_vec<T, A, kBackward>(a, r, oc0, v);
+    } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j)
-        if (j < live) out_hp[i0 + j] = from_float<T>(v[j]);
+        v[j] = j < live ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) am = max(am, abs_bits(v[j]));
+    if (out_hp != nullptr) {
+      if (vec_hp && live == kVec) {  // vec_hp: out_cols % kVec == 0, out_hp 16-byte aligned
+        store_vec(out_hp + i0, v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (j < live) out_hp[i0 + j] = from_float<T>(v[j]);
+      }
     }
     if (out != nullptr) {
+      // The hardware conversion (quantize_scaled), or the CPU's bit recipe once a NaN was seen.
       uint8_t q[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) q[j] = quantize_like_cpu<F>(v[j], scale);
+      quantize_scaled<F, kVec>(v, scale, am == kQuietNaNBits, q);
       store_bytes8(out + i0, q, vec, live);  // vec: live == kVec
     }
   }
@@ -158,13 +247,19 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = r0 + lr;
     const bool row_in = r < a.rows;
     float v[kVec];
+    if (a.vec_in && row_in && live == kVec) {
+      elements_vec<T, A, kBackward>(a, r, oc0, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)  // zero outside the matrix: no effect on amax; never stored
+        v[j] = (row_in && j < live) ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) am = max(am, abs_bits(v[j]));
     uint8_t q[kVec];
+    quantize_scaled<F, kVec>(v, scale, am == kQuietNaNBits, q);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      // Zero outside the matrix: no effect on amax; never stored or summed.
-      v[j] = (row_in && j < live) ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
-      am = max(am, abs_bits(v[j]));
-      q[j] = quantize_like_cpu<F>(v[j], scale);
       tile[lr][tc * kVec + j] = q[j];
       if constexpr (kDbias) vals[lr][tc * kVec + j] = v[j];
     }
@@ -258,7 +353,16 @@ void launch_tiled(const ActParams& p, const Args& a, cudaStream_t st) {
 
 template <typename T, Activation A, bool kBackward>
 void launch(const ActParams& p, cudaStream_t st) {
-  const Args a{p.input, p.grad, p.rows, p.cols, p.in_cols(), p.out_cols()};
+  const Args a{p.input,
+               p.grad,
+               p.rows,
+               p.cols,
+               p.in_cols(),
+               p.out_cols(),
+               p.cols % kVec == 0 && aligned16(p.input) &&
+                   (p.grad == nullptr || aligned16(p.grad)) &&
+                   (p.in_cols() * static_cast<int64_t>(dtype_size(p.dtype))) % 16 == 0 &&
+                   (p.cols * static_cast<int64_t>(dtype_size(p.dtype))) % 16 == 0};
   if (p.amax != nullptr && !p.amax_accumulate)
     FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
   if (p.out_t != nullptr || p.dbias != nullptr) {
@@ -272,13 +376,15 @@ void launch(const ActParams& p, cudaStream_t st) {
   T* out_hp = static_cast<T*>(p.out_hp);
   const int64_t groups = p.rows * ((a.out_cols + kVec - 1) / kVec);
   const bool vec = a.out_cols % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
+  const bool vec_hp = a.out_cols % kVec == 0 && aligned16(out_hp) &&
+                      (a.out_cols * static_cast<int64_t>(sizeof(T))) % 16 == 0;
   const int act_grid = grid_for(groups);
   if (p.format == Format::kE4M3) {
-    act_kernel<T, A, kBackward, Format::kE4M3>
-        <<<act_grid, kThreads, 0, st>>>(a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec);
+    act_kernel<T, A, kBackward, Format::kE4M3><<<act_grid, kThreads, 0, st>>>(
+        a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp);
   } else {
-    act_kernel<T, A, kBackward, Format::kE5M2>
-        <<<act_grid, kThreads, 0, st>>>(a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec);
+    act_kernel<T, A, kBackward, Format::kE5M2><<<act_grid, kThreads, 0, st>>>(
+        a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp);
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
