@@ -91,22 +91,34 @@ FP8DP_HD float exp(float x) {
   return x != x ? x : (high ? from_bits(0x7F800000u) : (low ? 0.0f : e));
 }
 
-// erf(x) for |x| by Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7), odd in x; 1 for |x| >= 6.
-// Branch-free as exp: |x| >= 6 and NaN are computed on a stand-in and answered by selects.
-FP8DP_HD float erf(float x) {
+// The argument split of erf(x): |x| clamped to the polynomial's range (ac, 0 for |x| >= 6 and
+// NaN, where the result is a select) and e^{-ac^2}, which dgelu shares with the normal density.
+struct ErfArg {
+  float ac;
+  bool big;
+  float e;
+};
+FP8DP_HD ErfArg erf_arg(float x) {
   const float ax = x < 0.0f ? -x : x;
   const bool big = !(ax < 6.0f);  // and NaN
   const float ac = big ? 0.0f : ax;
-  const float t = rcp(fma(0.3275911f, ac, 1.0f));
+  return {ac, big, exp_in_range(-mul(ac, ac))};  // in (-36, 0]
+}
+
+// erf(x) for |x| by Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7), odd in x; 1 for |x| >= 6.
+// Branch-free as exp: |x| >= 6 and NaN are computed on a stand-in and answered by selects.
+FP8DP_HD float erf_of(float x, const ErfArg& g) {
+  const float t = rcp(fma(0.3275911f, g.ac, 1.0f));
   float p = 1.061405429f;
   p = fma(p, t, -1.453152027f);
   p = fma(p, t, 1.421413741f);
   p = fma(p, t, -0.284496736f);
   p = fma(p, t, 0.254829592f);
   p = mul(p, t);
-  const float y = big ? 1.0f : sub(1.0f, mul(p, exp_in_range(-mul(ac, ac))));  // in (-36, 0]
+  const float y = g.big ? 1.0f : sub(1.0f, mul(p, g.e));
   return x != x ? x : (x < 0.0f ? -y : y);
 }
+FP8DP_HD float erf(float x) { return erf_of(x, erf_arg(x)); }
 
 constexpr float kSqrtHalf = 0.707106781f;    // 1 / sqrt(2)
 constexpr float kInvSqrt2Pi = 0.398942280f;  // 1 / sqrt(2 pi)
@@ -116,10 +128,15 @@ FP8DP_HD float gelu(float x) {
   const float cdf = mul(0.5f, add(1.0f, erf(mul(x, kSqrtHalf))));
   return mul(x, cdf);
 }
-// d/dx x Φ(x) = Φ(x) + x φ(x).
+// d/dx x Φ(x) = Φ(x) + x φ(x). φ(x) takes erf's exponential, e^{-(x/√2)^2} with x/√2 rounded,
+// instead of a second one (a third of the derivative's arithmetic): the exponent differs from
+// -x^2/2 by under 3e-7 relative, so x φ(x) by under 1e-7 absolute (max of x^3 φ(x) / 2 is 0.23).
+// Where erf saturates (|x| >= 6 √2) φ is taken as 0: x φ(x) < 1e-14 there.
 FP8DP_HD float dgelu(float x) {
-  const float cdf = mul(0.5f, add(1.0f, erf(mul(x, kSqrtHalf))));
-  const float pdf = mul(kInvSqrt2Pi, exp(mul(-0.5f, mul(x, x))));
+  const float z = mul(x, kSqrtHalf);
+  const ErfArg g = erf_arg(z);
+  const float cdf = mul(0.5f, add(1.0f, erf_of(z, g)));
+  const float pdf = g.big ? 0.0f : mul(kInvSqrt2Pi, g.e);
   return add(cdf, mul(x, pdf));
 }
 
