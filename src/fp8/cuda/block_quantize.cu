@@ -9,9 +9,10 @@
 //            threads then store as 16-byte rows of out_t;
 //   128x128 blocks: the region's amax (block-wide), then both layouts from the staged values with
 //            the block's one scale.
-// Max is order-free and each byte comes from the shared block_scale() and quantize_like_cpu, so
-// CPU and GPU agree bit for bit. (Separate row / column kernels with scalar loads were slower:
-// docs/changelog.md, 2026-12-03 and 2026-12-04.)
+// Max is order-free and each byte comes from the shared block_scale() and quantize_scaled (the
+// hardware's saturating conversion, which is quantize_one's clamp-then-round, or quantize_one
+// itself where the tile or block holds a NaN), so CPU and GPU agree bit for bit. (Separate row /
+// column kernels with scalar loads were slower: docs/changelog.md, 2026-12-03 and 2026-12-04.)
 // Torch-free (compiled in CUDA compile-only CI builds too).
 #include <cuda_runtime.h>
 
@@ -146,16 +147,18 @@ __global__ void __launch_bounds__(kThreads)
       const float s = block_scale(amax_from_bits(m), fp8_max(F), a.p2, a.eps);
       if (row_in) {
         uint8_t q[kVec];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) q[j] = quantize_like_cpu<F>(v[j], s);
+        quantize_scaled<F, kVec>(v, s, m == kQuietNaNBits, q);
         if (live > 0) store_bytes8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
         if (tc == 0) a.scale_inv[(r0 + lr) * kb + t] = 1.0f / s;
       }
     }
   }
-  float bs = 1.0f;  // kBlocks: the block's scale
+  float bs = 1.0f;         // kBlocks: the block's scale
+  bool block_nan = false;  // kBlocks: a NaN in the block (the CPU's recipe for its bytes)
   if constexpr (kBlocks) {
-    bs = block_scale(amax_from_bits(block_max_all(block_m)), fp8_max(F), a.p2, a.eps);
+    const uint32_t bm = block_max_all(block_m);
+    block_nan = bm == kQuietNaNBits;
+    bs = block_scale(amax_from_bits(bm), fp8_max(F), a.p2, a.eps);
     if (threadIdx.x == 0) {
       if (a.scale_inv != nullptr) a.scale_inv[rb * kb + t] = 1.0f / bs;
       if (a.scale_inv_t != nullptr) a.scale_inv_t[t * kbt + rb] = 1.0f / bs;
@@ -164,10 +167,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int p = 0; p < kPasses; ++p) {
         const int lr = tr + p * kRowsPerPass;
         if (lr >= nr || live == 0) continue;
-        uint8_t q[kVec];
+        float w[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          q[j] = quantize_like_cpu<F>(to_float(tile[lr * S + cb + j]), bs);
+        for (int j = 0; j < kVec; ++j) w[j] = to_float(tile[lr * S + cb + j]);
+        uint8_t q[kVec];
+        quantize_scaled<F, kVec>(w, bs, block_nan, q);
         store_bytes8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
       }
     }
@@ -184,13 +188,17 @@ __global__ void __launch_bounds__(kThreads)
       m = max(m, abs_bits(v[j]));
     }
     float s = bs;
+    bool nan = block_nan;
     if constexpr (!kBlocks) {
-      s = block_scale(amax_from_bits(warp_max(m)), fp8_max(F), a.p2, a.eps);
+      const uint32_t cm = warp_max(m);
+      nan = cm == kQuietNaNBits;
+      s = block_scale(amax_from_bits(cm), fp8_max(F), a.p2, a.eps);
       if (lane == 0) a.scale_inv_t[(c0 + c) * kbt + rb] = 1.0f / s;
     }
+    uint8_t q[4];
+    quantize_scaled<F, 4>(v, s, nan, q);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      qt[c * kQtStride + lane + j * kWarp] = quantize_like_cpu<F>(v[j], s);
+    for (int j = 0; j < 4; ++j) qt[c * kQtStride + lane + j * kWarp] = q[j];
   }
   __syncthreads();
 #pragma unroll
