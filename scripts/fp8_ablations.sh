@@ -5,6 +5,7 @@
 # table of their validation losses against the stored FP8 off and FP8 delayed curves.
 #   scripts/fp8_ablations.sh                      # probe, e4m3, fpropbf16, fprop
 #   STOP=400 scripts/fp8_ablations.sh probe head  # some of them
+#   STOP=2000 BUDGET=480 scripts/fp8_ablations.sh head   # again until it exits 0 (3: not done)
 # Variants (fp8.* over the config's delayed scaling):
 #   probe  nothing changed, train.fp8_stats_every=100: what the casts do, per layer
 #          (runs/ablate/probe/fp8/fp8_stats.jsonl; python -m fp8dp.train.fp8_stats FILE)
@@ -64,13 +65,32 @@ for v in "${variants[@]}"; do
     exit 2
   fi
 done
+# BUDGET=SECONDS: each run stops at a step boundary within that much training time and keeps its
+# checkpoint; the same command later resumes it bit-exactly (a 2,000-step variant takes 5-7 min,
+# close to a 10-minute GPU command with the build). Exit status 3: some variant is short of STOP.
+step_of() { "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["step"])' "$1/meta.json" 2>/dev/null || echo 0; }
+short=0
 for v in "${variants[@]}"; do
-  echo "[ablate] $v: ${SETS[$v]} to step $STOP ($(date -u +%H:%M:%S))"
+  ckpt="$OUTDIR/$v/ckpt"
+  at=$(cat "$OUTDIR/$v/reached" 2>/dev/null || step_of "$ckpt")
+  if [ "$at" -ge "$STOP" ]; then echo "[ablate] $v: at step $at already"; continue; fi
+  [ -f "$ckpt/meta.json" ] || at=0  # reached a smaller STOP before: train again from the start
+  echo "[ablate] $v: ${SETS[$v]} to step $STOP from step $at ($(date -u +%H:%M:%S))"
   sets=(--set "out.dir=$OUTDIR/$v")
   for s in ${SETS[$v]}; do sets+=(--set "$s"); done
+  extra=()
+  [ "$at" -gt 0 ] && extra+=(--resume "$ckpt")
+  [ -n "${BUDGET:-}" ] && extra+=(--time-budget "$BUDGET")
   "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m fp8dp.train \
-    --config "$CONFIG" --no-progress --save "$OUTDIR/$v/ckpt" --stop-at "$STOP" "${sets[@]}"
-  rm -rf "$OUTDIR/$v/ckpt"
+    --config "$CONFIG" --no-progress --save "$ckpt" --stop-at "$STOP" "${extra[@]}" "${sets[@]}"
+  at=$(step_of "$ckpt")
+  if [ "$at" -ge "$STOP" ]; then
+    rm -rf "$ckpt"
+    echo "$at" > "$OUTDIR/$v/reached"
+  else
+    echo "[ablate] $v: stopped at step $at of $STOP; run the same command again to continue"
+    short=1
+  fi
 done
 for v in "${variants[@]}"; do
   # A probed variant's summary (worst modules per measure) next to the table, so one command's log
@@ -99,3 +119,4 @@ for s in steps:
     cells = [gap(runs[n].get(k)) for n in names]
     print(f"| {s} | {off[k]:.4f} | {gap(delayed.get(k))} | " + " | ".join(cells) + " |")
 EOF
+[ "$short" -eq 0 ] || exit 3
