@@ -58,14 +58,17 @@ FP8DP_HD uint32_t to_bits(float f) {
 // 2^k for k in [-126, 127], exactly.
 FP8DP_HD float pow2(int k) { return from_bits(static_cast<uint32_t>(k + 127) << 23); }
 
-// e^x for x in [-103.972084, 88.7228394] (callers that know their range, such as erf): x = k ln2 +
-// r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by a degree-7 Taylor polynomial in Horner
-// form (truncation < 2e-9 relative), scaled by 2^k in two exact steps so that only the last one
-// rounds (the result may be subnormal). k = rint(x log2 e) by the shifter 1.5 * 2^23: adding it
-// rounds to an integer (to nearest even; |x log2 e| < 2^22 here), and the sum's low bits are k, so
-// no float-to-int conversion is needed: the kernels are bound by instruction issue, and FRND / F2I
-// run at a quarter of the FMA rate.
-FP8DP_HD float exp_in_range(float x) {
+// e^x = e^r 2^k, x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by a degree-7
+// Taylor polynomial in Horner form (truncation < 2e-9 relative); for x in [-103.972084,
+// 88.7228394]. k = rint(x log2 e) by the shifter 1.5 * 2^23: adding it rounds to an integer (to
+// nearest even; |x log2 e| < 2^22 here), and the sum's low bits are k, so no float-to-int
+// conversion is needed: the kernels are bound by instruction issue, and FRND / F2I run at a
+// quarter of the FMA rate.
+struct ExpSplit {
+  float p;  // e^r, in [0.70, 1.42]
+  int k;
+};
+FP8DP_HD ExpSplit exp_split(float x) {
   constexpr float kShifter = 12582912.0f;  // 1.5 * 2^23
   const float shifted = add(mul(x, 1.44269504f), kShifter);
   const float k = sub(shifted, kShifter);
@@ -78,9 +81,22 @@ FP8DP_HD float exp_in_range(float x) {
   p = fma(p, r, 0.5f);
   p = fma(p, r, 1.0f);
   p = fma(p, r, 1.0f);
-  const int ki = static_cast<int>(static_cast<int32_t>(to_bits(shifted) - to_bits(kShifter)));
-  const int k1 = ki / 2;
-  return mul(mul(p, pow2(k1)), pow2(ki - k1));
+  return {p, static_cast<int>(static_cast<int32_t>(to_bits(shifted) - to_bits(kShifter)))};
+}
+
+// e^x for x in [-103.972084, 88.7228394]: the scaling by 2^k in two exact steps, so that only the
+// last one rounds (the result may be subnormal).
+FP8DP_HD float exp_in_range(float x) {
+  const ExpSplit e = exp_split(x);
+  const int k1 = e.k / 2;
+  return mul(mul(e.p, pow2(k1)), pow2(e.k - k1));
+}
+
+// e^x for x in [-80, 88.7228394] (erf's arguments are in (-36, 0]), where e^x is a normal float:
+// one scaling by 2^k, exact, so the same bits as exp_in_range.
+FP8DP_HD float exp_normal(float x) {
+  const ExpSplit e = exp_split(x);
+  return mul(e.p, pow2(e.k));
 }
 
 // e^x for every x: NaN stays NaN, overflow gives +Inf, underflow 0. The out-of-range inputs are
@@ -102,7 +118,7 @@ FP8DP_HD ErfArg erf_arg(float x) {
   const float ax = x < 0.0f ? -x : x;
   const bool big = !(ax < 6.0f);  // and NaN
   const float ac = big ? 0.0f : ax;
-  return {ac, big, exp_in_range(-mul(ac, ac))};  // in (-36, 0]
+  return {ac, big, exp_normal(-mul(ac, ac))};  // in (-36, 0]
 }
 
 // erf(x) for |x| by Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7), odd in x; 1 for |x| >= 6.
