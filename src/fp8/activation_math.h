@@ -92,8 +92,8 @@ FP8DP_HD float exp_in_range(float x) {
   return mul(mul(e.p, pow2(k1)), pow2(e.k - k1));
 }
 
-// e^x for x in [-80, 88.7228394] (erf's arguments are in (-36, 0]), where e^x is a normal float:
-// one scaling by 2^k, exact, so the same bits as exp_in_range.
+// e^x for x in [-80, 80] (erf's arguments are in (-36, 0]), where e^x is a normal float and 2^k is
+// finite (k <= 116): one scaling by 2^k, exact, so the same bits as exp_in_range.
 FP8DP_HD float exp_normal(float x) {
   const ExpSplit e = exp_split(x);
   return mul(e.p, pow2(e.k));
