@@ -619,6 +619,56 @@ def test_cuda_activation_cast_bytes_match_cpu(act, dtype, rows, cols):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("back", [False, True], ids=["forward", "backward"])
+def test_cuda_activation_cast_misaligned_rows_match_cpu(act, back):
+    """h and da starting 2 bytes past a 16-byte boundary: the kernels must take their element-wise
+    loads (16-byte loads there would fault with a misaligned address), with the CPU's bytes."""
+    ok, reason = _cuda_reason()
+    if not ok:
+        pytest.skip(reason)
+    rows, cols = 64, 96
+    g = torch.Generator().manual_seed(6)
+    h = (torch.randn(rows, 2 * cols if act == "swiglu" else cols, generator=g) * 3).bfloat16()
+    da = torch.randn(rows, cols, generator=g).bfloat16() if back else None
+
+    def misaligned(t):  # the same values on the GPU, one bf16 element past an aligned start
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+        buf[1:].copy_(t.reshape(-1))
+        view = buf[1:].view(t.shape)
+        assert view.data_ptr() % 16 == 2
+        return view
+
+    fmt = _C.Format.E5M2 if back else _C.Format.E4M3
+    scale = torch.tensor([2.0])
+    cpu = _C.activation_cast(da, h, act, scale, fmt, True, True, back, None, torch.bfloat16)
+    gpu = _C.activation_cast(
+        None if da is None else misaligned(da),
+        misaligned(h),
+        act,
+        scale.cuda(),
+        fmt,
+        True,
+        True,
+        back,
+        None,
+        torch.bfloat16,
+    )
+    assert torch.equal(cpu.data.view(torch.uint8), gpu.data.cpu().view(torch.uint8))
+    assert torch.equal(cpu.data_t.view(torch.uint8), gpu.data_t.cpu().view(torch.uint8))
+    assert torch.equal(cpu.amax, gpu.amax.cpu())
+    if back:
+        assert torch.equal(cpu.dbias, gpu.dbias.cpu())
+    hp_cpu = _C.activation_backward(da, h, act) if back else _C.activation_forward(h, act)
+    hp_gpu = (
+        _C.activation_backward(misaligned(da), misaligned(h), act)
+        if back
+        else _C.activation_forward(misaligned(h), act)
+    )
+    assert torch.equal(hp_cpu, hp_gpu.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTS)
 def test_cuda_module_matches_cpu(act):
     """The whole module on CUDA against the CPU: the activation bytes are identical (above); the
     GEMMs differ (cuBLASLt vs FP32 CPU sums), so y agrees to the FP8 accumulation tolerance."""
