@@ -385,6 +385,31 @@ def test_activation_math_vs_float64(act):
     assert (errb <= bound_b).all(), f"backward: {(errb - bound_b).max()} over the bound"
 
 
+def test_activation_special_values_match_torch():
+    """Infinities, NaN, signed zeros and arguments past the range of erf's polynomial (|x| >= 6 sqrt 2)
+    and of the exponential (e^-x overflowing in the sigmoid): the branch-free selects of
+    activation_math.h give torch's float64 results rounded to float32: bit for bit for GELU (NaN
+    where torch has NaN, the sign of every zero), its derivative within 1e-14 (past |x| = 6 sqrt 2
+    the density is taken as 0: dgelu(-8.5) is 0 here, -6.9e-16 in float64), SwiGLU within 1e-36
+    (where e^-x overflows float32 the sigmoid is 0: 2 silu(-89) is -0 here, -4.0e-37 in float64). Mutation (2026-12-05): erf
+    without its |x| >= 6 select gives gelu(100) = 50; the exponential without its overflow select
+    gives silu(-100) = -50."""
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 100.0, -100.0, 89.0, -89.0])
+    x = torch.cat([x, torch.tensor([-104.0, 0.0, -0.0, 8.5, -8.5, 9.0, -9.0])])
+    xd = x.double().requires_grad_(True)
+    F.gelu(xd).backward(torch.ones_like(xd))
+    ours, ref = fp8dp.activation(x[None], "gelu")[0], F.gelu(x.double()).float()
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(ours), torch.signbit(ref)), (ours, ref)
+    ours = _C.activation_backward(torch.ones(1, x.numel()), x[None], "gelu")[0]
+    torch.testing.assert_close(ours, xd.grad.float(), rtol=0, atol=1e-14, equal_nan=True)
+    h = torch.cat([x, torch.full_like(x, 2.0)])[None]
+    ref = (F.silu(x.double()) * 2).float()
+    torch.testing.assert_close(
+        fp8dp.activation(h, "swiglu")[0], ref, rtol=1e-6, atol=1e-36, equal_nan=True
+    )
+
+
 def test_activation_bf16_close_to_torch_gelu():
     """bf16 GELU next to torch's, in float32 both: 0.5 x (1 + erf(x / sqrt 2)). Two erf
     implementations may differ by one float32 ulp of erf (2^-24 where |erf| >= 1/2), and in the
