@@ -1,0 +1,60 @@
+// One element of each activation of src/fp8/activation_math.h per thread, and one 8-element group
+// of bf16 GELU outputs with its E4M3 cast as the kernels do it (one 16-byte load, the bf16 rounding,
+// the amax, quantize_scaled): kernels to count SASS instructions of, not to run.
+//   python3 dev/sass_count.py dev/sass_activation_math.cu
+// The activation kernels are bound by instruction issue, so these counts are what their speed
+// follows (docs/changelog.md, 2026-12-05).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "fp8/activation_math.h"
+#include "fp8/cuda/cast_common.cuh"
+
+namespace fp8dp::cuda {
+
+__global__ void sass_gelu(const float* x, float* y) {
+  const int i = threadIdx.x;
+  y[i] = act::gelu(x[i]);
+}
+
+__global__ void sass_dgelu(const float* x, const float* g, float* y) {
+  const int i = threadIdx.x;
+  y[i] = act::mul(g[i], act::dgelu(x[i]));
+}
+
+__global__ void sass_swiglu(const float* x, const float* u, float* y) {
+  const int i = threadIdx.x;
+  y[i] = act::swiglu(x[i], u[i]);
+}
+
+__global__ void sass_dswiglu(const float* x, const float* u, const float* g, float* dx, float* du) {
+  const int i = threadIdx.x;
+  act::dswiglu(g[i], x[i], u[i], dx[i], du[i]);
+}
+
+__global__ void sass_gelu_group8_e4m3(const __nv_bfloat16* h, float scale, uint2* out,
+                                      unsigned* amax) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  union {
+    uint4 u;
+    __nv_bfloat16 t[8];
+  } x;
+  x.u = reinterpret_cast<const uint4*>(h)[g];
+  float v[8];
+  uint32_t am = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[j] = to_float(from_float<__nv_bfloat16>(act::gelu(to_float(x.t[j]))));
+    am = max(am, abs_bits(v[j]));
+  }
+  union {
+    uint2 u;
+    uint8_t b[8];
+  } q;
+  quantize_scaled<Format::kE4M3, 8>(v, scale, am == kQuietNaNBits, q.b);
+  out[g] = q.u;
+  amax[g] = am;
+}
+
+}  // namespace fp8dp::cuda
