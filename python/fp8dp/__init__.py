@@ -9,6 +9,7 @@ from . import _C, pipeline, recipe
 from .autocast import fp8_autocast, is_fp8_enabled
 from .ddp import DistributedDataParallel
 from .ddp_config import DistributedDataParallelConfig
+from .graph import make_graphed_callables
 from .mlp import LayerNormMLP, activation
 from .modules import LayerNormLinear, Linear
 from .optimizer import DistributedOptimizer
@@ -51,6 +52,7 @@ __all__ = [
     "cuda_available",
     "fp8_autocast",
     "is_fp8_enabled",
+    "make_graphed_callables",
     "pipeline",
     "recipe",
     "update_fp8_scales",

@@ -133,6 +133,10 @@ void registry_touch() { touch(); }
 
 void registry_mark_observed() { registry().observed.store(true); }
 
+bool registry_observed() { return registry().observed.load(); }
+
+void registry_set_observed(bool observed) { registry().observed.store(observed); }
+
 void registry_note_recipe(const Recipe& recipe) {
   if (recipe.kind == RecipeKind::kDelayed) return;
   auto& reg = registry();

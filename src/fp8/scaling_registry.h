@@ -55,6 +55,11 @@ void registry_remove(int64_t id, bool allocated);
 void registry_touch();
 // A non-empty cast recorded an amax (or a checkpoint brought one) since the last update.
 void registry_mark_observed();
+// The flag itself, for fp8dp.make_graphed_callables (modules/graph_record.h): a capture runs the
+// layers' host code without running their kernels, so the mark it leaves is not an observation;
+// the record reads it, puts the previous value back, and marks again at each replay.
+bool registry_observed();
+void registry_set_observed(bool observed);
 
 // Recipes without scaling state (current and block scaling) that a training forward used since
 // the last update. They have their own hash in the signature (compared across the ranks that

@@ -309,15 +309,24 @@ void ScalingState::restore(const Snapshot& s, const std::string& where) {
                   negative.nonzero()[0][0].item<int64_t>());
 
   NormalTensorMode normal;
-  // Keep the current device when the state already lives somewhere; else the saved one (CPU).
-  unplaced_ = !allocated() || unplaced_;
-  const at::Device dev = allocated() ? amax_history_.device() : at::Device(at::kCPU);
-  auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
-  amax_history_ = s.amax_history.detach().to(f32, false, true).contiguous();
-  scale_ = s.scale.detach().to(f32, false, true).contiguous().view({kNumRoles});
-  scale_inv_ = s.scale_inv.detach().to(f32, false, true).contiguous().view({kNumRoles});
-  fp8_max_ = s.fp8_max.detach().to(f32, false, true).contiguous().view({kNumRoles});
-  seen_ = at::zeros({kNumRoles}, f32.dtype(at::kBool));
+  if (allocated() && !unplaced_ && amax_history_.sizes() == s.amax_history.sizes()) {
+    // In place: the tensors keep their addresses (a captured CUDA graph reads them by pointer).
+    amax_history_.copy_(s.amax_history.detach().view_as(amax_history_));
+    scale_.copy_(s.scale.detach().reshape({kNumRoles}));
+    scale_inv_.copy_(s.scale_inv.detach().reshape({kNumRoles}));
+    fp8_max_.copy_(s.fp8_max.detach().reshape({kNumRoles}));
+    seen_.zero_();
+  } else {
+    // Keep the current device when the state already lives somewhere; else the saved one (CPU).
+    unplaced_ = !allocated() || unplaced_;
+    const at::Device dev = allocated() ? amax_history_.device() : at::Device(at::kCPU);
+    auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+    amax_history_ = s.amax_history.detach().to(f32, false, true).contiguous();
+    scale_ = s.scale.detach().to(f32, false, true).contiguous().view({kNumRoles});
+    scale_inv_ = s.scale_inv.detach().to(f32, false, true).contiguous().view({kNumRoles});
+    fp8_max_ = s.fp8_max.detach().to(f32, false, true).contiguous().view({kNumRoles});
+    seen_ = at::zeros({kNumRoles}, f32.dtype(at::kBool));
+  }
   at::Tensor init = s.initialized.detach().to(at::kCPU).to(at::kBool).contiguous().view(-1);
   for (int r = 0; r < kNumRoles; ++r) initialized_[r] = init[r].item<bool>();
   algo_ = static_cast<AmaxAlgo>(s.algo);
@@ -327,6 +336,29 @@ void ScalingState::restore(const Snapshot& s, const std::string& where) {
   registry_touch();
   // A checkpoint taken mid-step carries that step's amaxes in row 0: the next update uses them.
   if (at::ne(hist[0], 0.0).any().item<bool>()) registry_mark_observed();
+}
+
+std::string ScalingState::capture_refusal(const Recipe& recipe, bool with_grad_output) {
+  std::ostringstream os;
+  if (!allocated() || unplaced_) {
+    os << "has not cast in FP8 on its device yet";
+  } else if (amax_history_.size(0) != recipe.amax_history_len) {
+    os << "has an amax history of length " << amax_history_.size(0)
+       << " but the recipe asks for amax_history_len=" << recipe.amax_history_len;
+  } else if (fwd_format_ != recipe.fwd_format || bwd_format_ != recipe.bwd_format) {
+    os << "casts with " << format_name(fwd_format_) << "/" << format_name(bwd_format_)
+       << " but the recipe asks for " << format_name(recipe.fwd_format) << "/"
+       << format_name(recipe.bwd_format);
+  } else {
+    for (int r = 0; r < (with_grad_output ? kNumRoles : 2); ++r) {
+      if (!has_scale(r)) {
+        os << "has no scale for " << role_name(static_cast<Role>(r))
+           << " yet (every cast of it so far saw only zeros, or it was never cast)";
+        break;
+      }
+    }
+  }
+  return os.str();
 }
 
 void ScalingState::reset() {

@@ -93,8 +93,19 @@ class ScalingState {
   };
   Snapshot snapshot() const;
   // Validates everything first (ValueError naming `where`, the key and what came), then restores.
+  // A state that is allocated on a device with the snapshot's history length is written in place
+  // (its tensors keep their addresses, so a CUDA graph that captured them stays valid:
+  // fp8dp.make_graphed_callables); otherwise its tensors are replaced.
   void restore(const Snapshot& s, const std::string& where = "set_extra_state");
   void reset();
+
+  // Why a CUDA graph that casts with `recipe` (delayed scaling) cannot capture this state yet, or
+  // "" when it can: the state must be allocated on its device with the recipe's history length
+  // and formats, and every role the graph casts (`roles`: input and weight, plus grad_output
+  // when the graph runs backward) must have a scale. Otherwise the cast allocates, fills or
+  // reads the device on the host (the first-cast rule), none of which a replay repeats. May read
+  // the device (a role set by another rank's amax, note_reduced): never call it under capture.
+  std::string capture_refusal(const Recipe& recipe, bool with_grad_output);
 
  private:
   void allocate(const Recipe& recipe, const at::Device& device);

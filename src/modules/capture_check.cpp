@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/dispatch.h"
+#include "modules/graph_record.h"
 
 #if defined(FP8DP_WITH_CUDA)
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -33,10 +34,12 @@ bool unsafe_capture_allowed() {
 }  // namespace
 
 const char* capture_refusal(const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
-                            bool delay_wgrad, std::optional<bool> is_first_microbatch) {
-  if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed && grad_enabled)
+                            bool delay_wgrad, std::optional<bool> is_first_microbatch,
+                            bool recorded) {
+  if (ac.enabled && ac.recipe.kind == RecipeKind::kDelayed && grad_enabled && !recorded)
     return "in training under delayed scaling (a replay would not mark its amaxes observed, so "
-           "update_fp8_scales() would leave every scale at its capture-time value); use "
+           "update_fp8_scales() would leave every scale at its capture-time value); capture "
+           "with fp8dp.make_graphed_callables, which re-marks them at every replay, or use "
            "Float8CurrentScaling or Float8BlockScaling";
   if (need_wgrad && bound)
     return "while bound to fp8dp.DistributedDataParallel (a replay would not hand the weight "
@@ -54,8 +57,8 @@ void check_graph_capture(const c10::Device& device, const std::string& what,
                          const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
                          bool delay_wgrad, std::optional<bool> is_first_microbatch) {
   if (!capturing(device) || unsafe_capture_allowed()) return;
-  const char* why =
-      capture_refusal(ac, grad_enabled, need_wgrad, bound, delay_wgrad, is_first_microbatch);
+  const char* why = capture_refusal(ac, grad_enabled, need_wgrad, bound, delay_wgrad,
+                                    is_first_microbatch, active_graph_record() != nullptr);
   FP8DP_CHECK(why == nullptr, what, ": cannot be captured into a CUDA graph ", why,
               ". fp8dp does work on the host in each forward and backward that a graph replay "
               "skips; docs/cuda_graphs_design.md says what graphs of fp8dp need");

@@ -12,8 +12,9 @@
 // And is_first_microbatch=False reuses the FP8 weight cast before capture in every replay, after
 // the optimizer has changed the weight (C13). What remains capturable (current or block scaling,
 // or FP8 off; no fp8dp DistributedDataParallel; no delayed weight gradients; the weight cast in
-// every forward) is the same on replay as eagerly. docs/cuda_graphs_design.md: how fp8dp would
-// record and re-issue that host work to lift these limits.
+// every forward) is the same on replay as eagerly. fp8dp.make_graphed_callables records and
+// re-issues the amax marks (modules/graph_record.h), which makes delayed scaling capturable
+// under it; docs/cuda_graphs_design.md: how the rest would be recorded.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -30,9 +31,11 @@ namespace fp8dp {
 // CPU (tests/cpp/test_modules.cpp); check_graph_capture applies it only under capture.
 // `grad_enabled`: autograd records this forward (a training forward, whose scales the step
 // updates); an inference forward under delayed scaling is capturable, since nothing updates its
-// scales.
+// scales. `recorded`: fp8dp.make_graphed_callables captures (a GraphRecord is active, which
+// re-marks the amaxes at every replay), so delayed scaling in training is capturable too.
 const char* capture_refusal(const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
-                            bool delay_wgrad, std::optional<bool> is_first_microbatch);
+                            bool delay_wgrad, std::optional<bool> is_first_microbatch,
+                            bool recorded = false);
 
 // `what`: the layer's name; `bound`: its weight gradient goes to a DistributedDataParallel sink.
 // FP8DP_UNSAFE_CAPTURE=1 lets the capture through anyway, for measurements that replay without

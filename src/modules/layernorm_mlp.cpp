@@ -12,6 +12,7 @@
 #include "fp8/activation_kernel.h"
 #include "fp8/scaling_registry.h"
 #include "modules/capture_check.h"
+#include "modules/graph_record.h"
 #include "modules/linear_autograd.h"
 
 namespace fp8dp {
@@ -115,7 +116,10 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
                           (need_wgrad2 && fc2_->config().delay_wgrad_compute),
                       is_first_microbatch);
   // C9: a training forward's recipe without state joins the next update_fp8_scales check.
-  if (ac.enabled && (need_wgrad1 || need_wgrad2) && !recompute) registry_note_recipe(ac.recipe);
+  if (ac.enabled && (need_wgrad1 || need_wgrad2) && !recompute) {
+    registry_note_recipe(ac.recipe);
+    if (GraphRecord* rec = active_graph_record()) rec->note_recipe(ac.recipe);
+  }
   if (need_wgrad1) check_bound(*fc1_, fc1_weight, fc1_bias, mod, "fc1");
   if (need_wgrad2) check_bound(*fc2_, fc2_weight, fc2_bias, mod, "fc2");
   if (ac.enabled) {

@@ -11,6 +11,7 @@
 #include "fp8/scaling_registry.h"
 #include "modules/block_dispatch.h"
 #include "modules/capture_check.h"
+#include "modules/graph_record.h"
 #include "modules/linear_autograd.h"
 
 namespace fp8dp {
@@ -232,7 +233,10 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
   check_graph_capture(x.device(), mod, ac, at::GradMode::is_enabled(), need_wgrad,
                       grad_sink() != nullptr, cfg_.delay_wgrad_compute, is_first_microbatch);
   // C9: a training forward's recipe without state joins the next update_fp8_scales check.
-  if (ac.enabled && need_wgrad && !recompute) registry_note_recipe(ac.recipe);
+  if (ac.enabled && need_wgrad && !recompute) {
+    registry_note_recipe(ac.recipe);
+    if (GraphRecord* rec = active_graph_record()) rec->note_recipe(ac.recipe);
+  }
   if (need_wgrad) {
     if (const auto sink = grad_sink()) {
       // The sink knows the parameter it was bound to; a weight re-assigned (or unfrozen) after

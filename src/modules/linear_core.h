@@ -95,6 +95,12 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // A live tensor hook (param.register_hook) on the weight or the bias (WeightAttrs::tensor_hooks).
   bool has_tensor_hooks(const at::Tensor& param);
   void enqueue(WgradTask task) { store_.push(std::move(task)); }
+  // Forgets the cached FP8 weight: after a CUDA graph capture it lives in the graph's memory pool,
+  // which replays overwrite, so no eager forward may reuse it.
+  void drop_weight_cache() {
+    weight_cache_ = Quantized();
+    weight_cache_ptr_ = nullptr;
+  }
 
  private:
   LinearConfig cfg_;

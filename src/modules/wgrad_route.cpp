@@ -1,6 +1,7 @@
 #include "modules/wgrad_route.h"
 
 #include "common/check.h"
+#include "modules/graph_record.h"
 #include "modules/linear_autograd.h"
 
 namespace fp8dp {
@@ -15,9 +16,11 @@ WgradRoute plan_wgrad(const LinearConfig& cfg, const SinkUse& use, const at::Ten
                       bool need_w) {
   WgradRoute r;
   r.need_w = need_w;
-  r.captured = need_w && gradient_captured(weight);
   // C14: autograd.grad wants the gradient back, as nn.Linear gives it, and nothing accumulated:
-  // fusion and deferral apply only to a gradient that autograd accumulates.
+  // fusion and deferral apply only to a gradient that autograd accumulates. Except under
+  // fp8dp.make_graphed_callables, which captures the backward through autograd.grad but replays
+  // it inside a backward that accumulates: there the layer keeps its own route.
+  r.captured = need_w && gradient_captured(weight) && active_graph_record() == nullptr;
   r.fused = cfg.fuse_wgrad_accumulation && !r.captured;
   r.delayed = cfg.delay_wgrad_compute && !r.captured;
   r.bound = use.sink != nullptr && !r.captured;
@@ -82,7 +85,10 @@ at::Tensor route_wgrad(LinearCore& core, SinkUse& use, const WgradRoute& r,
   // Not bound (or captured): through autograd (C2 a), into main_grad with a stand-in for autograd
   // (C2 b: the flag set before the GEMM, so a consumer that sees the stand-in knows not to add
   // it), or to the queue (C3).
-  if (r.fused) core.mark_grad_added_to_main_grad();
+  if (r.fused) {
+    core.mark_grad_added_to_main_grad();
+    if (GraphRecord* rec = active_graph_record()) rec->note_grad_added(core.shared_from_this());
+  }
   at::Tensor dweight;
   if (r.delayed) {
     core.enqueue(std::move(task));

@@ -8,6 +8,7 @@
 #include "common/check.h"
 #include "fp8/scaling_registry.h"
 #include "fp8/scaling_state.h"
+#include "modules/graph_record.h"
 #include "modules/linear_core.h"
 
 namespace py = pybind11;
@@ -184,7 +185,30 @@ void bind_modules(py::module_& m) {
       .def_property_readonly("amax_history",
                              [](LinearCore& c) { return c.scaling().amax_history(); })
       .def_property_readonly("scale", [](LinearCore& c) { return c.scaling().scale(); })
-      .def_property_readonly("scale_inv", [](LinearCore& c) { return c.scaling().scale_inv(); });
+      .def_property_readonly("scale_inv", [](LinearCore& c) { return c.scaling().scale_inv(); })
+      .def("drop_weight_cache", &LinearCore::drop_weight_cache)
+      .def(
+          "fp8_capture_refusal",
+          [](LinearCore& c, const Recipe& recipe, bool with_grad_output) {
+            return c.scaling().capture_refusal(recipe, with_grad_output);
+          },
+          py::arg("recipe"), py::arg("with_grad_output"));
+
+  py::enum_<GraphRecord::Phase>(m, "GraphPhase")
+      .value("WARMUP", GraphRecord::Phase::kWarmup)
+      .value("FORWARD", GraphRecord::Phase::kForward)
+      .value("BACKWARD", GraphRecord::Phase::kBackward);
+  py::class_<GraphRecord, std::shared_ptr<GraphRecord>>(m, "GraphRecord")
+      .def(py::init<>())
+      .def("begin", &GraphRecord::begin, py::arg("phase"))
+      .def("end", &GraphRecord::end)
+      .def("replay_forward", &GraphRecord::replay_forward)
+      .def("replay_backward", &GraphRecord::replay_backward)
+      .def_property_readonly("forward_observed", &GraphRecord::forward_observed)
+      .def_property_readonly("backward_observed", &GraphRecord::backward_observed)
+      .def_property_readonly("grad_added_count", &GraphRecord::grad_added_count);
+  m.def("graph_record_active", [] { return active_graph_record() != nullptr; });
+  m.def("same_autocast", &same_autocast, py::arg("a"), py::arg("b"));
 
   m.def("fp8_registry_signature", [] {
     const RegistrySignature sig = registry_signature();

@@ -241,6 +241,20 @@ TEST(CaptureRefusal, RefusesExactlyWhatAReplaySkips) {
             std::string::npos);
   EXPECT_NE(why(current, true, false, false, false).find("is_first_microbatch=False"),
             std::string::npos);
+  // Under fp8dp.make_graphed_callables (a GraphRecord re-marks the amaxes at every replay),
+  // delayed scaling in training is capturable; the gradient accounting is still refused.
+  auto recorded = [](const AutocastState& ac, bool bound, bool delay,
+                     std::optional<bool> first) -> std::string {
+    const char* r = capture_refusal(ac, true, true, bound, delay, first, /*recorded=*/true);
+    return r ? r : "";
+  };
+  EXPECT_EQ(recorded(delayed, false, false, std::nullopt), "");
+  EXPECT_NE(recorded(delayed, true, false, std::nullopt).find("DistributedDataParallel"),
+            std::string::npos);
+  EXPECT_NE(recorded(delayed, false, true, std::nullopt).find("delay_wgrad_compute"),
+            std::string::npos);
+  EXPECT_NE(recorded(delayed, false, false, false).find("is_first_microbatch=False"),
+            std::string::npos);
 }
 
 // check_graph_capture does nothing where nothing is captured (CPU tensors).

@@ -1,0 +1,426 @@
+"""fp8dp.make_graphed_callables: capture modules' forward and backward into CUDA graphs, with fp8dp
+layers inside, under the fp8_autocast state open at the call (delayed scaling included).
+
+It follows torch.cuda.make_graphed_callables (same arguments, same replacement of each module's
+``forward``, same capture order: forwards in order, backwards in reverse, one memory pool) and adds
+what fp8dp layers need:
+
+- the warm-up runs on the capture stream (cuBLASLt keeps a workspace per stream, and a capture may
+  not allocate one), with output gradients of ones (``empty_like`` can hold NaN, which a delayed
+  amax would record), and everything it changes is put back: each FP8 scaling state, the
+  registry's observed mark, ``main_grad`` of fused weights and their ``grad_added_to_main_grad``;
+- delayed scaling: the captured casts write their amaxes into the states' histories, whose
+  addresses stay fixed (update_fp8_scales and load_state_dict write in place); each replay marks
+  them observed again (modules/graph_record.h), so ``update_fp8_scales()`` once per step works
+  as it does eagerly and new scales take effect at the next replay;
+- fused wgrad accumulation: the GEMM into ``main_grad`` is in the backward graph; each replay
+  sets ``grad_added_to_main_grad`` again;
+- checks at every replay: the same fp8_autocast state as at capture, the parameters where they
+  were, inputs of the captured shape, dtype and device (a copy into the static input would
+  broadcast silently);
+- the parameters' gradients are handed to autograd as the static tensors themselves, so that
+  AccumulateGrad copies them into an empty ``.grad`` instead of taking the static buffer, which the
+  next replay overwrites (two micro-batches would otherwise count the second one twice).
+
+Not yet supported (refused with ValueError before anything runs): layers bound to
+fp8dp.DistributedDataParallel and layers with ``delay_wgrad_compute=True`` (their host work is
+gradient accounting, docs/cuda_graphs_design.md), ``is_first_microbatch`` other than None.
+A graphed callable runs one forward at a time: its outputs and gradients live in static buffers
+that the next replay overwrites, as in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import _C
+from .modules import _FP8LinearBase
+
+_CAPTURE_ERROR = "make_graphed_callables"
+
+
+def _fp8_layers(module: torch.nn.Module) -> list:
+    return [m for m in module.modules() if isinstance(m, _FP8LinearBase)]
+
+
+def _check_arguments(modules: tuple, sample_args: tuple, num_warmup_iters, one: bool) -> None:
+    """Argument errors, before any work (also on a machine without CUDA)."""
+    if not modules:
+        raise ValueError("modules: expected a torch.nn.Module or a non-empty tuple of them, got ()")
+    for i, m in enumerate(modules):
+        if not isinstance(m, torch.nn.Module):
+            raise ValueError(
+                f"modules[{i}]: expected a torch.nn.Module (fp8dp captures modules, whose "
+                f"parameters are part of the graph), got {type(m).__name__}"
+            )
+    if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool):
+        raise ValueError(f"num_warmup_iters: expected an int >= 1, got {num_warmup_iters!r}")
+    if num_warmup_iters < 1:
+        raise ValueError(f"num_warmup_iters: expected an int >= 1, got {num_warmup_iters}")
+    if not isinstance(sample_args, tuple) or len(sample_args) != len(modules):
+        got = f"a tuple of {len(sample_args)}" if isinstance(sample_args, tuple) else None
+        raise ValueError(
+            f"sample_args: expected one tuple of tensors per module ({len(modules)}), got "
+            f"{got or type(sample_args).__name__}"
+        )
+    owner: dict = {}
+    for i, (m, args) in enumerate(zip(modules, sample_args)):
+        where = "sample_args" if one else f"sample_args[{i}]"
+        if not isinstance(args, tuple) or not args:
+            raise ValueError(
+                f"{where}: expected a non-empty tuple of tensors, got {type(args).__name__}"
+                + (" ()" if isinstance(args, tuple) else "")
+            )
+        for j, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                raise ValueError(f"{where}[{j}]: expected a torch.Tensor, got {type(a).__name__}")
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            raise ValueError(
+                f"modules[{i}] ({type(m).__name__}): has forward or backward hooks; a replay "
+                "would not run them (register hooks after make_graphed_callables, as with torch)"
+            )
+        for name, b in m.named_buffers():
+            if b.requires_grad:
+                raise ValueError(
+                    f"modules[{i}] ({type(m).__name__}): buffer '{name}' requires grad; only "
+                    "parameters may be trainable in a graphed module"
+                )
+        for layer in _fp8_layers(m):
+            if id(layer) in owner:
+                raise ValueError(
+                    f"modules[{i}]: {layer._core.name} is also part of modules[{owner[id(layer)]}]; "
+                    "each fp8dp layer may be captured once"
+                )
+            owner[id(layer)] = i
+            if layer.delay_wgrad_compute:
+                raise ValueError(
+                    f"modules[{i}]: {layer._core.name} has delay_wgrad_compute=True, which "
+                    "make_graphed_callables does not support yet (the queued weight gradient "
+                    "is host work a replay skips); build it with delay_wgrad_compute=False"
+                )
+            if layer._core.grad_sink_bound:
+                raise ValueError(
+                    f"modules[{i}]: {layer._core.name} is bound to "
+                    "fp8dp.DistributedDataParallel, which make_graphed_callables does not "
+                    "support yet (the gradient buffer's accounting is host work a replay skips)"
+                )
+
+
+def _check_cuda(modules: tuple, sample_args: tuple) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{_CAPTURE_ERROR}: CUDA graphs need a CUDA device, and torch sees none "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})"
+        )
+    for i, (m, args) in enumerate(zip(modules, sample_args)):
+        for j, a in enumerate(args):
+            if not a.is_cuda:
+                raise RuntimeError(f"{_CAPTURE_ERROR}: sample_args[{i}][{j}] is on {a.device}")
+        for name, p in m.named_parameters():
+            if not p.is_cuda:
+                raise RuntimeError(
+                    f"{_CAPTURE_ERROR}: modules[{i}] parameter '{name}' is on {p.device}"
+                )
+
+
+def _check_fp8_ready(modules: tuple, state, wants_grad: list) -> None:
+    if not (state.enabled and state.recipe.kind == _C.RecipeKind.DELAYED):
+        return
+    for i, m in enumerate(modules):
+        for layer in _fp8_layers(m):
+            why = layer._core.fp8_capture_refusal(state.recipe, wants_grad[i])
+            if why:
+                raise ValueError(
+                    f"modules[{i}]: {layer._core.name}: its FP8 scaling state {why}. Run one "
+                    "training step (forward, backward, update_fp8_scales) inside the same "
+                    "fp8_autocast before capturing: a capture cannot choose a first scale"
+                )
+
+
+def _describe(state) -> str:
+    if not state.enabled:
+        return "FP8 off"
+    r = state.recipe
+    return f"FP8 {r.kind.name.lower()} {r.fwd_format.name}/{r.bwd_format.name}"
+
+
+class _Saved:
+    """What the warm-up changes that a training loop would see: put back before capture."""
+
+    def __init__(self, layers: list):
+        self.states = [(layer, layer._core.get_extra_state()) for layer in layers]
+        self.main_grads = []
+        self.flags = []
+        for layer in layers:
+            w = layer.weight
+            self.flags.append((w, getattr(w, "grad_added_to_main_grad", False)))
+            mg = getattr(w, "main_grad", None)
+            if layer.fuse_wgrad_accumulation and isinstance(mg, torch.Tensor):
+                self.main_grads.append((mg, mg.clone()))
+
+    def restore_flags(self) -> None:
+        for w, flag in self.flags:
+            w.grad_added_to_main_grad = flag
+
+    def restore(self) -> None:
+        torch.cuda.synchronize()
+        for layer, state in self.states:
+            layer._core.set_extra_state(state)  # in place: the addresses the capture will use
+        for mg, copy in self.main_grads:
+            mg.copy_(copy)
+        self.restore_flags()
+        torch.cuda.synchronize()
+
+
+def _grad_surface(surface: tuple) -> tuple:
+    return tuple(t for t in surface if t.requires_grad)
+
+
+def make_graphed_callables(
+    modules,
+    sample_args,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool=None,
+):
+    """Capture each module's forward and backward into CUDA graphs; return the module(s) with
+    ``forward`` replaced, as torch.cuda.make_graphed_callables does.
+
+    modules: a torch.nn.Module, or a tuple of them (captured in order and replayed in that order,
+        backward in reverse, sharing one memory pool). fp8dp layers inside may use delayed,
+        current or block scaling and fuse_wgrad_accumulation; see the module docstring for what
+        is refused.
+    sample_args: a tuple of tensors (one module) or a tuple of such tuples: the inputs whose
+        shapes, dtypes and devices every later call must have.
+    num_warmup_iters: eager forward + backward passes on the capture stream before capture.
+    allow_unused_input, pool: as in torch.
+
+    Call it inside the fp8_autocast that training uses, after one eager training step of the
+    modules (under delayed scaling their FP8 states need scales). Each later call must run under
+    the same fp8_autocast state; ``update_fp8_scales()`` stays once per step, outside.
+    """
+    one = isinstance(modules, torch.nn.Module)
+    mods = (modules,) if one else modules
+    if one:
+        args_all = (sample_args,)
+    else:
+        if not isinstance(mods, tuple):
+            raise ValueError(
+                "modules: expected a torch.nn.Module or a tuple of them, got "
+                f"{type(modules).__name__}"
+            )
+        args_all = sample_args
+    _check_arguments(mods, args_all, num_warmup_iters, one)
+    _check_cuda(mods, args_all)
+    state = _C.autocast_current()
+    surfaces = [tuple(a) + tuple(m.parameters()) for m, a in zip(mods, args_all)]
+    wants_grad = [any(t.requires_grad for t in s) for s in surfaces]
+    _check_fp8_ready(mods, state, wants_grad)
+
+    layers = [layer for m in mods for layer in _fp8_layers(m)]
+    saved = _Saved(layers)
+    records = [_C.GraphRecord() for _ in mods]
+    mempool = torch.cuda.graph_pool_handle() if pool is None else pool
+    stream = torch.cuda.Stream()
+
+    torch.cuda.synchronize()
+    warm = _C.GraphRecord()
+    warm.begin(_C.GraphPhase.WARMUP)
+    try:
+        with torch.cuda.stream(stream):
+            for m, a, surface in zip(mods, args_all, surfaces):
+                for _ in range(num_warmup_iters):
+                    outs = [o for o in torch.utils._pytree.tree_leaves(m(*a)) if o.requires_grad]
+                    if outs and _grad_surface(surface):
+                        torch.autograd.grad(
+                            outs,
+                            _grad_surface(surface),
+                            grad_outputs=[torch.ones_like(o) for o in outs],
+                            allow_unused=allow_unused_input,
+                        )
+                    del outs
+    finally:
+        warm.end()
+        saved.restore()
+
+    fwd_graphs = [torch.cuda.CUDAGraph() for _ in mods]
+    bwd_graphs = [torch.cuda.CUDAGraph() for _ in mods]
+    static_outputs, specs = [], []
+    try:
+        for m, a, g, rec in zip(mods, args_all, fwd_graphs, records):
+            rec.begin(_C.GraphPhase.FORWARD)
+            try:
+                with torch.cuda.graph(g, pool=mempool, stream=stream):
+                    out = m(*a)
+            finally:
+                rec.end()
+            flat, spec = torch.utils._pytree.tree_flatten(out)
+            static_outputs.append(tuple(flat))
+            specs.append(spec)
+
+        static_grad_outputs = [None] * len(mods)
+        static_grad_inputs = [None] * len(mods)
+        for i in reversed(range(len(mods))):
+            outs = static_outputs[i]
+            grad_outs = tuple(
+                torch.empty_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                for o in outs
+            )
+            needs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = None
+            if needs and _grad_surface(surfaces[i]):
+                records[i].begin(_C.GraphPhase.BACKWARD)
+                try:
+                    with torch.cuda.graph(bwd_graphs[i], pool=mempool, stream=stream):
+                        grads = torch.autograd.grad(
+                            needs,
+                            _grad_surface(surfaces[i]),
+                            grad_outputs=[g for g in grad_outs if g is not None],
+                            only_inputs=True,
+                            allow_unused=allow_unused_input,
+                        )
+                finally:
+                    records[i].end()
+            it = iter(grads or ())
+            static_grad_inputs[i] = tuple(
+                next(it) if (t.requires_grad and grads is not None) else None for t in surfaces[i]
+            )
+            static_grad_outputs[i] = grad_outs
+    finally:
+        # The capture ran the layers' host code without their kernels.
+        saved.restore_flags()
+        for layer in layers:
+            layer._core.drop_weight_cache()
+    torch.cuda.synchronize()
+
+    out = []
+    for i, m in enumerate(mods):
+        fn = _graphed_function(
+            m,
+            len(args_all[i]),
+            state,
+            records[i],
+            fwd_graphs[i],
+            (
+                bwd_graphs[i]
+                if static_grad_outputs[i] and any(g is not None for g in static_grad_outputs[i])
+                else None
+            ),
+            surfaces[i],
+            static_outputs[i],
+            specs[i],
+            static_grad_outputs[i],
+            static_grad_inputs[i],
+        )
+        out.append(_install(m, fn))
+    return out[0] if one else tuple(out)
+
+
+def _graphed_function(
+    module,
+    n_user,
+    state,
+    record,
+    fwd_graph,
+    bwd_graph,
+    surface: Sequence[torch.Tensor],
+    static_outputs,
+    spec,
+    static_grad_outputs,
+    static_grad_inputs,
+):
+    params = tuple(surface[n_user:])
+    names = [n for n, _ in module.named_parameters()]
+    ptrs = [p.data_ptr() for p in params]
+    needs = [p.requires_grad for p in params]
+    shapes = [(t.shape, t.dtype, t.device) for t in surface[:n_user]]
+    what = type(module).__name__
+    # The fused GEMMs accumulate into these main_grad tensors by address.
+    fused = [
+        (layer._core.name, layer.weight, layer.weight.main_grad.data_ptr())
+        for layer in _fp8_layers(module)
+        if layer.fuse_wgrad_accumulation
+        and isinstance(getattr(layer.weight, "main_grad", None), torch.Tensor)
+    ]
+
+    class Graphed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            now = _C.autocast_current()
+            if not _C.same_autocast(now, state):
+                raise RuntimeError(
+                    f"graphed {what}: called under fp8_autocast state '{_describe(now)}', but "
+                    f"it was captured under '{_describe(state)}' (with the same recipe fields); "
+                    "call it under the capture's state or capture again"
+                )
+            for k, (p, ptr, need) in enumerate(zip(params, ptrs, needs)):
+                if p.data_ptr() != ptr or p.requires_grad != need:
+                    raise RuntimeError(
+                        f"graphed {what}: parameter '{names[k]}' was moved, replaced or "
+                        "(un)frozen since capture; the graph reads the old one. Capture again"
+                    )
+            for name, w, ptr in fused:
+                mg = getattr(w, "main_grad", None)
+                if not isinstance(mg, torch.Tensor) or mg.data_ptr() != ptr:
+                    raise RuntimeError(
+                        f"graphed {what}: {name}: weight.main_grad was replaced since capture; "
+                        "the graph accumulates into the old tensor. Zero it in place, or capture "
+                        "again"
+                    )
+            for k in range(n_user):
+                x, (shape, dtype, device) = inputs[k], shapes[k]
+                if x.shape != shape or x.dtype != dtype or x.device != device:
+                    raise ValueError(
+                        f"graphed {what}: input {k} must be {tuple(shape)} {dtype} on {device} as "
+                        f"at capture, got {tuple(x.shape)} {x.dtype} on {x.device}"
+                    )
+                if x.data_ptr() != surface[k].data_ptr():
+                    surface[k].copy_(x)
+            fwd_graph.replay()
+            record.replay_forward()
+            return tuple(o.detach() for o in static_outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            if bwd_graph is None:
+                return tuple(None for _ in surface)
+            for g, grad in zip(static_grad_outputs, grads):
+                if g is not None and g.data_ptr() != grad.data_ptr():
+                    g.copy_(grad)
+            bwd_graph.replay()
+            record.replay_backward()
+            # The static tensors themselves (not detached views): AccumulateGrad then copies them
+            # into an empty .grad rather than taking the buffer the next replay overwrites.
+            return static_grad_inputs
+
+    def run(*user_args):
+        flat = torch.utils._pytree.arg_tree_leaves(*user_args)
+        if len(flat) != n_user:
+            raise ValueError(f"graphed {what}: expected {n_user} input tensor(s), got {len(flat)}")
+        outs = Graphed.apply(*(tuple(flat) + params))
+        return torch.utils._pytree.tree_unflatten(list(outs), spec)
+
+    return run
+
+
+def _install(module, run):
+    training = module.training
+    eager = module.forward
+
+    def forward(*args, is_first_microbatch=None, **kwargs):
+        if is_first_microbatch is not None or kwargs:
+            raise ValueError(
+                f"graphed {type(module).__name__}: takes only its captured inputs "
+                f"(is_first_microbatch must stay None: every replay casts the weight), got "
+                f"{sorted(kwargs) + (['is_first_microbatch'] if is_first_microbatch is not None else [])}"
+            )
+        # As torch: the other training mode, and inference, run the eager forward.
+        if module.training != training or torch.is_inference_mode_enabled():
+            return eager(*args)
+        return run(*args)
+
+    module.forward = forward
+    return module

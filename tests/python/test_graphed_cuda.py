@@ -1,0 +1,231 @@
+"""fp8dp.make_graphed_callables on a GPU: replays against the same steps run eagerly on a copy,
+bit for bit (torch.equal) — outputs, input gradients, parameter gradients, main_grad, and after
+each update_fp8_scales() the amax histories and scales — over three steps of two micro-batches
+each, for every fp8dp layer, delayed and current scaling, with and without fused wgrad
+accumulation; a stack mixing fp8dp and torch modules; two callables captured together. And what
+the CPU cannot show: a graph alone in the process marks its amaxes observed at every replay (no
+eager copy's mark to hide a missing one), and the replay-time refusals. Skipped without a GPU.
+
+Not yet run on a GPU when written (2026-12-05, no GPU lent that session); the host half is
+tests/python/test_graph_record.py.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import fp8dp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+H, TOKENS = 256, 64
+RECIPES = {
+    "delayed": lambda: fp8dp.DelayedScaling(amax_history_len=4),
+    "current": lambda: fp8dp.Float8CurrentScaling(),
+}
+KINDS = ["Linear", "LayerNormLinear", "LayerNormMLP-gelu", "LayerNormMLP-swiglu"]
+
+
+def _fp8_layers(m):
+    return [x for x in m.modules() if isinstance(x, (fp8dp.Linear, fp8dp.LayerNormLinear))]
+
+
+def _layer(kind, fused):
+    torch.manual_seed(0)
+    kw = dict(params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=fused)
+    if kind == "Linear":
+        return fp8dp.Linear(H, H, **kw)
+    if kind == "LayerNormLinear":
+        return fp8dp.LayerNormLinear(H, H, **kw)
+    return fp8dp.LayerNormMLP(H, 2 * H, activation=kind.split("-")[1], **kw)
+
+
+def _give_main_grads(m):
+    for layer in _fp8_layers(m):
+        if layer.fuse_wgrad_accumulation:
+            layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+
+
+def _inputs(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(TOKENS, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(TOKENS, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    return x, dy
+
+
+def _step(m, x, dy, recipe):
+    xr = x.clone().requires_grad_(True)
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        y = m(xr)
+    y.backward(dy)
+    return y, xr.grad
+
+
+def _clear(m):
+    for p in m.parameters():
+        p.grad = None
+    for layer in _fp8_layers(m):
+        mg = getattr(layer.weight, "main_grad", None)
+        if mg is not None:
+            mg.zero_()  # in place: the graph accumulates into this tensor
+
+
+def _assert_same_state(eager, graphed, where):
+    for (n, pe), pg in zip(eager.named_parameters(), graphed.parameters()):
+        fused_weight = getattr(pe, "main_grad", None) is not None
+        if fused_weight:  # the stand-in's values mean nothing (grad_added_to_main_grad)
+            assert torch.equal(pe.main_grad, pg.main_grad), f"{where}: {n}.main_grad"
+            assert pg.grad_added_to_main_grad, f"{where}: {n}.grad_added_to_main_grad"
+        elif pe.grad is None:
+            assert pg.grad is None, f"{where}: {n}.grad"
+        else:
+            assert torch.equal(pe.grad, pg.grad), f"{where}: {n}.grad"
+    for le, lg in zip(_fp8_layers(eager), _fp8_layers(graphed)):
+        for k in ("amax_history", "scale", "scale_inv"):
+            te, tg = getattr(le._core, k), getattr(lg._core, k)
+            assert (te is None) == (tg is None) and (
+                te is None or torch.equal(te, tg)
+            ), f"{where}: {le._core.name}.{k}"
+
+
+def _graph_copy(eager, recipe, fused):
+    """One eager step on both copies (delayed scaling needs scales before capture), then the
+    copy is graphed."""
+    graphed = copy.deepcopy(eager)
+    _give_main_grads(eager)
+    _give_main_grads(graphed)
+    x, dy = _inputs(1)
+    for m in (eager, graphed):
+        _step(m, x, dy, recipe)
+        _clear(m)
+    fp8dp.update_fp8_scales()
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        fp8dp.make_graphed_callables(graphed, (x.clone().requires_grad_(True),))
+    return graphed
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_replays_match_eager_bit_for_bit(kind, recipe_name, fused):
+    recipe = RECIPES[recipe_name]()
+    eager = _layer(kind, fused)
+    graphed = _graph_copy(eager, recipe, fused)
+    for step in range(3):
+        for mb in range(2):  # the second micro-batch accumulates into .grad / main_grad
+            x, dy = _inputs(10 * step + mb + 2)
+            ye, dxe = _step(eager, x, dy, recipe)
+            yg, dxg = _step(graphed, x, dy, recipe)
+            assert torch.equal(ye, yg), f"step {step} mb {mb}: output"
+            assert torch.equal(dxe, dxg), f"step {step} mb {mb}: input gradient"
+        fp8dp.update_fp8_scales()
+        _assert_same_state(eager, graphed, f"step {step}")
+        with torch.no_grad():  # an optimizer-like write, in place, on both copies
+            for pe, pg in zip(eager.parameters(), graphed.parameters()):
+                pe.mul_(0.99)
+                pg.mul_(0.99)
+        _clear(eager)
+        _clear(graphed)
+
+
+class _Stack(torch.nn.Module):
+    """fp8dp layers, torch ops and a residual in one callable."""
+
+    def __init__(self):
+        super().__init__()
+        kw = dict(params_dtype=torch.bfloat16, device="cuda")
+        self.fc1 = fp8dp.LayerNormLinear(H, 2 * H, **kw)
+        self.fc2 = fp8dp.Linear(2 * H, H, **kw)
+        self.mlp = fp8dp.LayerNormMLP(H, 2 * H, **kw)
+
+    def forward(self, x):
+        h = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return h + self.mlp(h)
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_a_stack_and_two_callables_match_eager(recipe_name):
+    recipe = RECIPES[recipe_name]()
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(_Stack(), _Stack())
+    graphed = copy.deepcopy(eager)
+    x, dy = _inputs(1)
+    for m in (eager, graphed):
+        _step(m, x, dy, recipe)
+        _clear(m)
+    fp8dp.update_fp8_scales()
+    a, b = graphed[0], graphed[1]
+    xs = x.clone().requires_grad_(True)
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        hs = a(xs).detach().requires_grad_(True)  # a sample of b's input
+        fp8dp.make_graphed_callables((a, b), ((xs,), (hs,)))
+    for step in range(3):
+        x, dy = _inputs(step + 2)
+        ye, dxe = _step(eager, x, dy, recipe)
+        yg, dxg = _step(graphed, x, dy, recipe)
+        assert torch.equal(ye, yg) and torch.equal(dxe, dxg), f"step {step}"
+        fp8dp.update_fp8_scales()
+        _assert_same_state(eager, graphed, f"step {step}")
+        _clear(eager)
+        _clear(graphed)
+
+
+def test_a_graph_alone_marks_its_amaxes_at_every_replay():
+    """No eager model in the step: without the re-mark update_fp8_scales() would update nothing
+    and the history would stay as it was."""
+    recipe = RECIPES["delayed"]()
+    m = _layer("LayerNormLinear", False)
+    x, dy = _inputs(1)
+    _step(m, x, dy, recipe)
+    fp8dp.update_fp8_scales()
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        fp8dp.make_graphed_callables(m, (x.clone().requires_grad_(True),))
+    assert not fp8dp._C.fp8_registry_signature()[1]
+    for step in range(3):
+        before = m._core.amax_history.clone()
+        x, dy = _inputs(step + 2)
+        xr = x.clone().requires_grad_(True)
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            y = m(xr)
+        assert fp8dp._C.fp8_registry_signature()[1], "the forward replay marked observed"
+        y.backward(dy * (step + 2))  # a gradient amax the history has not seen
+        fp8dp.update_fp8_scales()
+        after = m._core.amax_history
+        assert not torch.equal(before, after), f"step {step}: the update rolled the history"
+        _clear(m)
+
+
+def test_replay_refusals():
+    recipe = RECIPES["delayed"]()
+    m = _layer("Linear", True)
+    _give_main_grads(m)
+    x, dy = _inputs(1)
+    _step(m, x, dy, recipe)
+    fp8dp.update_fp8_scales()
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        fp8dp.make_graphed_callables(m, (x.clone().requires_grad_(True),))
+    with pytest.raises(RuntimeError, match="captured under 'FP8 delayed"):
+        with fp8dp.fp8_autocast(fp8_recipe=fp8dp.Float8CurrentScaling()):
+            m(x)
+    with pytest.raises(ValueError, match="input 0 must be"):
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            m(x[:16])
+    with pytest.raises(ValueError, match="is_first_microbatch must stay None"):
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            m(x, is_first_microbatch=True)
+    m.weight.main_grad = torch.zeros_like(m.weight, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="main_grad was replaced"):
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            m(x)
+    m.eval()  # the other training mode runs the eager forward, as in torch
+    with torch.no_grad(), fp8dp.fp8_autocast(fp8_recipe=recipe):
+        assert m(x[:16]).shape == (16, H)
+
+
+def test_capture_before_a_first_step_is_refused():
+    m = _layer("Linear", False)
+    x, _ = _inputs(1)
+    with pytest.raises(ValueError, match="has not cast in FP8 on its device yet"):
+        with fp8dp.fp8_autocast(fp8_recipe=RECIPES["delayed"]()):
+            fp8dp.make_graphed_callables(m, (x.clone().requires_grad_(True),))
