@@ -23,7 +23,7 @@ Where the GPU runs at its power limit (the H200 does at every width here), the s
 the energy per step, so the ratio of joules per step (BF16 over the variant) bounds the speed-up.
 
     python3 bench/gpt_block_gpu.py [--shapes 2048x8,4096x4,8192x2] [--arch gpt,gpt_fused,llama]
-        [--json out.json]
+        [--graphs] [--json out.json]
 
 Targets (ratios over torch BF16): gpt 2048x8 >= 1.40, 4096x4 >= 1.55, 8192x2 >= 1.62;
 llama 4096x4 >= 1.50; gpt_fused >= 1.05x TE's gpt_fused where TE imports; FP8 off >= 0.98 at
@@ -218,13 +218,8 @@ def make_model(hidden: int, layers: int, lib: str, ref=None, arch: str = "gpt"):
     return model
 
 
-def make_step(model, x, dy, mode: str):
-    """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_delayed_fastbwd' (fast accumulation in
-    the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
-    'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', each optionally suffixed
-    '@index' (the QKV split, QKV_SPLITS; default unbind). Returns (step, loss) closures."""
-    mode, _, split = mode.partition("@")
-    split = split or QKV_SPLITS[0]
+def _context(mode: str):
+    """The autocast context of a mode (see make_step) and whether its step updates FP8 scales."""
     if mode in ("fp8dp_delayed", "fp8dp_delayed_fastbwd"):
         fast = mode == "fp8dp_delayed_fastbwd"
         recipe = fp8dp.DelayedScaling(
@@ -255,7 +250,21 @@ def make_step(model, x, dy, mode: str):
         ctx = lambda: te.fp8_autocast(enabled=False)  # noqa: E731
     else:
         ctx = _nullcontext
-    update = mode.startswith("fp8dp_delayed")
+    return ctx, mode.startswith("fp8dp_delayed")
+
+
+def make_step(model, x, dy, mode: str):
+    """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_delayed_fastbwd' (fast accumulation in
+    the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
+    'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', each optionally suffixed
+    '@index' (the QKV split, QKV_SPLITS; default unbind); 'bf16_graphed' and
+    'fp8dp_delayed_graphed' capture the whole stack as one callable (make_graphed_step). Returns
+    (step, loss) closures."""
+    if mode.endswith("_graphed"):
+        return make_graphed_step(model, x, dy, mode)
+    mode, _, split = mode.partition("@")
+    split = split or QKV_SPLITS[0]
+    ctx, update = _context(mode)
 
     def use_split():
         for blk in model:
@@ -280,6 +289,39 @@ def make_step(model, x, dy, mode: str):
     return step, loss
 
 
+def make_graphed_step(model, x, dy, mode: str):
+    """The stack as one graphed callable (2 replays per step): torch.cuda.make_graphed_callables
+    for 'bf16_graphed', fp8dp.make_graphed_callables for 'fp8dp_delayed_graphed' (its scale update
+    stays once per step, outside the graphs). One eager step first: delayed scaling needs scales
+    before capture."""
+    base = mode[: -len("_graphed")]
+    eager_step, _ = make_step(model, x, dy, base)
+    eager_step()
+    ctx, update = _context(base)
+    params = list(model.parameters())
+    xs = x.detach().clone().requires_grad_(True)
+    with ctx():
+        if base == "bf16":
+            torch.cuda.make_graphed_callables(model, (xs,))
+        else:
+            fp8dp.make_graphed_callables(model, (xs,))
+
+    def step():
+        with ctx():
+            y = model(xs)
+        y.backward(dy)
+        for p in params:
+            p.grad = None
+        if update:
+            fp8dp.update_fp8_scales()
+
+    def loss():
+        with torch.no_grad(), ctx():
+            return float(model(x).float().square().mean())
+
+    return step, loss
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -288,8 +330,12 @@ class _nullcontext:
         return False
 
 
-def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_backward, block, arch):
+def bench_shape(
+    hidden, layers, rounds, skip_te, energy, compare_index, fast_backward, block, arch, graphs=False
+):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
+    if graphs:  # each on its own copy of the model: capture replaces its forward
+        modes += ["bf16_graphed", "fp8dp_delayed_graphed"]
     if fast_backward:
         modes.append("fp8dp_delayed_fastbwd")
     if block:
@@ -306,11 +352,14 @@ def bench_shape(hidden, layers, rounds, skip_te, energy, compare_index, fast_bac
     ref = make_model(hidden, layers, "torch", arch=arch)
     models = {"bf16": ref}
     for lib in ("fp8dp", "te"):
-        if any(m.startswith(lib) for m in modes):
+        if any(m.startswith(lib) and not m.endswith("_graphed") for m in modes):
             model = make_model(hidden, layers, lib, ref, arch=arch)
             for m in modes:
-                if m.startswith(lib):
+                if m.startswith(lib) and not m.endswith("_graphed"):
                     models[m] = model
+    if graphs:
+        models["bf16_graphed"] = make_model(hidden, layers, "torch", arch=arch)
+        models["fp8dp_delayed_graphed"] = make_model(hidden, layers, "fp8dp", ref, arch=arch)
     steps, losses = {}, {}
     for m in modes:
         steps[m], losses[m] = make_step(models[m.partition("@")[0]], x, dy, m)
@@ -371,6 +420,12 @@ def main():
         action="store_true",
         help="also time Float8BlockScaling (fp8dp, and TE's when it has the recipe)",
     )
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time the stack captured in CUDA graphs: torch BF16 (torch.cuda."
+        "make_graphed_callables) and fp8dp FP8 delayed (fp8dp.make_graphed_callables)",
+    )
     ap.add_argument("--json", default="bench/results/gpt_block_gpu.json")
     args = ap.parse_args()
     if te is None:
@@ -401,6 +456,7 @@ def main():
                     args.fast_backward,
                     args.block,
                     arch,
+                    args.graphs,
                 )
             )
         except Exception as e:  # one shape failing must not hide the others

@@ -9,7 +9,8 @@
 # bench_block.json, bench_ckpt.json,
 # and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt.
 # Not in the default STEPS (they take minutes): "matrix" (the full NCCL test matrix: matrix.log,
-# matrix_nccl.json) and "demo" (configs/gpu.yaml on every GPU: demo.log, demo/). The experiments of
+# matrix_nccl.json), "demo" (configs/gpu.yaml on every GPU: demo.log, demo/) and "bench_gpt_graphs"
+# (the stack in CUDA graphs: bench_gpt_graphs.json). The experiments of
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
 # (profile.log, profile_gpt_SHAPE.json), dev_profile_modules (profile_modules.json),
@@ -121,6 +122,10 @@ wantb bench_gpt && run_step bench_gpt "$OUT/bench.log" 420 "$PY" bench/gpt_block
 # sustained per-variant blocks so that both fit one step's limit.
 wantb bench_gpt_best && run_step bench_gpt_best "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py \
   --arch gpt_fused,llama --no-alone ${GPT_BEST_ARGS:-} --json "$OUT/bench_gpt_best.json"
+# The stack captured in CUDA graphs (fp8dp.make_graphed_callables, torch's for BF16) next to eager:
+# only when STEPS names it.
+want bench_gpt_graphs && run_step bench_gpt_graphs "$OUT/bench.log" 420 "$PY" bench/gpt_block_gpu.py \
+  --shapes 2048x8,4096x4 --graphs --no-alone --no-te --json "$OUT/bench_gpt_graphs.json"
 if want dev_profile_gpt; then
   # Kernel time and launches per step of the GPT block stack, per variant (PROFILE_SHAPES;
   # PROFILE_ARGS adds arguments, e.g. --host for the CPU time per operator).
@@ -176,7 +181,7 @@ fi
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
-           bench_gpt bench_gpt_best bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
+           bench_gpt bench_gpt_best bench_gpt_graphs bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
            dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile dev_graph_ceiling matrix demo sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
