@@ -15,6 +15,12 @@ what fp8dp layers need:
   as it does eagerly and new scales take effect at the next replay;
 - fused wgrad accumulation: the GEMM into ``main_grad`` is in the backward graph; each replay
   sets ``grad_added_to_main_grad`` again;
+- delayed weight gradients (``delay_wgrad_compute=True``): each queued GEMM is captured in a graph
+  of its own; each backward replay queues a task that replays it, so ``backward_dw()`` (and the
+  hooks registered for it, and C4's bias backfill) work as eagerly. Call ``backward_dw()`` after
+  each backward of a graphed callable: the next forward or backward replay overwrites the GEMM's
+  operands, so both are refused while a task is still queued (eagerly, a pipeline schedule may
+  run several forwards first);
 - checks at every replay: the same fp8_autocast state as at capture, the parameters where they
   were, inputs of the captured shape, dtype and device (a copy into the static input would
   broadcast silently);
@@ -23,8 +29,9 @@ what fp8dp layers need:
   next replay overwrites (two micro-batches would otherwise count the second one twice).
 
 Not yet supported (refused with ValueError before anything runs): layers bound to
-fp8dp.DistributedDataParallel and layers with ``delay_wgrad_compute=True`` (their host work is
-gradient accounting, docs/cuda_graphs_design.md), ``is_first_microbatch`` other than None.
+fp8dp.DistributedDataParallel (its host work is the gradient accounting itself,
+docs/cuda_graphs_design.md says how a later version records it), ``is_first_microbatch`` other
+than None.
 A graphed callable runs one forward at a time: its outputs and gradients live in static buffers
 that the next replay overwrites, as in torch.
 """
@@ -94,11 +101,10 @@ def _check_arguments(modules: tuple, sample_args: tuple, num_warmup_iters, one: 
                     "each fp8dp layer may be captured once"
                 )
             owner[id(layer)] = i
-            if layer.delay_wgrad_compute:
+            if layer._core.queued_wgrads:
                 raise ValueError(
-                    f"modules[{i}]: {layer._core.name} has delay_wgrad_compute=True, which "
-                    "make_graphed_callables does not support yet (the queued weight gradient "
-                    "is host work a replay skips); build it with delay_wgrad_compute=False"
+                    f"modules[{i}]: {layer._core.name} has {layer._core.queued_wgrads} weight "
+                    "gradient(s) queued; run backward_dw() for them before capturing"
                 )
             if layer._core.grad_sink_bound:
                 raise ValueError(
@@ -241,12 +247,17 @@ def make_graphed_callables(
                             allow_unused=allow_unused_input,
                         )
                     del outs
+                    for layer in _fp8_layers(m):  # their GEMM plans, on this stream
+                        layer._core.warm_queued_wgrads()
     finally:
         warm.end()
         saved.restore()
 
     fwd_graphs = [torch.cuda.CUDAGraph() for _ in mods]
     bwd_graphs = [torch.cuda.CUDAGraph() for _ in mods]
+    # One graph per delayed weight-gradient GEMM, replayed by backward_dw() in whatever order the
+    # loop calls it: a pool of their own, so that this order cannot clash with the other graphs'.
+    dw_graphs, dw_pool = [], torch.cuda.graph_pool_handle()
     static_outputs, specs = [], []
     try:
         for m, a, g, rec in zip(mods, args_all, fwd_graphs, records):
@@ -283,6 +294,12 @@ def make_graphed_callables(
                         )
                 finally:
                     records[i].end()
+                for k in range(records[i].wgrad_count):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=dw_pool, stream=stream):
+                        records[i].capture_wgrad(k)
+                    records[i].set_wgrad_replay(k, g.replay)
+                    dw_graphs.append(g)
             it = iter(grads or ())
             static_grad_inputs[i] = tuple(
                 next(it) if (t.requires_grad and grads is not None) else None for t in surfaces[i]
@@ -369,6 +386,7 @@ def _graphed_function(
                         "the graph accumulates into the old tensor. Zero it in place, or capture "
                         "again"
                     )
+            record.before_forward()
             for k in range(n_user):
                 x, (shape, dtype, device) = inputs[k], shapes[k]
                 if x.shape != shape or x.dtype != dtype or x.device != device:
@@ -387,6 +405,7 @@ def _graphed_function(
         def backward(ctx, *grads):
             if bwd_graph is None:
                 return tuple(None for _ in surface)
+            record.before_backward()  # refuses before anything is overwritten
             for g, grad in zip(static_grad_outputs, grads):
                 if g is not None and g.data_ptr() != grad.data_ptr():
                     g.copy_(grad)

@@ -44,9 +44,10 @@ const char* capture_refusal(const AutocastState& ac, bool grad_enabled, bool nee
   if (need_wgrad && bound)
     return "while bound to fp8dp.DistributedDataParallel (a replay would not hand the weight "
            "gradient to its gradient buffer)";
-  if (need_wgrad && delay_wgrad)
+  if (need_wgrad && delay_wgrad && !recorded)
     return "with delay_wgrad_compute=True (a replay would queue no weight gradient for "
-           "backward_dw())";
+           "backward_dw()); capture with fp8dp.make_graphed_callables, which queues it at every "
+           "replay";
   if (ac.enabled && is_first_microbatch.has_value() && !*is_first_microbatch)
     return "with is_first_microbatch=False (every replay would reuse the FP8 weight cast before "
            "capture, after the optimizer has changed the weight); leave it None";

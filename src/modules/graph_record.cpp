@@ -73,21 +73,88 @@ void GraphRecord::note_grad_added(const std::shared_ptr<LinearCore>& core) {
     grad_added_.push_back(core);
 }
 
+bool GraphRecord::note_wgrad(const std::shared_ptr<LinearCore>& core, const WgradTask& task) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!active_ || phase_ != Phase::kBackward) return false;
+  auto t = std::make_shared<Template>();
+  t->core = core;
+  t->task = task;
+  templates_.push_back(std::move(t));
+  return true;
+}
+
+int64_t GraphRecord::wgrad_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(templates_.size());
+}
+
+std::shared_ptr<GraphRecord::Template> GraphRecord::template_at(int64_t i, const char* fn) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8DP_CHECK_ARG(i >= 0 && i < static_cast<int64_t>(templates_.size()), "GraphRecord.", fn,
+                  ": index must be in [0, ", templates_.size(), "), got ", i);
+  return templates_[static_cast<size_t>(i)];
+}
+
+void GraphRecord::capture_wgrad(int64_t i) {
+  const auto t = template_at(i, "capture_wgrad");
+  t->result = run_wgrad(t->task);
+}
+
+void GraphRecord::set_wgrad_replay(int64_t i, std::function<void()> replay) {
+  FP8DP_CHECK_ARG(static_cast<bool>(replay), "GraphRecord.set_wgrad_replay: needs a callable");
+  template_at(i, "set_wgrad_replay")->replay = std::move(replay);
+}
+
+void GraphRecord::before_forward() const { before_replay("forward"); }
+
+void GraphRecord::before_backward() const { before_replay("backward"); }
+
 void GraphRecord::replay_forward() {
   std::lock_guard<std::mutex> lock(mu_);
   if (observed_[0]) registry_mark_observed();
   for (const Recipe& r : recipes_) registry_note_recipe(r);
 }
 
+void GraphRecord::before_replay(const char* what) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& t : templates_) {
+    FP8DP_CHECK(*t->queued == 0, t->core->config().name,
+                ": the weight gradient queued by the previous backward of this graphed callable "
+                "has not run yet; call backward_dw() after each backward of a graphed callable "
+                "(the queued GEMM reads the graphs' static buffers, which this ",
+                what, " would overwrite)");
+    FP8DP_CHECK(static_cast<bool>(t->replay), t->core->config().name,
+                ": its weight-gradient graph was never captured (make_graphed_callables did "
+                "not finish)");
+  }
+}
+
 void GraphRecord::replay_backward() {
   std::vector<std::shared_ptr<LinearCore>> cores;
+  std::vector<std::shared_ptr<Template>> templates;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (observed_[1]) registry_mark_observed();
     cores = grad_added_;
+    templates = templates_;
   }
   // Calls into Python (the weight attribute), so not under the lock.
   for (const auto& core : cores) core->mark_grad_added_to_main_grad();
+  for (const auto& t : templates) {
+    WgradTask task = t->task;
+    // Copies of the static outputs: backward_dw may make one the weight's .grad, which the next
+    // replay of the dw graph must not overwrite.
+    task.replay = [t] {
+      --*t->queued;
+      t->replay();
+      WgradResult r;
+      if (t->result.dweight.defined()) r.dweight = t->result.dweight.clone();
+      if (t->result.dbias.defined()) r.dbias = t->result.dbias.clone();
+      return r;
+    };
+    ++*t->queued;
+    t->core->enqueue(std::move(task));
+  }
 }
 
 int64_t GraphRecord::grad_added_count() const {

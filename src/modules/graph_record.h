@@ -2,8 +2,8 @@
 // fp8dp.make_graphed_callables (python/fp8dp/graph.py), and its re-issue at every replay.
 //
 // A replay runs the captured kernels only. What a layer does on the host during a forward or a
-// backward happens once, at capture (capture_check.h lists it). Two such effects matter for a
-// layer that is not bound to DistributedDataParallel and queues no weight gradient:
+// backward happens once, at capture (capture_check.h lists it). Three such effects matter
+// for a layer that is not bound to DistributedDataParallel:
 //   - C9: a delayed-scaling cast marks the step's amaxes as observed; without the mark
 //     update_fp8_scales() updates nothing and every scale freezes. The casts' amaxes themselves
 //     are written by the captured kernels into row 0 of each state's history, whose address
@@ -11,12 +11,18 @@
 //     A stateless recipe (current, block) is noted for the cross-rank check instead.
 //   - C2 b: the fused route sets weight.grad_added_to_main_grad (a Python attribute) before its
 //     GEMM accumulates into main_grad; the GEMM is in the graph, the flag is not.
+//   - C3: delay_wgrad_compute queues the weight-gradient GEMM for backward_dw(). Under capture
+//     the task becomes a template (its operands are the backward graph's static tensors), whose
+//     GEMM is captured in a graph of its own (capture_wgrad); each backward replay queues a copy
+//     whose run replays that graph, so backward_dw() and its hooks run as eagerly. Because the
+//     next backward replay overwrites the operands, before_backward() refuses while a replayed
+//     task is still queued.
 // While a record is active (begin/end), the layers let delayed scaling and the fused route be
 // captured (capture_refusal's `recorded`, plan_wgrad) and report those effects here; a capture
 // phase also takes back the observed mark that the capture itself left, since no kernel ran.
-// replay_forward / replay_backward then do what each phase's host code did. DDP-bound layers,
-// delay_wgrad_compute and is_first_microbatch=False stay refused (their host work is the
-// gradient accounting itself; docs/cuda_graphs_design.md says how a later version records it).
+// replay_forward / replay_backward then do what each phase's host code did. DDP-bound layers and
+// is_first_microbatch=False stay refused (DDP's host work is the gradient accounting itself;
+// docs/cuda_graphs_design.md says how a later version records it).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,6 +33,7 @@
 #include <vector>
 
 #include "fp8/recipe.h"
+#include "modules/wgrad_store.h"
 
 namespace fp8dp {
 
@@ -49,9 +56,24 @@ class GraphRecord {
   // Called by the layers while this record is active.
   void note_recipe(const Recipe& recipe);
   void note_grad_added(const std::shared_ptr<LinearCore>& core);
+  // A delayed weight gradient: true when the backward capture keeps it as a template (the caller
+  // then queues nothing); false outside a backward capture.
+  bool note_wgrad(const std::shared_ptr<LinearCore>& core, const WgradTask& task);
 
-  // The host effects of the captured forward / backward, once per replay of it.
+  // The templates, in the order the backward captured them. capture_wgrad(i) runs template i's
+  // GEMM (the caller captures it into a graph) and keeps its results as the static outputs;
+  // set_wgrad_replay(i, fn) gives the call that replays that graph.
+  int64_t wgrad_count() const;
+  void capture_wgrad(int64_t i);
+  void set_wgrad_replay(int64_t i, std::function<void()> replay);
+
+  // The host effects of the captured forward / backward, once per replay of it. before_forward /
+  // before_backward run before that graph replays: they refuse (changing nothing) while a task
+  // queued by a backward replay still waits for backward_dw(), since its GEMM reads the forward's
+  // and the backward's static buffers.
+  void before_forward() const;
   void replay_forward();
+  void before_backward() const;
   void replay_backward();
 
   bool forward_observed() const { return observed_[0]; }
@@ -66,6 +88,16 @@ class GraphRecord {
   bool observed_[2] = {false, false};  // forward, backward
   std::vector<Recipe> recipes_;
   std::vector<std::shared_ptr<LinearCore>> grad_added_;
+  struct Template {
+    std::shared_ptr<LinearCore> core;
+    WgradTask task;
+    WgradResult result;  // the dw graph's static outputs (undefined when fused / FP8)
+    std::function<void()> replay;
+    std::shared_ptr<int> queued = std::make_shared<int>(0);  // replayed tasks not yet run
+  };
+  std::vector<std::shared_ptr<Template>> templates_;
+  std::shared_ptr<Template> template_at(int64_t i, const char* fn) const;
+  void before_replay(const char* what) const;
 };
 
 // The active record, or null outside fp8dp.make_graphed_callables' warm-up and capture.

@@ -140,6 +140,10 @@ void LinearCore::drop_stale_wgrads() {
     store_.pop();
 }
 
+void LinearCore::warm_queued_wgrads() {
+  while (!store_.empty()) run_wgrad(store_.pop());
+}
+
 void LinearCore::bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight, int64_t bias,
                                 std::string name) {
   FP8DP_CHECK_ARG(sink, cfg_.name, ": bind_grad_sink needs a sink, got None");

@@ -95,6 +95,10 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // A live tensor hook (param.register_hook) on the weight or the bias (WeightAttrs::tensor_hooks).
   bool has_tensor_hooks(const at::Tensor& param);
   void enqueue(WgradTask task) { store_.push(std::move(task)); }
+  // make_graphed_callables' warm-up: runs every queued weight-gradient GEMM (which builds its
+  // GEMM plan on the capture stream) and drops it, delivering nothing and running no hook (the
+  // caller restores main_grad, which a fused GEMM writes).
+  void warm_queued_wgrads();
   // Forgets the cached FP8 weight: after a CUDA graph capture it lives in the graph's memory pool,
   // which replays overwrite, so no eager forward may reuse it.
   void drop_weight_cache() {

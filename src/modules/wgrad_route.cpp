@@ -91,7 +91,10 @@ at::Tensor route_wgrad(LinearCore& core, SinkUse& use, const WgradRoute& r,
   }
   at::Tensor dweight;
   if (r.delayed) {
-    core.enqueue(std::move(task));
+    // Under a capture the task becomes the record's template; each replay queues a copy of it.
+    GraphRecord* rec = active_graph_record();
+    if (rec == nullptr || !rec->note_wgrad(core.shared_from_this(), task))
+      core.enqueue(std::move(task));
   } else {
     const WgradResult w = run_wgrad(task);
     dweight = w.dweight;

@@ -7,11 +7,17 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 
 #include "grad_buffer/grad_sink.h"
 
 namespace fp8dp {
+
+struct WgradResult {
+  at::Tensor dweight;  // undefined when fused into main_grad
+  at::Tensor dbias;    // undefined in FP8 mode (computed eagerly in backward, C4)
+};
 
 // dW = a · bᵀ with a = dyᵀ [out, tokens] and b = xᵀ [in, tokens] (FP8 with scale_inv, or high
 // precision, where a and b are transpose views of dy and x: gemm.h's column-major operands),
@@ -30,11 +36,9 @@ struct WgradTask {
   std::shared_ptr<GradSink> sink;
   int64_t sink_weight = -1, sink_bias = -1;
   GradSink::Token weight_token, bias_token;
-};
-
-struct WgradResult {
-  at::Tensor dweight;  // undefined when fused into main_grad
-  at::Tensor dbias;    // undefined in FP8 mode (computed eagerly in backward, C4)
+  // Set by a replayed CUDA graph (GraphRecord::replay_backward): runs the captured GEMM instead and
+  // returns its results (copies of the graph's static outputs); delivery is as for any task.
+  std::function<WgradResult()> replay;
 };
 
 WgradResult run_wgrad(const WgradTask& t);

@@ -187,6 +187,7 @@ void bind_modules(py::module_& m) {
       .def_property_readonly("scale", [](LinearCore& c) { return c.scaling().scale(); })
       .def_property_readonly("scale_inv", [](LinearCore& c) { return c.scaling().scale_inv(); })
       .def("drop_weight_cache", &LinearCore::drop_weight_cache)
+      .def("warm_queued_wgrads", &LinearCore::warm_queued_wgrads)
       .def(
           "fp8_capture_refusal",
           [](LinearCore& c, const Recipe& recipe, bool with_grad_output) {
@@ -202,8 +203,19 @@ void bind_modules(py::module_& m) {
       .def(py::init<>())
       .def("begin", &GraphRecord::begin, py::arg("phase"))
       .def("end", &GraphRecord::end)
+      .def("before_forward", &GraphRecord::before_forward)
       .def("replay_forward", &GraphRecord::replay_forward)
+      .def("before_backward", &GraphRecord::before_backward)
       .def("replay_backward", &GraphRecord::replay_backward)
+      .def_property_readonly("wgrad_count", &GraphRecord::wgrad_count)
+      .def("capture_wgrad", &GraphRecord::capture_wgrad, py::arg("index"))
+      .def(
+          "set_wgrad_replay",
+          [](GraphRecord& r, int64_t index, py::object replay) {
+            PyCallable fn(std::move(replay));
+            r.set_wgrad_replay(index, [fn] { fn.call(); });
+          },
+          py::arg("index"), py::arg("replay"))
       .def_property_readonly("forward_observed", &GraphRecord::forward_observed)
       .def_property_readonly("backward_observed", &GraphRecord::backward_observed)
       .def_property_readonly("grad_added_count", &GraphRecord::grad_added_count);

@@ -95,8 +95,12 @@ def test_argument_errors(call, match):
 
 def test_refused_layers_and_modules():
     x = torch.randn(TOKENS, IN)
-    with pytest.raises(ValueError, match="delay_wgrad_compute=True, which make_graphed"):
-        fp8dp.make_graphed_callables(_layer(delay_wgrad_compute=True), (x,))
+    m = _layer(delay_wgrad_compute=True)
+    y = m(x.clone().requires_grad_(True))
+    y.backward(torch.randn_like(y))
+    with pytest.raises(ValueError, match="1 weight gradient.s. queued; run backward_dw"):
+        fp8dp.make_graphed_callables(m, (x,))
+    m.backward_dw()
     seq = torch.nn.Sequential(_layer())
     seq.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match="hooks"):
@@ -288,3 +292,86 @@ def test_restore_writes_in_place_when_the_shape_matches():
     m.set_extra_state(other)  # another history length: new tensors
     assert m._core.amax_history.shape == (4, 3)
     assert m._core.amax_history.data_ptr() != ptrs[0]
+
+
+# ---- delayed weight gradients: templates at capture, queued again at each replay -------------
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp8_off", "delayed_scaling"])
+def test_delayed_wgrad_is_a_template_and_each_replay_queues_it(fp8):
+    """The backward capture keeps the queued GEMM as a template (nothing queued), capture_wgrad
+    runs it once (the GPU captures that run), and every backward replay queues a task whose run
+    calls the dw graph's replay and hands copies of its results to backward_dw(): weight.grad,
+    the FP8-off bias backfill (C4) and the hooks, as eagerly. On the CPU the replay call has
+    nothing to replay: the operands have not changed, so the captured results are this
+    micro-batch's."""
+    recipe = fp8dp.DelayedScaling()
+    eager, m = _layer(delay_wgrad_compute=True), _layer(delay_wgrad_compute=True)
+    if fp8:
+        for mod in (eager, m):
+            torch.manual_seed(5)  # the same first step, so the same scales
+            _train_step(mod, recipe)
+            mod.backward_dw()
+            for p in mod.parameters():
+                p.grad = None
+        fp8dp.update_fp8_scales()
+    ctx = (lambda: fp8dp.fp8_autocast(fp8_recipe=recipe)) if fp8 else torch.enable_grad
+    x = torch.randn(TOKENS, IN)
+    dy = torch.randn(TOKENS, OUT)
+    with ctx():
+        ye = eager(x.clone().requires_grad_(True))
+    ye.backward(dy)
+    eager.backward_dw()
+
+    hooks = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: hooks.append(1))
+    rec = _C.GraphRecord()
+    with ctx():
+        y = m(x.clone().requires_grad_(True))
+    with _Active(rec, _C.GraphPhase.BACKWARD):
+        torch.autograd.grad(y, [m.weight, m.bias], dy, allow_unused=True)
+    assert m._core.queued_wgrads == 0 and rec.wgrad_count == 1
+    rec.capture_wgrad(0)
+    replays = []
+    rec.set_wgrad_replay(0, lambda: replays.append(1))
+    with pytest.raises(ValueError, match=r"index must be in \[0, 1\), got 1"):
+        rec.capture_wgrad(1)
+
+    for mb in range(2):  # two micro-batches accumulate, each its own copy of the result
+        rec.before_backward()
+        rec.replay_backward()
+        assert m._core.queued_wgrads == 1
+        for check in (rec.before_forward, rec.before_backward):
+            with pytest.raises(RuntimeError, match="call backward_dw.. after each backward"):
+                check()
+        m.backward_dw()
+        assert len(replays) == mb + 1 and len(hooks) == mb + 1
+        assert torch.equal(m.weight.grad, (mb + 1) * eager.weight.grad), f"mb {mb}: weight"
+        if fp8:  # the FP8 bias gradient goes to autograd in backward (C4): nothing backfilled
+            assert m.bias.grad is None
+        else:
+            assert torch.equal(m.bias.grad, (mb + 1) * eager.bias.grad), f"mb {mb}: bias"
+    if fp8:
+        fp8dp.update_fp8_scales()
+
+
+def test_replay_needs_the_dw_graph():
+    m = _layer(delay_wgrad_compute=True)
+    y = m(torch.randn(TOKENS, IN, requires_grad=True))
+    rec = _C.GraphRecord()
+    with _Active(rec, _C.GraphPhase.BACKWARD):
+        y.backward(torch.randn_like(y))
+    with pytest.raises(RuntimeError, match="weight-gradient graph was never captured"):
+        rec.before_backward()
+
+
+def test_warm_up_runs_and_drops_queued_wgrads():
+    """make_graphed_callables' warm-up: the GEMMs run (their plans), nothing is delivered."""
+    m = _layer(delay_wgrad_compute=True)
+    hooks = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: hooks.append(1))
+    y = m(torch.randn(TOKENS, IN, requires_grad=True))
+    y.backward(torch.randn_like(y))
+    assert m._core.queued_wgrads == 1
+    m._core.warm_queued_wgrads()
+    assert m._core.queued_wgrads == 0 and m.weight.grad is None and not hooks

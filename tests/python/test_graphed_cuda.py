@@ -1,8 +1,8 @@
 """fp8dp.make_graphed_callables on a GPU: replays against the same steps run eagerly on a copy,
 bit for bit (torch.equal) — outputs, input gradients, parameter gradients, main_grad, and after
 each update_fp8_scales() the amax histories and scales — over three steps of two micro-batches
-each, for every fp8dp layer, delayed and current scaling, with and without fused wgrad
-accumulation; a stack mixing fp8dp and torch modules; two callables captured together. And what
+each, for every fp8dp layer, delayed and current scaling, plain, fused, delayed and fused +
+delayed weight gradients (backward_dw() after each backward); a stack mixing fp8dp and torch modules; two callables captured together. And what
 the CPU cannot show: a graph alone in the process marks its amaxes observed at every replay (no
 eager copy's mark to hide a missing one), and the replay-time refusals. Skipped without a GPU.
 
@@ -31,9 +31,17 @@ def _fp8_layers(m):
     return [x for x in m.modules() if isinstance(x, (fp8dp.Linear, fp8dp.LayerNormLinear))]
 
 
-def _layer(kind, fused):
+WGRADS = {
+    "plain": {},
+    "fused": dict(fuse_wgrad_accumulation=True),
+    "delayed": dict(delay_wgrad_compute=True),
+    "fused+delayed": dict(fuse_wgrad_accumulation=True, delay_wgrad_compute=True),
+}
+
+
+def _layer(kind, wgrad="plain"):
     torch.manual_seed(0)
-    kw = dict(params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=fused)
+    kw = dict(params_dtype=torch.bfloat16, device="cuda", **WGRADS[wgrad])
     if kind == "Linear":
         return fp8dp.Linear(H, H, **kw)
     if kind == "LayerNormLinear":
@@ -59,6 +67,9 @@ def _step(m, x, dy, recipe):
     with fp8dp.fp8_autocast(fp8_recipe=recipe):
         y = m(xr)
     y.backward(dy)
+    for layer in _fp8_layers(m):  # C3: each queued weight gradient, after its backward
+        if layer.need_backward_dw():
+            layer.backward_dw()
     return y, xr.grad
 
 
@@ -89,7 +100,7 @@ def _assert_same_state(eager, graphed, where):
             ), f"{where}: {le._core.name}.{k}"
 
 
-def _graph_copy(eager, recipe, fused):
+def _graph_copy(eager, recipe):
     """One eager step on both copies (delayed scaling needs scales before capture), then the
     copy is graphed."""
     graphed = copy.deepcopy(eager)
@@ -105,13 +116,13 @@ def _graph_copy(eager, recipe, fused):
     return graphed
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("wgrad", list(WGRADS))
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("kind", KINDS)
-def test_replays_match_eager_bit_for_bit(kind, recipe_name, fused):
+def test_replays_match_eager_bit_for_bit(kind, recipe_name, wgrad):
     recipe = RECIPES[recipe_name]()
-    eager = _layer(kind, fused)
-    graphed = _graph_copy(eager, recipe, fused)
+    eager = _layer(kind, wgrad)
+    graphed = _graph_copy(eager, recipe)
     for step in range(3):
         for mb in range(2):  # the second micro-batch accumulates into .grad / main_grad
             x, dy = _inputs(10 * step + mb + 2)
@@ -175,7 +186,7 @@ def test_a_graph_alone_marks_its_amaxes_at_every_replay():
     """No eager model in the step: without the re-mark update_fp8_scales() would update nothing
     and the history would stay as it was."""
     recipe = RECIPES["delayed"]()
-    m = _layer("LayerNormLinear", False)
+    m = _layer("LayerNormLinear")
     x, dy = _inputs(1)
     _step(m, x, dy, recipe)
     fp8dp.update_fp8_scales()
@@ -198,7 +209,7 @@ def test_a_graph_alone_marks_its_amaxes_at_every_replay():
 
 def test_replay_refusals():
     recipe = RECIPES["delayed"]()
-    m = _layer("Linear", True)
+    m = _layer("Linear", "fused+delayed")
     _give_main_grads(m)
     x, dy = _inputs(1)
     _step(m, x, dy, recipe)
@@ -214,6 +225,17 @@ def test_replay_refusals():
     with pytest.raises(ValueError, match="is_first_microbatch must stay None"):
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
             m(x, is_first_microbatch=True)
+    xr = x.clone().requires_grad_(True)
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        y = m(xr)
+    y.backward(dy)  # queues the weight gradient
+    with pytest.raises(RuntimeError, match="call backward_dw.. after each backward"):
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            m(xr)  # its operands are the graphs' static buffers
+    m.backward_dw()
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        m(xr).backward(dy)  # now it may
+    m.backward_dw()
     m.weight.main_grad = torch.zeros_like(m.weight, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="main_grad was replaced"):
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
@@ -224,7 +246,7 @@ def test_replay_refusals():
 
 
 def test_capture_before_a_first_step_is_refused():
-    m = _layer("Linear", False)
+    m = _layer("Linear")
     x, _ = _inputs(1)
     with pytest.raises(ValueError, match="has not cast in FP8 on its device yet"):
         with fp8dp.fp8_autocast(fp8_recipe=RECIPES["delayed"]()):
