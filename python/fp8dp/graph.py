@@ -310,6 +310,9 @@ def make_graphed_callables(
         saved.restore_flags()
         for layer in layers:
             layer._core.drop_weight_cache()
+    for m, rec in zip(mods, records):
+        for layer in _fp8_layers(m):
+            rec.watch_state(layer._core)
     torch.cuda.synchronize()
 
     out = []

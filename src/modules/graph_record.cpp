@@ -105,7 +105,29 @@ void GraphRecord::set_wgrad_replay(int64_t i, std::function<void()> replay) {
   template_at(i, "set_wgrad_replay")->replay = std::move(replay);
 }
 
-void GraphRecord::before_forward() const { before_replay("forward"); }
+namespace {
+const void* address(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+}  // namespace
+
+void GraphRecord::watch_state(const std::shared_ptr<LinearCore>& core) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ScalingState& s = core->scaling();
+  watched_.push_back({core, address(s.amax_history()), address(s.scale()), address(s.scale_inv())});
+}
+
+void GraphRecord::before_forward() const {
+  before_replay("forward");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Watched& w : watched_) {
+    ScalingState& s = w.core->scaling();
+    FP8DP_CHECK(address(s.amax_history()) == w.history && address(s.scale()) == w.scale &&
+                    address(s.scale_inv()) == w.scale_inv,
+                w.core->config().name,
+                ": its FP8 scaling state was replaced since capture (set_extra_state or "
+                "load_state_dict with another amax history length, or a reset); the graphs read "
+                "the old tensors. Capture again");
+  }
+}
 
 void GraphRecord::before_backward() const { before_replay("backward"); }
 

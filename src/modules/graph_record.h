@@ -72,6 +72,9 @@ class GraphRecord {
   // queued by a backward replay still waits for backward_dw(), since its GEMM reads the forward's
   // and the backward's static buffers.
   void before_forward() const;
+  // Remembers where `core`'s FP8 state lives now (after capture): before_forward refuses once it
+  // moved (a restore with another history length, a reset), which the graphs would not see.
+  void watch_state(const std::shared_ptr<LinearCore>& core);
   void replay_forward();
   void before_backward() const;
   void replay_backward();
@@ -96,6 +99,11 @@ class GraphRecord {
     std::shared_ptr<int> queued = std::make_shared<int>(0);  // replayed tasks not yet run
   };
   std::vector<std::shared_ptr<Template>> templates_;
+  struct Watched {
+    std::shared_ptr<LinearCore> core;
+    const void *history, *scale, *scale_inv;
+  };
+  std::vector<Watched> watched_;
   std::shared_ptr<Template> template_at(int64_t i, const char* fn) const;
   void before_replay(const char* what) const;
 };

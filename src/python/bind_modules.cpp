@@ -204,6 +204,7 @@ void bind_modules(py::module_& m) {
       .def("begin", &GraphRecord::begin, py::arg("phase"))
       .def("end", &GraphRecord::end)
       .def("before_forward", &GraphRecord::before_forward)
+      .def("watch_state", &GraphRecord::watch_state, py::arg("core"))
       .def("replay_forward", &GraphRecord::replay_forward)
       .def("before_backward", &GraphRecord::before_backward)
       .def("replay_backward", &GraphRecord::replay_backward)

@@ -14,7 +14,9 @@ The CUDA half (capture, replay against eager bit for bit) is tests/python/test_g
 Mutation evidence (2026-12-05, each change built and run, then restored): plan_wgrad without the
 record exception fails the two fused-route tests and the grad_added test; GraphRecord::end without
 putting the saved mark back fails the two observed-mark tests; ScalingState::restore never in
-place fails the in-place test; replay_backward without the grad_added call fails its test.
+place fails the in-place test; replay_backward without the grad_added call fails its test;
+route_wgrad queueing the task under a backward capture fails the two template tests and the
+missing-graph test; before_backward without the queued check fails the two template tests.
 """
 
 import pytest
@@ -375,3 +377,17 @@ def test_warm_up_runs_and_drops_queued_wgrads():
     assert m._core.queued_wgrads == 1
     m._core.warm_queued_wgrads()
     assert m._core.queued_wgrads == 0 and m.weight.grad is None and not hooks
+
+
+def test_a_replaced_fp8_state_is_refused_before_a_replay():
+    m = _layer()
+    recipe = fp8dp.DelayedScaling(amax_history_len=8)
+    _train_step(m, recipe)
+    rec = _C.GraphRecord()
+    rec.watch_state(m._core)
+    rec.before_forward()
+    m.set_extra_state(m.get_extra_state())  # in place: the graphs still read it
+    rec.before_forward()
+    m.set_extra_state(dict(m.get_extra_state(), amax_history=torch.zeros(4, 3)))
+    with pytest.raises(RuntimeError, match="FP8 scaling state was replaced since capture"):
+        rec.before_forward()

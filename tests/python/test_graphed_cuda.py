@@ -251,3 +251,23 @@ def test_capture_before_a_first_step_is_refused():
     with pytest.raises(ValueError, match="has not cast in FP8 on its device yet"):
         with fp8dp.fp8_autocast(fp8_recipe=RECIPES["delayed"]()):
             fp8dp.make_graphed_callables(m, (x.clone().requires_grad_(True),))
+
+
+def test_load_state_dict_after_capture_keeps_the_graph():
+    """load_state_dict writes the FP8 state in place (same history length): the graph keeps
+    reading it, and the graphed copy follows the eager one again."""
+    recipe = RECIPES["delayed"]()
+    eager = _layer("LayerNormMLP-gelu")
+    graphed = _graph_copy(eager, recipe)
+    for step in range(2):
+        x, dy = _inputs(step + 2)
+        _step(eager, x, dy, recipe)
+        fp8dp.update_fp8_scales()
+        _clear(eager)
+    graphed.load_state_dict(eager.state_dict())  # weights (in place) and FP8 state
+    x, dy = _inputs(7)
+    ye, dxe = _step(eager, x, dy, recipe)
+    yg, dxg = _step(graphed, x, dy, recipe)
+    assert torch.equal(ye, yg) and torch.equal(dxe, dxg)
+    fp8dp.update_fp8_scales()
+    _assert_same_state(eager, graphed, "after load_state_dict")
