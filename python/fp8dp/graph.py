@@ -28,10 +28,15 @@ what fp8dp layers need:
   AccumulateGrad copies them into an empty ``.grad`` instead of taking the static buffer, which the
   next replay overwrites (two micro-batches would otherwise count the second one twice).
 
-Not yet supported (refused with ValueError before anything runs): layers bound to
-fp8dp.DistributedDataParallel (its host work is the gradient accounting itself,
-docs/cuda_graphs_design.md says how a later version records it), ``is_first_microbatch`` other
-than None.
+- layers bound to fp8dp.DistributedDataParallel (capture its module, ``ddp.module``, and call
+  ``ddp(x)`` as usual): the warm-up and the capture see a sink that records what would change
+  DDP's state (modules/graph_sink.h); each replay re-issues it against DDP after its graph (the
+  ledger's announcements, the acceptance checks before the backward graph, the fused deliveries
+  and the delayed tasks' tokens after it), so buckets launch after the GEMMs into ``main_grad``.
+  The parameter all-gather waits of ``overlap_param_gather`` (forward pre-hooks of the
+  submodules, which a replay skips) run before each forward replay.
+
+Refused: ``is_first_microbatch`` other than None (every replay casts the weight).
 A graphed callable runs one forward at a time: its outputs and gradients live in static buffers
 that the next replay overwrites, as in torch.
 """
@@ -43,6 +48,7 @@ from typing import Sequence
 import torch
 
 from . import _C
+from .ddp import _ParamGatherWait
 from .modules import _FP8LinearBase
 
 _CAPTURE_ERROR = "make_graphed_callables"
@@ -83,7 +89,10 @@ def _check_arguments(modules: tuple, sample_args: tuple, num_warmup_iters, one: 
         for j, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 raise ValueError(f"{where}[{j}]: expected a torch.Tensor, got {type(a).__name__}")
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+        foreign_pre = [
+            h for h in m._forward_pre_hooks.values() if not isinstance(h, _ParamGatherWait)
+        ]
+        if m._forward_hooks or foreign_pre or m._backward_hooks:
             raise ValueError(
                 f"modules[{i}] ({type(m).__name__}): has forward or backward hooks; a replay "
                 "would not run them (register hooks after make_graphed_callables, as with torch)"
@@ -105,12 +114,6 @@ def _check_arguments(modules: tuple, sample_args: tuple, num_warmup_iters, one: 
                 raise ValueError(
                     f"modules[{i}]: {layer._core.name} has {layer._core.queued_wgrads} weight "
                     "gradient(s) queued; run backward_dw() for them before capturing"
-                )
-            if layer._core.grad_sink_bound:
-                raise ValueError(
-                    f"modules[{i}]: {layer._core.name} is bound to "
-                    "fp8dp.DistributedDataParallel, which make_graphed_callables does not "
-                    "support yet (the gradient buffer's accounting is host work a replay skips)"
                 )
 
 
@@ -152,10 +155,27 @@ def _describe(state) -> str:
     return f"FP8 {r.kind.name.lower()} {r.fwd_format.name}/{r.bwd_format.name}"
 
 
+class _CudaGraphs:
+    """The CUDA calls of the capture, in one place: the host tests
+    (tests/python/test_graph_record_ddp.py) run the whole procedure with graphs that record nothing
+    and replay nothing, to check fp8dp's host work (DDP's accounting above all) on the CPU."""
+
+    pool = staticmethod(lambda: torch.cuda.graph_pool_handle())
+    stream = staticmethod(lambda: torch.cuda.Stream())
+    on_stream = staticmethod(lambda s: torch.cuda.stream(s))
+    synchronize = staticmethod(lambda: torch.cuda.synchronize())
+    new_graph = staticmethod(lambda: torch.cuda.CUDAGraph())
+    capture = staticmethod(lambda g, pool, s: torch.cuda.graph(g, pool=pool, stream=s))
+    # The backward graph's static grad_output: filled by each replay (a CPU capture runs, so the
+    # host tests give it the values their replays will bring).
+    grad_output = staticmethod(lambda o: torch.empty_like(o))
+
+
 class _Saved:
     """What the warm-up changes that a training loop would see: put back before capture."""
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list, backend):
+        self.backend = backend
         self.states = [(layer, layer._core.get_extra_state()) for layer in layers]
         self.main_grads = []
         self.flags = []
@@ -171,13 +191,43 @@ class _Saved:
             w.grad_added_to_main_grad = flag
 
     def restore(self) -> None:
-        torch.cuda.synchronize()
+        self.backend.synchronize()
         for layer, state in self.states:
             layer._core.set_extra_state(state)  # in place: the addresses the capture will use
         for mg, copy in self.main_grads:
             mg.copy_(copy)
         self.restore_flags()
-        torch.cuda.synchronize()
+        self.backend.synchronize()
+
+
+def _delivered_by_layers(module) -> set:
+    """ids of the parameters whose gradient a DDP-bound fp8dp layer hands to DDP itself (fused or
+    delayed weight; the bias too when delayed: FP8 off computes it in backward_dw), so that
+    autograd gives them none."""
+    out = set()
+    for layer in _fp8_layers(module):
+        if layer._core.grad_sink_bound and (
+            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute
+        ):
+            out.add(id(layer.weight))
+            if layer.delay_wgrad_compute and layer.bias is not None:
+                out.add(id(layer.bias))
+    return out
+
+
+def _check_unused(i: int, module, surface: tuple, grads, allow_unused: bool) -> None:
+    """torch's allow_unused_input rule, except for the gradients bound layers deliver themselves."""
+    if allow_unused or grads is None:
+        return
+    own = _delivered_by_layers(module)
+    names = {id(p): n for n, p in module.named_parameters()}
+    for t, g in zip(_grad_surface(surface), grads):
+        if g is None and id(t) not in own:
+            what = f"parameter '{names[id(t)]}'" if id(t) in names else "an input"
+            raise ValueError(
+                f"modules[{i}]: {what} requires grad but the captured backward gives it no "
+                "gradient (pass allow_unused_input=True if that is meant)"
+            )
 
 
 def _grad_surface(surface: tuple) -> tuple:
@@ -220,22 +270,28 @@ def make_graphed_callables(
         args_all = sample_args
     _check_arguments(mods, args_all, num_warmup_iters, one)
     _check_cuda(mods, args_all)
+    out = _capture(mods, args_all, num_warmup_iters, allow_unused_input, pool, _CudaGraphs)
+    return out[0] if one else out
+
+
+def _capture(mods, args_all, num_warmup_iters, allow_unused_input, pool, backend) -> tuple:
+    """make_graphed_callables after its argument checks, with `backend`'s graphs."""
     state = _C.autocast_current()
     surfaces = [tuple(a) + tuple(m.parameters()) for m, a in zip(mods, args_all)]
     wants_grad = [any(t.requires_grad for t in s) for s in surfaces]
     _check_fp8_ready(mods, state, wants_grad)
 
     layers = [layer for m in mods for layer in _fp8_layers(m)]
-    saved = _Saved(layers)
+    saved = _Saved(layers, backend)
     records = [_C.GraphRecord() for _ in mods]
-    mempool = torch.cuda.graph_pool_handle() if pool is None else pool
-    stream = torch.cuda.Stream()
+    mempool = backend.pool() if pool is None else pool
+    stream = backend.stream()
 
-    torch.cuda.synchronize()
+    backend.synchronize()
     warm = _C.GraphRecord()
     warm.begin(_C.GraphPhase.WARMUP)
     try:
-        with torch.cuda.stream(stream):
+        with backend.on_stream(stream):
             for m, a, surface in zip(mods, args_all, surfaces):
                 for _ in range(num_warmup_iters):
                     outs = [o for o in torch.utils._pytree.tree_leaves(m(*a)) if o.requires_grad]
@@ -244,7 +300,7 @@ def make_graphed_callables(
                             outs,
                             _grad_surface(surface),
                             grad_outputs=[torch.ones_like(o) for o in outs],
-                            allow_unused=allow_unused_input,
+                            allow_unused=True,  # checked at capture
                         )
                     del outs
                     for layer in _fp8_layers(m):  # their GEMM plans, on this stream
@@ -253,17 +309,17 @@ def make_graphed_callables(
         warm.end()
         saved.restore()
 
-    fwd_graphs = [torch.cuda.CUDAGraph() for _ in mods]
-    bwd_graphs = [torch.cuda.CUDAGraph() for _ in mods]
+    fwd_graphs = [backend.new_graph() for _ in mods]
+    bwd_graphs = [backend.new_graph() for _ in mods]
     # One graph per delayed weight-gradient GEMM, replayed by backward_dw() in whatever order the
     # loop calls it: a pool of their own, so that this order cannot clash with the other graphs'.
-    dw_graphs, dw_pool = [], torch.cuda.graph_pool_handle()
+    dw_graphs, dw_pool = [], backend.pool()
     static_outputs, specs = [], []
     try:
         for m, a, g, rec in zip(mods, args_all, fwd_graphs, records):
             rec.begin(_C.GraphPhase.FORWARD)
             try:
-                with torch.cuda.graph(g, pool=mempool, stream=stream):
+                with backend.capture(g, mempool, stream):
                     out = m(*a)
             finally:
                 rec.end()
@@ -276,7 +332,7 @@ def make_graphed_callables(
         for i in reversed(range(len(mods))):
             outs = static_outputs[i]
             grad_outs = tuple(
-                torch.empty_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                backend.grad_output(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
                 for o in outs
             )
             needs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -284,19 +340,20 @@ def make_graphed_callables(
             if needs and _grad_surface(surfaces[i]):
                 records[i].begin(_C.GraphPhase.BACKWARD)
                 try:
-                    with torch.cuda.graph(bwd_graphs[i], pool=mempool, stream=stream):
+                    with backend.capture(bwd_graphs[i], mempool, stream):
                         grads = torch.autograd.grad(
                             needs,
                             _grad_surface(surfaces[i]),
                             grad_outputs=[g for g in grad_outs if g is not None],
                             only_inputs=True,
-                            allow_unused=allow_unused_input,
+                            allow_unused=True,
                         )
                 finally:
                     records[i].end()
+                _check_unused(i, mods[i], surfaces[i], grads, allow_unused_input)
                 for k in range(records[i].wgrad_count):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=dw_pool, stream=stream):
+                    g = backend.new_graph()
+                    with backend.capture(g, dw_pool, stream):
                         records[i].capture_wgrad(k)
                     records[i].set_wgrad_replay(k, g.replay)
                     dw_graphs.append(g)
@@ -313,7 +370,7 @@ def make_graphed_callables(
     for m, rec in zip(mods, records):
         for layer in _fp8_layers(m):
             rec.watch_state(layer._core)
-    torch.cuda.synchronize()
+    backend.synchronize()
 
     out = []
     for i, m in enumerate(mods):
@@ -335,7 +392,7 @@ def make_graphed_callables(
             static_grad_inputs[i],
         )
         out.append(_install(m, fn))
-    return out[0] if one else tuple(out)
+    return tuple(out)
 
 
 def _graphed_function(
@@ -353,6 +410,13 @@ def _graphed_function(
 ):
     params = tuple(surface[n_user:])
     names = [n for n, _ in module.named_parameters()]
+    # overlap_param_gather: the submodules' waits, which a replay would skip.
+    waits = [
+        h
+        for sub in module.modules()
+        for h in sub._forward_pre_hooks.values()
+        if isinstance(h, _ParamGatherWait)
+    ]
     ptrs = [p.data_ptr() for p in params]
     needs = [p.requires_grad for p in params]
     shapes = [(t.shape, t.dtype, t.device) for t in surface[:n_user]]
@@ -390,6 +454,8 @@ def _graphed_function(
                         "again"
                     )
             record.before_forward()
+            for wait in waits:
+                wait()
             for k in range(n_user):
                 x, (shape, dtype, device) = inputs[k], shapes[k]
                 if x.shape != shape or x.dtype != dtype or x.device != device:
@@ -400,7 +466,7 @@ def _graphed_function(
                 if x.data_ptr() != surface[k].data_ptr():
                     surface[k].copy_(x)
             fwd_graph.replay()
-            record.replay_forward()
+            ctx.use = record.replay_forward()
             return tuple(o.detach() for o in static_outputs)
 
         @staticmethod
@@ -408,12 +474,12 @@ def _graphed_function(
         def backward(ctx, *grads):
             if bwd_graph is None:
                 return tuple(None for _ in surface)
-            record.before_backward()  # refuses before anything is overwritten
+            record.before_backward(ctx.use)  # refuses before anything is overwritten
             for g, grad in zip(static_grad_outputs, grads):
                 if g is not None and g.data_ptr() != grad.data_ptr():
                     g.copy_(grad)
             bwd_graph.replay()
-            record.replay_backward()
+            record.replay_backward(ctx.use)
             # The static tensors themselves (not detached views): AccumulateGrad then copies them
             # into an empty .grad rather than taking the buffer the next replay overwrites.
             return static_grad_inputs
@@ -422,6 +488,13 @@ def _graphed_function(
         flat = torch.utils._pytree.arg_tree_leaves(*user_args)
         if len(flat) != n_user:
             raise ValueError(f"graphed {what}: expected {n_user} input tensor(s), got {len(flat)}")
+        for k, x in enumerate(flat):
+            if torch.is_grad_enabled() and x.requires_grad and not surface[k].requires_grad:
+                raise ValueError(
+                    f"graphed {what}: input {k} requires grad, but its sample at capture did not, "
+                    "so the backward graph computes no gradient for it; capture with a sample "
+                    "that requires grad"
+                )
         outs = Graphed.apply(*(tuple(flat) + params))
         return torch.utils._pytree.tree_unflatten(list(outs), spec)
 

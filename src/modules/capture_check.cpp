@@ -41,9 +41,10 @@ const char* capture_refusal(const AutocastState& ac, bool grad_enabled, bool nee
            "update_fp8_scales() would leave every scale at its capture-time value); capture "
            "with fp8dp.make_graphed_callables, which re-marks them at every replay, or use "
            "Float8CurrentScaling or Float8BlockScaling";
-  if (need_wgrad && bound)
+  if (need_wgrad && bound && !recorded)
     return "while bound to fp8dp.DistributedDataParallel (a replay would not hand the weight "
-           "gradient to its gradient buffer)";
+           "gradient to its gradient buffer); capture with fp8dp.make_graphed_callables, which "
+           "hands it over at every replay";
   if (need_wgrad && delay_wgrad && !recorded)
     return "with delay_wgrad_compute=True (a replay would queue no weight gradient for "
            "backward_dw()); capture with fp8dp.make_graphed_callables, which queues it at every "

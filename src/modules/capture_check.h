@@ -32,8 +32,9 @@ namespace fp8dp {
 // `grad_enabled`: autograd records this forward (a training forward, whose scales the step
 // updates); an inference forward under delayed scaling is capturable, since nothing updates its
 // scales. `recorded`: fp8dp.make_graphed_callables captures (a GraphRecord is active, which
-// re-marks the amaxes and queues the weight gradients at every replay), so delayed scaling in
-// training and delay_wgrad_compute are capturable too.
+// re-marks the amaxes, hands the gradients to DistributedDataParallel and queues the weight
+// gradients at every replay), so delayed scaling in training, a bound layer and
+// delay_wgrad_compute are capturable too.
 const char* capture_refusal(const AutocastState& ac, bool grad_enabled, bool need_wgrad, bool bound,
                             bool delay_wgrad, std::optional<bool> is_first_microbatch,
                             bool recorded = false);

@@ -79,8 +79,29 @@ bool GraphRecord::note_wgrad(const std::shared_ptr<LinearCore>& core, const Wgra
   auto t = std::make_shared<Template>();
   t->core = core;
   t->task = task;
+  if (t->task.sink) t->task.sink = real_sink(t->task.sink);
+  t->task.weight_token = t->task.bias_token = GradSink::Token{};
+  backward_steps_.push_back(BackwardStep{SinkEvent{}, static_cast<int64_t>(templates_.size())});
   templates_.push_back(std::move(t));
   return true;
+}
+
+std::shared_ptr<GradSink> GraphRecord::sink_for(const std::shared_ptr<GradSink>& real) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& s : sinks_)
+    if (s->real() == real) return s;
+  sinks_.push_back(std::make_shared<RecordingSink>(real, [this](SinkEvent e) { record(e); }));
+  return sinks_.back();
+}
+
+void GraphRecord::record(SinkEvent e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!active_ || phase_ == Phase::kWarmup) return;  // the warm-up's gradients go nowhere
+  if (phase_ == Phase::kForward) {
+    forward_events_.push_back(std::move(e));
+  } else {
+    backward_steps_.push_back(BackwardStep{std::move(e), -1});
+  }
 }
 
 int64_t GraphRecord::wgrad_count() const {
@@ -129,12 +150,23 @@ void GraphRecord::before_forward() const {
   }
 }
 
-void GraphRecord::before_backward() const { before_replay("backward"); }
+void GraphRecord::before_backward(const ReplayUse& use) const {
+  before_replay("backward");
+  FP8DP_CHECK(!use.consumed(), "a graphed callable's backward ran twice for one forward");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const BackwardStep& s : backward_steps_) {
+    if (s.tmpl < 0 && s.event.kind == SinkEvent::Kind::kCheck)
+      s.event.sink->check_accepting(s.event.p, s.event.route, s.event.counted);
+  }
+}
 
-void GraphRecord::replay_forward() {
+std::shared_ptr<ReplayUse> GraphRecord::replay_forward() {
+  auto use = std::make_shared<ReplayUse>();
   std::lock_guard<std::mutex> lock(mu_);
   if (observed_[0]) registry_mark_observed();
   for (const Recipe& r : recipes_) registry_note_recipe(r);
+  use->announce(forward_events_);
+  return use;
 }
 
 void GraphRecord::before_replay(const char* what) const {
@@ -151,19 +183,41 @@ void GraphRecord::before_replay(const char* what) const {
   }
 }
 
-void GraphRecord::replay_backward() {
+void GraphRecord::replay_backward(ReplayUse& use) {
   std::vector<std::shared_ptr<LinearCore>> cores;
   std::vector<std::shared_ptr<Template>> templates;
+  std::vector<BackwardStep> steps;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (observed_[1]) registry_mark_observed();
     cores = grad_added_;
     templates = templates_;
+    steps = backward_steps_;
   }
+  use.consume();
   // Calls into Python (the weight attribute), so not under the lock.
   for (const auto& core : cores) core->mark_grad_added_to_main_grad();
-  for (const auto& t : templates) {
+  for (const BackwardStep& s : steps) {
+    if (s.tmpl < 0) {
+      const SinkEvent& e = s.event;
+      const int64_t mb = use.of(e.sink).microbatch;
+      if (e.kind == SinkEvent::Kind::kDeliver) {
+        e.sink->deliver(e.p, at::Tensor(), e.route, GradSink::Token{mb, -1, {}});
+      } else if (e.kind == SinkEvent::Kind::kWithdraw) {
+        e.sink->withdraw(e.p, mb);
+      } else if (e.kind == SinkEvent::Kind::kAnnounce) {
+        e.sink->announce(e.p);  // a reentrant recompute announces in backward
+      }
+      continue;
+    }
+    const auto& t = templates[static_cast<size_t>(s.tmpl)];
     WgradTask task = t->task;
+    if (task.sink) {  // bound: the tokens of this micro-batch, as route_wgrad asks eagerly
+      const int64_t mb = use.of(task.sink).microbatch;
+      task.weight_token = task.sink->expect(task.sink_weight, mb, t->core->sink_name());
+      if (task.dy.defined() && task.sink_bias >= 0)
+        task.bias_token = task.sink->expect(task.sink_bias, mb, t->core->sink_name());
+    }
     // Copies of the static outputs: backward_dw may make one the weight's .grad, which the next
     // replay of the dw graph must not overwrite.
     task.replay = [t] {

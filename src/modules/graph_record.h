@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "fp8/recipe.h"
+#include "modules/graph_sink.h"
 #include "modules/wgrad_store.h"
 
 namespace fp8dp {
@@ -57,8 +58,12 @@ class GraphRecord {
   void note_recipe(const Recipe& recipe);
   void note_grad_added(const std::shared_ptr<LinearCore>& core);
   // A delayed weight gradient: true when the backward capture keeps it as a template (the caller
-  // then queues nothing); false outside a backward capture.
+  // then queues nothing); false outside a backward capture. A bound task's sink (a RecordingSink)
+  // is kept as the real one; each replay asks it for the tokens (expect).
   bool note_wgrad(const std::shared_ptr<LinearCore>& core, const WgradTask& task);
+  // The sink a bound layer uses while this record is active: records (capture) or drops (warm-up)
+  // what would change DistributedDataParallel's state (graph_sink.h).
+  std::shared_ptr<GradSink> sink_for(const std::shared_ptr<GradSink>& real);
 
   // The templates, in the order the backward captured them. capture_wgrad(i) runs template i's
   // GEMM (the caller captures it into a graph) and keeps its results as the static outputs;
@@ -75,9 +80,12 @@ class GraphRecord {
   // Remembers where `core`'s FP8 state lives now (after capture): before_forward refuses once it
   // moved (a restore with another history length, a reset), which the graphs would not see.
   void watch_state(const std::shared_ptr<LinearCore>& core);
-  void replay_forward();
-  void before_backward() const;
-  void replay_backward();
+  // Returns what this replay announced to the sinks (the forward's micro-batch), which its backward
+  // replay takes: before_backward re-issues the sinks' acceptance checks (C11) before the graph
+  // runs, replay_backward the deliveries and the delayed tasks after it.
+  std::shared_ptr<ReplayUse> replay_forward();
+  void before_backward(const ReplayUse& use) const;
+  void replay_backward(ReplayUse& use);
 
   bool forward_observed() const { return observed_[0]; }
   bool backward_observed() const { return observed_[1]; }
@@ -104,6 +112,16 @@ class GraphRecord {
     const void *history, *scale, *scale_inv;
   };
   std::vector<Watched> watched_;
+  std::vector<std::shared_ptr<RecordingSink>> sinks_;
+  std::vector<SinkEvent> forward_events_;
+  // The backward's sink calls and delayed templates, in the order they came (a step is one or the
+  // other: template >= 0 names templates_[template]).
+  struct BackwardStep {
+    SinkEvent event;
+    int64_t tmpl = -1;
+  };
+  std::vector<BackwardStep> backward_steps_;
+  void record(SinkEvent e);
   std::shared_ptr<Template> template_at(int64_t i, const char* fn) const;
   void before_replay(const char* what) const;
 };

@@ -140,6 +140,13 @@ void LinearCore::drop_stale_wgrads() {
     store_.pop();
 }
 
+std::shared_ptr<GradSink> LinearCore::grad_sink() const {
+  std::shared_ptr<GradSink> sink = sink_.lock();
+  if (sink)
+    if (GraphRecord* rec = active_graph_record()) return rec->sink_for(sink);
+  return sink;
+}
+
 void LinearCore::warm_queued_wgrads() {
   while (!store_.empty()) run_wgrad(store_.pop());
 }

@@ -79,7 +79,9 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   void bind_grad_sink(const std::shared_ptr<GradSink>& sink, int64_t weight, int64_t bias,
                       std::string name);
   const std::string& sink_name() const { return sink_name_; }
-  std::shared_ptr<GradSink> grad_sink() const { return sink_.lock(); }
+  // While make_graphed_callables warms up or captures (a GraphRecord is active), the record's
+  // RecordingSink in front of the real one (modules/graph_sink.h).
+  std::shared_ptr<GradSink> grad_sink() const;
   int64_t sink_weight() const { return sink_weight_; }
   int64_t sink_bias() const { return sink_bias_; }
 

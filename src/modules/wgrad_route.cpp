@@ -69,6 +69,10 @@ at::Tensor route_wgrad(LinearCore& core, SinkUse& use, const WgradRoute& r,
       task.sink = use.sink;
       task.sink_weight = use.sink_weight;
       task.sink_bias = use.sink_bias;
+      // Under a capture the task becomes the record's template; each replay asks for its tokens.
+      if (GraphRecord* rec = active_graph_record();
+          rec != nullptr && rec->note_wgrad(core.shared_from_this(), task))
+        return {};
       task.weight_token = use.sink->expect(use.sink_weight, use.microbatch, core.sink_name());
       if (task.dy.defined() && use.sink_bias >= 0)
         task.bias_token = use.sink->expect(use.sink_bias, use.microbatch, core.sink_name());

@@ -199,6 +199,8 @@ void bind_modules(py::module_& m) {
       .value("WARMUP", GraphRecord::Phase::kWarmup)
       .value("FORWARD", GraphRecord::Phase::kForward)
       .value("BACKWARD", GraphRecord::Phase::kBackward);
+  py::class_<ReplayUse, std::shared_ptr<ReplayUse>>(m, "ReplayUse")
+      .def_property_readonly("consumed", &ReplayUse::consumed);
   py::class_<GraphRecord, std::shared_ptr<GraphRecord>>(m, "GraphRecord")
       .def(py::init<>())
       .def("begin", &GraphRecord::begin, py::arg("phase"))
@@ -206,8 +208,8 @@ void bind_modules(py::module_& m) {
       .def("before_forward", &GraphRecord::before_forward)
       .def("watch_state", &GraphRecord::watch_state, py::arg("core"))
       .def("replay_forward", &GraphRecord::replay_forward)
-      .def("before_backward", &GraphRecord::before_backward)
-      .def("replay_backward", &GraphRecord::replay_backward)
+      .def("before_backward", &GraphRecord::before_backward, py::arg("use"))
+      .def("replay_backward", &GraphRecord::replay_backward, py::arg("use"))
       .def_property_readonly("wgrad_count", &GraphRecord::wgrad_count)
       .def("capture_wgrad", &GraphRecord::capture_wgrad, py::arg("index"))
       .def(

@@ -163,11 +163,11 @@ def test_capture_phases_record_the_observed_mark_and_take_it_back():
         y.backward(torch.randn_like(y))  # the grad_output cast records an amax
     assert rec.backward_observed and not _observed()
 
-    rec.replay_forward()
+    use = rec.replay_forward()
     assert _observed()
     fp8dp.update_fp8_scales()
     assert not _observed()
-    rec.replay_backward()
+    rec.replay_backward(use)
     assert _observed()
     fp8dp.update_fp8_scales()
 
@@ -211,7 +211,7 @@ def test_grad_added_is_set_again_at_each_backward_replay():
         torch.autograd.grad(y, [m.weight, x], torch.randn_like(y))
     assert rec.grad_added_count == 1
     m.weight.grad_added_to_main_grad = False  # as a loop resets it with the buffer
-    rec.replay_backward()
+    rec.replay_backward(rec.replay_forward())
     assert m.weight.grad_added_to_main_grad
     plain = _C.GraphRecord()
     with _Active(plain, _C.GraphPhase.BACKWARD):
@@ -340,12 +340,14 @@ def test_delayed_wgrad_is_a_template_and_each_replay_queues_it(fp8):
         rec.capture_wgrad(1)
 
     for mb in range(2):  # two micro-batches accumulate, each its own copy of the result
-        rec.before_backward()
-        rec.replay_backward()
+        use = rec.replay_forward()
+        rec.before_backward(use)
+        rec.replay_backward(use)
         assert m._core.queued_wgrads == 1
-        for check in (rec.before_forward, rec.before_backward):
-            with pytest.raises(RuntimeError, match="call backward_dw.. after each backward"):
-                check()
+        with pytest.raises(RuntimeError, match="call backward_dw.. after each backward"):
+            rec.before_forward()
+        with pytest.raises(RuntimeError, match="call backward_dw.. after each backward"):
+            rec.before_backward(rec.replay_forward())
         m.backward_dw()
         assert len(replays) == mb + 1 and len(hooks) == mb + 1
         assert torch.equal(m.weight.grad, (mb + 1) * eager.weight.grad), f"mb {mb}: weight"
@@ -364,7 +366,7 @@ def test_replay_needs_the_dw_graph():
     with _Active(rec, _C.GraphPhase.BACKWARD):
         y.backward(torch.randn_like(y))
     with pytest.raises(RuntimeError, match="weight-gradient graph was never captured"):
-        rec.before_backward()
+        rec.before_backward(rec.replay_forward())
 
 
 def test_warm_up_runs_and_drops_queued_wgrads():

@@ -222,6 +222,12 @@ def test_replay_refusals():
     with pytest.raises(ValueError, match="input 0 must be"):
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
             m(x[:16])
+    with pytest.raises(ValueError, match="requires grad, but its sample at capture did not"):
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            other = _layer("Linear")
+            _step(other, x, dy, recipe)
+            fp8dp.make_graphed_callables(other, (x.clone(),))
+            other(x.clone().requires_grad_(True))
     with pytest.raises(ValueError, match="is_first_microbatch must stay None"):
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
             m(x, is_first_microbatch=True)
