@@ -30,8 +30,9 @@ void RecordingSink::deliver(int64_t p, const at::Tensor& grad, Route route, Toke
   // A fused delivery carries no tensor (the GEMM accumulated into main_grad, inside the graph); a
   // tensor would be a static buffer the re-issue could not hand over, and no captured route makes
   // one (the delayed route delivers from backward_dw(), outside the capture).
-  FP8DP_CHECK(!grad.defined(), "make_graphed_callables: a captured layer delivered a gradient "
-                               "tensor to DistributedDataParallel (route ",
+  FP8DP_CHECK(!grad.defined(),
+              "make_graphed_callables: a captured layer delivered a gradient "
+              "tensor to DistributedDataParallel (route ",
               route_name(route), "); only fused deliveries can be re-issued");
   record_(SinkEvent{SinkEvent::Kind::kDeliver, real_, p, route, false});
 }
@@ -42,8 +43,8 @@ std::shared_ptr<GradSink> real_sink(const std::shared_ptr<GradSink>& sink) {
 }
 
 const ReplayUse::PerSink& ReplayUse::of(const std::shared_ptr<GradSink>& sink) {
-  const auto it = std::find_if(sinks_.begin(), sinks_.end(),
-                               [&](const PerSink& s) { return s.sink == sink; });
+  const auto it =
+      std::find_if(sinks_.begin(), sinks_.end(), [&](const PerSink& s) { return s.sink == sink; });
   if (it != sinks_.end()) return *it;
   sinks_.push_back(PerSink{sink, sink->microbatch(), sink->iteration()});
   return sinks_.back();

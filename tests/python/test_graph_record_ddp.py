@@ -13,10 +13,16 @@ atol 2^-17, as tests/python/test_ddp_phases.py: the same operations in the same 
 practice bit for bit), the ledger complete (finish_grad_sync checks it), the phases alike.
 
 The GPU half (replays that compute, several micro-batches) is tests/python/test_graphed_cuda.py.
+
+Mutation evidence (2026-12-05, each built and run, then restored): replay_backward without the
+fused deliveries fails the [fused] accounting case (the ledger misses the weights); ReplayUse never
+withdrawing fails both dropped-forward cases; before_backward without the acceptance checks fails
+the refusal test (the backward graph replayed before the refusal); LinearCore::grad_sink without
+the RecordingSink fails six tests (the capture's calls reach DDP: tokens expected twice, the
+dropped forward's report differs).
 """
 
 import contextlib
-import copy
 
 import pytest
 import torch
@@ -39,8 +45,10 @@ class HostGraphs(graph._CudaGraphs):
     stream to record it on) and replays nothing; grad_output is the given tensor."""
 
     class Graph:
+        replays = []  # every replay, in order (the refusal test: none after a refused check)
+
         def replay(self):
-            pass
+            HostGraphs.Graph.replays.append(self)
 
     def __init__(self, dy):
         self.dy = dy
@@ -169,8 +177,10 @@ def test_a_refused_backward_changes_nothing(group):
     before = [p.main_grad.clone() for p in ddp.module.parameters()]
     out = ddp(x.clone().requires_grad_(True))
     ddp.start_grad_sync()
+    HostGraphs.Graph.replays.clear()
     with pytest.raises(RuntimeError, match="sync_started|already|launched"):
         out.backward(dy)
+    assert not HostGraphs.Graph.replays, "refused before the backward graph replays"
     assert all(torch.equal(b, p.main_grad) for b, p in zip(before, ddp.module.parameters()))
     assert all(not m._core.queued_wgrads for m in ddp.module.modules() if hasattr(m, "_core"))
     del out
