@@ -2,8 +2,7 @@
 // fp8dp.make_graphed_callables (python/fp8dp/graph.py), and its re-issue at every replay.
 //
 // A replay runs the captured kernels only. What a layer does on the host during a forward or a
-// backward happens once, at capture (capture_check.h lists it). Three such effects matter
-// for a layer that is not bound to DistributedDataParallel:
+// backward happens once, at capture (capture_check.h lists it). These effects matter:
 //   - C9: a delayed-scaling cast marks the step's amaxes as observed; without the mark
 //     update_fp8_scales() updates nothing and every scale freezes. The casts' amaxes themselves
 //     are written by the captured kernels into row 0 of each state's history, whose address
@@ -20,9 +19,12 @@
 // While a record is active (begin/end), the layers let delayed scaling and the fused route be
 // captured (capture_refusal's `recorded`, plan_wgrad) and report those effects here; a capture
 // phase also takes back the observed mark that the capture itself left, since no kernel ran.
-// replay_forward / replay_backward then do what each phase's host code did. DDP-bound layers and
-// is_first_microbatch=False stay refused (DDP's host work is the gradient accounting itself;
-// docs/cuda_graphs_design.md says how a later version records it).
+//   - C2 / C5 / C8 / C11: a layer bound to DistributedDataParallel announces its gradients to the
+//     ledger, asks the sink whether it accepts them, delivers the fused ones and takes tokens for
+//     the delayed ones: graph_sink.h records these calls (a RecordingSink stands in for DDP's sink
+//     while a record is active) and the replays re-issue them against DDP.
+// replay_forward / replay_backward then do what each phase's host code did.
+// is_first_microbatch=False stays refused (a replay cannot reuse a cast it did not make).
 #pragma once
 
 #include <ATen/core/Tensor.h>

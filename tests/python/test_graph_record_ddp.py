@@ -19,7 +19,8 @@ fused deliveries fails the [fused] accounting case (the ledger misses the weight
 withdrawing fails both dropped-forward cases; before_backward without the acceptance checks fails
 the refusal test (the backward graph replayed before the refusal); LinearCore::grad_sink without
 the RecordingSink fails six tests (the capture's calls reach DDP: tokens expected twice, the
-dropped forward's report differs).
+dropped forward's report differs); the graphed forward without overlap_param_gather's waits
+fails the all-gather test (its graph replayed with the gather in flight).
 """
 
 import contextlib
@@ -46,9 +47,12 @@ class HostGraphs(graph._CudaGraphs):
 
     class Graph:
         replays = []  # every replay, in order (the refusal test: none after a refused check)
+        on_replay = None  # a test's probe of the state a replay runs in
 
         def replay(self):
             HostGraphs.Graph.replays.append(self)
+            if HostGraphs.Graph.on_replay is not None:
+                HostGraphs.Graph.on_replay()
 
     def __init__(self, dy):
         self.dy = dy
@@ -184,3 +188,27 @@ def test_a_refused_backward_changes_nothing(group):
     assert all(torch.equal(b, p.main_grad) for b, p in zip(before, ddp.module.parameters()))
     assert all(not m._core.queued_wgrads for m in ddp.module.modules() if hasattr(m, "_core"))
     del out
+
+
+def test_parameter_all_gathers_are_waited_for_before_a_replay(group):
+    """overlap_param_gather: the all-gather of the step's parameters is waited for by the forward
+    pre-hooks of the modules that read them, which a replay skips; the graphed forward runs those
+    waits itself before its graph reads the weights."""
+    cfg = fp8dp.DistributedDataParallelConfig(
+        bucket_size=200, use_distributed_optimizer=True, overlap_param_gather=True
+    )
+    ddp = fp8dp.DistributedDataParallel(model("fused"), cfg, process_group=group)
+    opt = fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=0.1)
+    x, dy = data(0)
+    capture(ddp, x, dy)  # the modules carry the waits as forward pre-hooks: accepted
+    ddp(x.clone().requires_grad_(True)).backward(dy)
+    opt.step()
+    assert ddp._sync.param_sync_pending
+    ddp.zero_grad_buffer()
+    pending_at_replay = []
+    HostGraphs.Graph.on_replay = lambda: pending_at_replay.append(ddp._sync.param_sync_pending)
+    try:
+        ddp(x.clone().requires_grad_(True))
+    finally:
+        HostGraphs.Graph.on_replay = None
+    assert pending_at_replay == [False], "the forward graph replayed after the all-gathers"
