@@ -36,7 +36,9 @@ what fp8dp layers need:
   The parameter all-gather waits of ``overlap_param_gather`` (forward pre-hooks of the
   submodules, which a replay skips) run before each forward replay.
 
-Refused: ``is_first_microbatch`` other than None (every replay casts the weight).
+``is_first_microbatch`` is accepted and decides nothing: every replay casts the weight, which
+within a step gives the bytes a reused cast would. Forwards that build no graph for a backward
+(grad off, inference mode: evaluation) and the other training mode run the eager forward.
 A graphed callable runs one forward at a time: its outputs and gradients live in static buffers
 that the next replay overwrites, as in torch.
 """
@@ -506,15 +508,24 @@ def _install(module, run):
     eager = module.forward
 
     def forward(*args, is_first_microbatch=None, **kwargs):
-        if is_first_microbatch is not None or kwargs:
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise ValueError(
-                f"graphed {type(module).__name__}: takes only its captured inputs "
-                f"(is_first_microbatch must stay None: every replay casts the weight), got "
-                f"{sorted(kwargs) + (['is_first_microbatch'] if is_first_microbatch is not None else [])}"
+                f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}"
             )
-        # As torch: the other training mode, and inference, run the eager forward.
-        if module.training != training or torch.is_inference_mode_enabled():
-            return eager(*args)
+        # Forwards that build no graph for a backward (evaluation: grad off or inference mode),
+        # and the other training mode as in torch, run eagerly, with their own fp8_autocast.
+        if module.training != training or not torch.is_grad_enabled():
+            if is_first_microbatch is not None:
+                kwargs["is_first_microbatch"] = is_first_microbatch
+            return eager(*args, **kwargs)
+        if kwargs:
+            raise ValueError(
+                f"graphed {type(module).__name__}: takes only its captured inputs, got keyword "
+                f"argument(s) {sorted(kwargs)}"
+            )
+        # is_first_microbatch is accepted and has nothing to decide: every replay casts the
+        # weight, which within a step gives the bytes a reused cast would (the weight and its
+        # scale change only between steps).
         return run(*args)
 
     module.forward = forward

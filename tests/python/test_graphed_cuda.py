@@ -228,9 +228,9 @@ def test_replay_refusals():
             _step(other, x, dy, recipe)
             fp8dp.make_graphed_callables(other, (x.clone(),))
             other(x.clone().requires_grad_(True))
-    with pytest.raises(ValueError, match="is_first_microbatch must stay None"):
+    with pytest.raises(ValueError, match="takes only its captured inputs"):
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
-            m(x, is_first_microbatch=True)
+            m(x, scale=2.0)
     xr = x.clone().requires_grad_(True)
     with fp8dp.fp8_autocast(fp8_recipe=recipe):
         y = m(xr)
@@ -246,8 +246,10 @@ def test_replay_refusals():
     with pytest.raises(RuntimeError, match="main_grad was replaced"):
         with fp8dp.fp8_autocast(fp8_recipe=recipe):
             m(x)
+    with torch.no_grad():  # evaluation (grad off) runs eagerly, under its own autocast state
+        assert m(x[:16]).shape == (16, H)
     m.eval()  # the other training mode runs the eager forward, as in torch
-    with torch.no_grad(), fp8dp.fp8_autocast(fp8_recipe=recipe):
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
         assert m(x[:16]).shape == (16, H)
 
 

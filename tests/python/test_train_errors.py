@@ -183,11 +183,23 @@ def test_bad_config_file(tmp_path, text, parts):
             ["fp8.margin: expected a finite number >= 0 and <= 14.807", "got 2000"],
         ),
         ("train.lr=[1", ["--set train.lr: expected a YAML value, got '[1' ("]),
+        ("train.cuda_graphs=1", ["train.cuda_graphs: expected true or false, got 1"]),
+        # run() forces --device cpu: refused before the first step
+        ("train.cuda_graphs=true", ["train.cuda_graphs: needs a CUDA device, got cpu"]),
+        (
+            "train.cuda_graphs=true train.fp8_stats_every=1",
+            ["train.cuda_graphs: expected false with train.fp8_stats_every > 0"],
+        ),
+        (
+            "train.cuda_graphs=true parallel.pipeline_parallel_size=2",
+            ["train.cuda_graphs: expected false with parallel.pipeline_parallel_size > 1"],
+        ),
     ],
 )
 def test_bad_override(finished, override, parts):
     cfg, _ = finished
-    rc, _, err = run("--config", cfg, "--set", override)
+    sets = [a for o in override.split(" ") for a in ("--set", o)]  # several, space-separated
+    rc, _, err = run("--config", cfg, *sets)
     assert_one_error(rc, err, *parts)
 
 

@@ -171,6 +171,11 @@ class TrainSection:
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device, for the model FLOPs utilisation in the metrics (fp8dp/
     train/flops.py says how FLOPs are counted); null = no MFU. E.g. 989 for an H200's BF16."""
+    cuda_graphs: bool = False
+    """Capture the model's forward and backward in CUDA graphs (fp8dp.make_graphed_callables)
+    after the first step of each launch, and replay them for every later micro-batch: the same
+    numbers, less host time. CUDA only, data parallel only, without train.fp8_stats_every.
+    Default false."""
 
     def __post_init__(self):
         self.clip_grad = _as_float(self.clip_grad)
@@ -184,6 +189,8 @@ class TrainSection:
         _int("train.save_every", self.save_every, lo=0)
         _int("train.fp8_stats_every", self.fp8_stats_every, lo=0)
         _int("train.seed", self.seed, lo=0)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"train.cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
         for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2"):
             setattr(self, k, _as_float(getattr(self, k)))
         _num("train.lr", self.lr, 0.0, lo_open=True)
@@ -546,6 +553,17 @@ class TrainConfig:
                     "train.fp8_stats_every: expected 0 with parallel.pipeline_parallel_size > 1 "
                     f"(the probe runs on the data-parallel path), got {self.train.fp8_stats_every}"
                 )
+        if self.train.cuda_graphs and par.pipeline_parallel_size > 1:
+            raise ValueError(
+                "train.cuda_graphs: expected false with parallel.pipeline_parallel_size > 1 (the "
+                "pipeline schedules run several forwards before their backwards; a graphed "
+                "callable runs one at a time), got true"
+            )
+        if self.train.cuda_graphs and self.train.fp8_stats_every > 0:
+            raise ValueError(
+                "train.cuda_graphs: expected false with train.fp8_stats_every > 0 (the probe "
+                "watches eager casts, which a replay does not run), got true"
+            )
         if par.pipeline_parallel_size > 1:
             # fp8dp.pipeline's blocks: the embedding, each transformer block, the norm + head.
             blocks, stages = self.model.n_layer + 2, par.pipeline_parallel_size * par.virtual_stages

@@ -200,6 +200,8 @@ def train(
     t_enter = time.perf_counter()
     n_micro = cfg.check_world_size(world_size)
     _check_train_args(cfg, save, stop_at, time_budget_s)
+    if cfg.train.cuda_graphs and torch.device(device).type != "cuda":
+        raise ValueError(f"train.cuda_graphs: needs a CUDA device, got {device}")
     corpus = _load_corpus(cfg, run_dir, rank)
     run = _Run.build(cfg, n_micro, corpus, rank, world_size, device)
     start = 0
@@ -312,6 +314,9 @@ class _Run:
     wgrad_modules: list  # the modules whose backward_dw() each micro-batch runs, last layer first
     config_dict: dict
     probe: Any = None  # fp8_stats.FP8Probe on rank 0 with train.fp8_stats_every; else None
+    graphed: bool = (
+        False  # train.cuda_graphs: the model was captured (after this launch's 1st step)
+    )
 
     @classmethod
     def build(cls, cfg: TrainConfig, n_micro: int, corpus, rank, world_size, device) -> "_Run":
@@ -395,7 +400,7 @@ class _Run:
             return self.pipe.step(step, self.recipe), None
         every = self.cfg.train.fp8_stats_every
         due = self.probe is not None and (step == 0 or (step + 1) % every == 0)
-        return _dp_step(
+        out = _dp_step(
             self.cfg,
             self.ddp,
             self.opt,
@@ -408,6 +413,18 @@ class _Run:
             self.device,
             self.probe if due else None,
         )
+        if self.cfg.train.cuda_graphs and not self.graphed:
+            self.capture_graphs(step)
+        return out
+
+    def capture_graphs(self, step: int) -> None:
+        """train.cuda_graphs: capture the model (under its DDP) after an eager step, which gave
+        delayed scaling its scales; a micro-batch of this step is the sample (its shape)."""
+        t = self.cfg.train
+        x, _ = self.corpus.batch("train", t.seed, step, self.rank, 0, t.micro_batch_size)
+        with fp8dp.fp8_autocast(enabled=self.cfg.fp8.enabled, fp8_recipe=self.recipe):
+            fp8dp.make_graphed_callables(self.model, (x.to(self.device),))
+        self.graphed = True
 
     def finished_summary(self, start: int) -> dict:
         """The summary of a resumed run that had already reached train.steps."""
