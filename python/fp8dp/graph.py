@@ -136,17 +136,39 @@ def _check_cuda(modules: tuple, sample_args: tuple) -> None:
                 )
 
 
+_NOT_READY = (
+    "Run one training step (forward, backward, update_fp8_scales) inside the same fp8_autocast "
+    "before capturing: a capture cannot choose a first scale"
+)
+
+
 def _check_fp8_ready(modules: tuple, state, wants_grad: list) -> None:
+    """Delayed scaling: every state that has cast must be ready for capture. A layer that never
+    cast in FP8 may be one that runs without it (fp8_autocast(enabled=False) inside the model, as
+    fp8.exclude does): _check_warmed_up tells after the warm-up."""
     if not (state.enabled and state.recipe.kind == _C.RecipeKind.DELAYED):
         return
     for i, m in enumerate(modules):
         for layer in _fp8_layers(m):
+            if layer._core.amax_history is None:
+                continue
             why = layer._core.fp8_capture_refusal(state.recipe, wants_grad[i])
             if why:
                 raise ValueError(
-                    f"modules[{i}]: {layer._core.name}: its FP8 scaling state {why}. Run one "
-                    "training step (forward, backward, update_fp8_scales) inside the same "
-                    "fp8_autocast before capturing: a capture cannot choose a first scale"
+                    f"modules[{i}]: {layer._core.name}: its FP8 scaling state {why}. {_NOT_READY}"
+                )
+
+
+def _check_warmed_up(modules: tuple, saved) -> None:
+    """After the warm-up, before its state is put back: a layer without FP8 state before it that
+    has one now casts in FP8, and had no scale to capture with."""
+    before = {id(layer): st is not None for layer, st in saved.states}
+    for i, m in enumerate(modules):
+        for layer in _fp8_layers(m):
+            if not before[id(layer)] and layer._core.amax_history is not None:
+                raise ValueError(
+                    f"modules[{i}]: {layer._core.name}: its FP8 scaling state has not cast in FP8 "
+                    f"before this capture. {_NOT_READY}"
                 )
 
 
@@ -307,6 +329,7 @@ def _capture(mods, args_all, num_warmup_iters, allow_unused_input, pool, backend
                     del outs
                     for layer in _fp8_layers(m):  # their GEMM plans, on this stream
                         layer._core.warm_queued_wgrads()
+        _check_warmed_up(mods, saved)
     finally:
         warm.end()
         saved.restore()

@@ -23,10 +23,9 @@ dropped forward's report differs); the graphed forward without overlap_param_gat
 fails the all-gather test (its graph replayed with the gather in flight).
 """
 
-import contextlib
-
 import pytest
 import torch
+from _host_graphs import HostGraphs
 
 import fp8dp
 from fp8dp import graph
@@ -39,33 +38,6 @@ WGRADS = {
     "delayed": dict(delay_wgrad_compute=True),
     "fused+delayed": dict(fuse_wgrad_accumulation=True, delay_wgrad_compute=True),
 }
-
-
-class HostGraphs(graph._CudaGraphs):
-    """The capture's CUDA calls on the CPU: a graph is captured by running its work (there is no
-    stream to record it on) and replays nothing; grad_output is the given tensor."""
-
-    class Graph:
-        replays = []  # every replay, in order (the refusal test: none after a refused check)
-        on_replay = None  # a test's probe of the state a replay runs in
-
-        def replay(self):
-            HostGraphs.Graph.replays.append(self)
-            if HostGraphs.Graph.on_replay is not None:
-                HostGraphs.Graph.on_replay()
-
-    def __init__(self, dy):
-        self.dy = dy
-
-    pool = staticmethod(lambda: None)
-    stream = staticmethod(lambda: None)
-    on_stream = staticmethod(lambda s: contextlib.nullcontext())
-    synchronize = staticmethod(lambda: None)
-    new_graph = Graph
-    capture = staticmethod(lambda g, pool, s: contextlib.nullcontext())
-
-    def grad_output(self, o):
-        return self.dy.clone()
 
 
 def model(wgrad, seed=0):

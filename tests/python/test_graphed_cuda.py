@@ -256,7 +256,7 @@ def test_replay_refusals():
 def test_capture_before_a_first_step_is_refused():
     m = _layer("Linear")
     x, _ = _inputs(1)
-    with pytest.raises(ValueError, match="has not cast in FP8 on its device yet"):
+    with pytest.raises(ValueError, match="has not cast in FP8 before this capture"):
         with fp8dp.fp8_autocast(fp8_recipe=RECIPES["delayed"]()):
             fp8dp.make_graphed_callables(m, (x.clone().requires_grad_(True),))
 

@@ -1,0 +1,114 @@
+"""fp8dp.make_graphed_callables' capture procedure on the CPU (tests/python/_host_graphs.py):
+which FP8 states it accepts under delayed scaling, and that the warm-up leaves no trace.
+
+- A layer that has cast must be ready (checked before the warm-up, test_graph_record.py has the
+  messages); a layer that never cast may be one the model runs without FP8 (a nested
+  fp8_autocast(enabled=False), as the demo's fp8.exclude does): accepted when the warm-up leaves
+  it so, refused when the warm-up made it cast (it had no scale to capture with).
+- The warm-up's changes are put back: every FP8 state bit for bit (and in place), main_grad,
+  grad_added_to_main_grad, the registry's observed mark.
+"""
+
+import pytest
+import torch
+from _host_graphs import HostGraphs
+
+import fp8dp
+from fp8dp import _C, graph
+
+H, TOKENS = 32, 16
+
+
+class Model(torch.nn.Module):
+    def __init__(self, exclude_last: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = fp8dp.Linear(H, H, fuse_wgrad_accumulation=True)
+        self.b = fp8dp.Linear(H, H)
+        self.exclude_last = exclude_last
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.exclude_last:
+            with fp8dp.fp8_autocast(enabled=False):
+                return self.b(h)
+        return self.b(h)
+
+
+def _capture(m, x, dy, recipe):
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        graph._capture((m,), ((x.clone().requires_grad_(True),),), 2, False, None, HostGraphs(dy))
+
+
+def _step(m, x, dy, recipe):
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        y = m(x.clone().requires_grad_(True))
+    y.backward(dy)
+    fp8dp.update_fp8_scales()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(TOKENS, H, generator=g), torch.randn(TOKENS, H, generator=g)
+
+
+def test_a_layer_run_without_fp8_is_accepted():
+    m = Model(exclude_last=True)
+    m.a.weight.main_grad = torch.zeros(H, H)
+    x, dy = _data()
+    recipe = fp8dp.DelayedScaling()
+    _step(m, x, dy, recipe)
+    assert m.b._core.amax_history is None, "b runs without FP8"
+    _capture(m, x, dy, recipe)
+    assert m.b._core.amax_history is None
+
+
+def test_a_layer_that_casts_without_a_scale_is_refused():
+    m = Model(exclude_last=False)
+    m.a.weight.main_grad = torch.zeros(H, H)
+    x, dy = _data()
+    recipe = fp8dp.DelayedScaling()
+    m.exclude_last = True
+    _step(m, x, dy, recipe)  # b did not cast in this step
+    m.exclude_last = False  # now it would, in the capture, with no scale
+    with pytest.raises(ValueError, match=r"Linear\(in_features=32.*has not cast in FP8 before"):
+        _capture(m, x, dy, recipe)
+    assert m.b._core.amax_history is None, "the warm-up's first cast was put back"
+
+
+def test_the_warm_up_leaves_no_trace():
+    m = Model(exclude_last=False)
+    m.a.weight.main_grad = torch.zeros(H, H)
+    x, dy = _data()
+    recipe = fp8dp.DelayedScaling(amax_history_len=4)
+    _step(m, x, dy, recipe)
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        m(x)  # this step's forward so far: observed, row 0 holds its amaxes
+    before = {k: m.a._core.get_extra_state()[k].clone() for k in ("amax_history", "scale")}
+    ptr = m.a._core.amax_history.data_ptr()
+    mg = m.a.weight.main_grad.clone()
+    m.a.weight.grad_added_to_main_grad = False
+    assert _C.fp8_registry_signature()[1]
+    # The capture's own host code writes nothing on a GPU; on the CPU its work runs, so the
+    # comparison is with the state a GPU capture leaves: put back after the warm-up only. The
+    # warm-up runs num_warmup_iters steps with gradients of ones: it moves every amax row 0.
+    saved = graph._Saved(graph._fp8_layers(m), HostGraphs(dy))
+    warm = _C.GraphRecord()
+    warm.begin(_C.GraphPhase.WARMUP)
+    try:
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            for _ in range(2):
+                y = m(x.clone().requires_grad_(True))
+                torch.autograd.grad(y, list(m.parameters()), torch.ones_like(y) * 100.0)
+        assert not torch.equal(m.a.weight.main_grad, mg), "the warm-up wrote main_grad"
+    finally:
+        warm.end()
+        saved.restore()
+    after = m.a._core.get_extra_state()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert m.a._core.amax_history.data_ptr() == ptr, "restored in place"
+    assert torch.equal(m.a.weight.main_grad, mg)
+    assert m.a.weight.grad_added_to_main_grad is False
+    assert _C.fp8_registry_signature()[1], "the step's own observation stands"
+    fp8dp.update_fp8_scales()
