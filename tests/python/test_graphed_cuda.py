@@ -17,7 +17,9 @@ import torch
 
 import fp8dp
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    not fp8dp.cuda_available(), reason="needs a CUDA GPU and fp8dp built with CUDA"
+)
 
 H, TOKENS = 256, 64
 RECIPES = {
