@@ -26,8 +26,7 @@ what fp8dp layers need:
   broadcast silently);
 - the parameters' gradients are handed to autograd as the static tensors themselves, so that
   AccumulateGrad copies them into an empty ``.grad`` instead of taking the static buffer, which the
-  next replay overwrites (two micro-batches would otherwise count the second one twice).
-
+  next replay overwrites (two micro-batches would otherwise count the second one twice);
 - layers bound to fp8dp.DistributedDataParallel (capture its module, ``ddp.module``, and call
   ``ddp(x)`` as usual): the warm-up and the capture see a sink that records what would change
   DDP's state (modules/graph_sink.h); each replay re-issues it against DDP after its graph (the
