@@ -38,12 +38,14 @@ what fp8dp layers need:
 ``is_first_microbatch`` is accepted and decides nothing: every replay casts the weight, which
 within a step gives the bytes a reused cast would. Forwards that build no graph for a backward
 (grad off, inference mode: evaluation) and the other training mode run the eager forward.
-A graphed callable runs one forward at a time: its outputs and gradients live in static buffers
-that the next replay overwrites, as in torch.
+A graphed callable runs one call at a time: its outputs and saved state live in static buffers,
+so a second call before the first one's backward is refused (torch does not check it); drop the
+outputs of a call that will have no backward.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -453,9 +455,20 @@ def _graphed_function(
         and isinstance(getattr(layer.weight, "main_grad", None), torch.Tensor)
     ]
 
+    # The autograd context of the latest replay, until its backward ran: the outputs and the saved
+    # state of one call live in the graphs' static buffers, which a second call overwrites.
+    in_flight = {"ctx": None}
+
     class Graphed(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
+            prev = in_flight["ctx"]() if in_flight["ctx"] is not None else None
+            if prev is not None and not prev.fp8dp_backward_done:
+                raise RuntimeError(
+                    f"graphed {what}: called again before the backward of its previous call; "
+                    "that call's outputs and saved state live in the graphs' static buffers, "
+                    "which this call would overwrite. Run its backward first, or drop its outputs"
+                )
             now = _C.autocast_current()
             if not _C.same_autocast(now, state):
                 raise RuntimeError(
@@ -491,6 +504,8 @@ def _graphed_function(
                     surface[k].copy_(x)
             fwd_graph.replay()
             ctx.use = record.replay_forward()
+            ctx.fp8dp_backward_done = False
+            in_flight["ctx"] = weakref.ref(ctx)
             return tuple(o.detach() for o in static_outputs)
 
         @staticmethod
@@ -504,6 +519,7 @@ def _graphed_function(
                     g.copy_(grad)
             bwd_graph.replay()
             record.replay_backward(ctx.use)
+            ctx.fp8dp_backward_done = True
             # The static tensors themselves (not detached views): AccumulateGrad then copies them
             # into an empty .grad rather than taking the buffer the next replay overwrites.
             return static_grad_inputs

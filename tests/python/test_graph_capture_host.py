@@ -112,3 +112,24 @@ def test_the_warm_up_leaves_no_trace():
     assert m.a.weight.grad_added_to_main_grad is False
     assert _C.fp8_registry_signature()[1], "the step's own observation stands"
     fp8dp.update_fp8_scales()
+
+
+def test_a_second_call_before_the_backward_is_refused():
+    """The first call's outputs and saved state live in the graphs' static buffers: a second call
+    before its backward would overwrite them (torch's make_graphed_callables does not check)."""
+    m = Model(exclude_last=False)
+    m.a.weight.main_grad = torch.zeros(H, H)
+    x, dy = _data()
+    recipe = fp8dp.DelayedScaling()
+    _step(m, x, dy, recipe)
+    _capture(m, x, dy, recipe)
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        y = m(x.clone().requires_grad_(True))
+        with pytest.raises(RuntimeError, match="called again before the backward"):
+            m(x.clone().requires_grad_(True))
+        y.backward(dy)
+        y2 = m(x.clone().requires_grad_(True))  # after the backward: allowed
+        del y2  # dropped without a backward: allowed too
+        y3 = m(x.clone().requires_grad_(True))
+    y3.backward(dy)
+    fp8dp.update_fp8_scales()
