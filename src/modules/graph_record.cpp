@@ -90,7 +90,13 @@ std::shared_ptr<GradSink> GraphRecord::sink_for(const std::shared_ptr<GradSink>&
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& s : sinks_)
     if (s->real() == real) return s;
-  sinks_.push_back(std::make_shared<RecordingSink>(real, [this](SinkEvent e) { record(e); }));
+  // A layer's autograd context may keep the sink past this record (an output of the capture kept
+  // alive): its calls then go nowhere.
+  std::weak_ptr<GraphRecord> self = weak_from_this();
+  FP8DP_CHECK(!self.expired(), "GraphRecord: must be owned by a std::shared_ptr");
+  sinks_.push_back(std::make_shared<RecordingSink>(real, [self](SinkEvent e) {
+    if (const auto r = self.lock()) r->record(std::move(e));
+  }));
   return sinks_.back();
 }
 

@@ -42,7 +42,8 @@ namespace fp8dp {
 
 class LinearCore;
 
-class GraphRecord {
+// Owned by a std::shared_ptr (the Python binding's holder): the sinks it hands out reach it weakly.
+class GraphRecord : public std::enable_shared_from_this<GraphRecord> {
  public:
   // kWarmup: the layers' host work runs for real (the caller saves and restores what it changes);
   // kForward / kBackward: a capture, whose host effects are recorded for that phase's replays.
