@@ -184,3 +184,31 @@ def test_parameter_all_gathers_are_waited_for_before_a_replay(group):
     finally:
         HostGraphs.Graph.on_replay = None
     assert pending_at_replay == [False], "the forward graph replayed after the all-gathers"
+
+
+class Checkpointed(torch.nn.Module):
+    """The model of the tests above with its second layer under activation checkpointing
+    (non-reentrant), whose recompute runs inside the captured backward."""
+
+    def __init__(self, wgrad):
+        super().__init__()
+        self.m = model(wgrad)
+
+    def forward(self, x):
+        h = self.m[1](self.m[0](x))
+        return torch.utils.checkpoint.checkpoint(self.m[2], h, use_reentrant=False)
+
+
+@pytest.mark.parametrize("wgrad", ["fused", "fused+delayed"])
+def test_activation_checkpointing_inside_the_graph(group, wgrad):
+    eager = wrap(Checkpointed(wgrad), group)
+    graphed = wrap(Checkpointed(wgrad), group)
+    x, dy = data(0)
+    eager_iteration(eager, x, dy)
+    graphed.zero_grad_buffer()
+    capture(graphed, x, dy)
+    graphed(x.clone().requires_grad_(True)).backward(dy)
+    backward_dw(graphed.module)
+    graphed.finish_grad_sync()
+    for (n, pe), pg in zip(eager.module.named_parameters(), graphed.module.parameters()):
+        torch.testing.assert_close(pg.main_grad, pe.main_grad, **TOL, msg=n)
