@@ -196,7 +196,9 @@ class Checkpointed(torch.nn.Module):
 
     def forward(self, x):
         h = self.m[1](self.m[0](x))
-        return torch.utils.checkpoint.checkpoint(self.m[2], h, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(
+            self.m[2], h, use_reentrant=False, preserve_rng_state=False
+        )
 
 
 @pytest.mark.parametrize("wgrad", ["fused", "fused+delayed"])
