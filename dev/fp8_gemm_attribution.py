@@ -6,7 +6,8 @@ GEMM at a time.
     torchrun --nproc_per_node=1 dev/fp8_gemm_attribution.py --config configs/fp8_gap_cpu.yaml \
         --gemms fprop,dgrad,wgrad --out runs/attr/all [--grad-format E4M3] [--no-head]
 
---gemms: the GEMMs that run in FP8 (a comma list of fprop, dgrad, wgrad; "none" for FP32).
+--gemms: the GEMMs that run in FP8 (a comma list of fprop, dgrad, wgrad; "none" for FP32;
+fprop_x / fprop_w quantize only the forward GEMM's input / weight).
 Emulation: current scaling per tensor (scale = fp8_max / amax, the tensor's own amax, as
 Float8CurrentScaling with margin 0); x and w in E4M3, dy in E5M2 (HYBRID) unless --grad-format
 E4M3; round to nearest even, saturating; products and sums in FP32 (what fp8dp's CPU path
@@ -31,7 +32,8 @@ from fp8dp.train.config import load_config
 from fp8dp.train.fp8_stats import FORMATS, fake_cast
 from fp8dp.train.loop import setup_distributed
 
-GEMMS = ("fprop", "dgrad", "wgrad")
+# fprop_x / fprop_w: the forward GEMM with only its input / only its weight quantized.
+GEMMS = ("fprop", "dgrad", "wgrad", "fprop_x", "fprop_w")
 
 
 def cast(v: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -48,10 +50,9 @@ class EmulatedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.fp8, ctx.grad_fmt, ctx.has_bias = fp8, grad_fmt, b is not None
         x2 = x.reshape(-1, x.shape[-1])
-        if "fprop" in fp8:
-            y = cast(x2, "E4M3") @ cast(w, "E4M3").t()
-        else:
-            y = x2 @ w.t()
+        qx = cast(x2, "E4M3") if fp8 & {"fprop", "fprop_x"} else x2
+        qw = cast(w, "E4M3") if fp8 & {"fprop", "fprop_w"} else w
+        y = qx @ qw.t()
         if b is not None:
             y = y + b
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -128,7 +129,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--gemms", required=True, help="comma list of fprop, dgrad, wgrad; or none")
+    p.add_argument(
+        "--gemms",
+        required=True,
+        help="comma list of fprop, dgrad, wgrad, fprop_x, fprop_w; or none",
+    )
     p.add_argument("--grad-format", choices=("E5M2", "E4M3"), default="E5M2")
     p.add_argument("--no-head", action="store_true", help="the head's GEMMs stay FP32")
     p.add_argument("--out", required=True)
