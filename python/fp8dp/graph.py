@@ -121,11 +121,11 @@ def _check_arguments(modules: tuple, sample_args: tuple, num_warmup_iters, one: 
 
 
 def _check_cuda(modules: tuple, sample_args: tuple) -> None:
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{_CAPTURE_ERROR}: CUDA graphs need a CUDA device, and torch sees none "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})"
-        )
+    from . import cuda_available  # (fp8dp/__init__.py imports this module first)
+
+    ok, why = cuda_available(return_reason=True)
+    if not ok:
+        raise RuntimeError(f"{_CAPTURE_ERROR}: CUDA graphs need a CUDA device: {why}")
     for i, (m, args) in enumerate(zip(modules, sample_args)):
         for j, a in enumerate(args):
             if not a.is_cuda:
