@@ -9,8 +9,9 @@
 # bench_block.json, bench_ckpt.json,
 # and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt.
 # Not in the default STEPS (they take minutes): "matrix" (the full NCCL test matrix: matrix.log,
-# matrix_nccl.json), "demo" (configs/gpu.yaml on every GPU: demo.log, demo/) and "bench_gpt_graphs"
-# (the stack in CUDA graphs: bench_gpt_graphs.json). The experiments of
+# matrix_nccl.json), "demo" (configs/gpu.yaml on every GPU: demo.log, demo/), "bench_gpt_graphs"
+# (the stack in CUDA graphs: bench_gpt_graphs.json) and "demo_graphs" (the demo on one GPU with
+# and without train.cuda_graphs: demo_graphs/). The experiments of
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
 # (profile.log, profile_gpt_SHAPE.json), dev_profile_modules (profile_modules.json),
@@ -166,6 +167,19 @@ if want demo; then
     --nproc_per_node="$NGPU" -m fp8dp.train --config configs/gpu.yaml --compare-bf16 --no-progress \
     --set out.dir="$OUT/demo"
 fi
+if want demo_graphs; then
+  # The demo on one GPU with its model in CUDA graphs (train.cuda_graphs) and without: tokens/s and
+  # losses of each (demo_graphs/{eager,graphs}/fp8/metrics.jsonl, summary.json).
+  grc=0
+  for g in false true; do
+    d=$([ "$g" = true ] && echo graphs || echo eager)
+    run_step demo_graphs "$OUT/demo.log" 240 "$PY" -m fp8dp.train --config configs/gpu.yaml \
+      --device cuda --no-progress --set train.steps=100 --set train.cuda_graphs=$g \
+      --set out.dir="$OUT/demo_graphs/$d"
+    [ "${RC[demo_graphs]}" = 0 ] || grc=${RC[demo_graphs]}
+  done
+  RC[demo_graphs]=$grc
+fi
 if want sanitizer; then
   # The kernel gtests under memcheck (out-of-bounds, misaligned and racy-initialisation reads).
   src=0
@@ -182,7 +196,7 @@ fi
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
            bench_gpt bench_gpt_best bench_gpt_graphs bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
-           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile dev_graph_ceiling matrix demo sanitizer; do
+           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8
