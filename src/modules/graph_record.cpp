@@ -178,7 +178,7 @@ std::shared_ptr<ReplayUse> GraphRecord::replay_forward() {
 void GraphRecord::before_replay(const char* what) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& t : templates_) {
-    FP8DP_CHECK(*t->queued == 0, t->core->config().name,
+    FP8DP_CHECK(t->queued == 0, t->core->config().name,
                 ": the weight gradient queued by the previous backward of this graphed callable "
                 "has not run yet; call backward_dw() after each backward of a graphed callable "
                 "(the queued GEMM reads the graphs' static buffers, which this ",
@@ -227,14 +227,14 @@ void GraphRecord::replay_backward(ReplayUse& use) {
     // Copies of the static outputs: backward_dw may make one the weight's .grad, which the next
     // replay of the dw graph must not overwrite.
     task.replay = [t] {
-      --*t->queued;
+      --t->queued;
       t->replay();
       WgradResult r;
       if (t->result.dweight.defined()) r.dweight = t->result.dweight.clone();
       if (t->result.dbias.defined()) r.dbias = t->result.dbias.clone();
       return r;
     };
-    ++*t->queued;
+    ++t->queued;
     t->core->enqueue(std::move(task));
   }
 }

@@ -29,6 +29,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -107,7 +108,7 @@ class GraphRecord : public std::enable_shared_from_this<GraphRecord> {
     WgradTask task;
     WgradResult result;  // the dw graph's static outputs (undefined when fused / FP8)
     std::function<void()> replay;
-    std::shared_ptr<int> queued = std::make_shared<int>(0);  // replayed tasks not yet run
+    std::atomic<int> queued{0};  // replayed tasks not yet run (backward_dw runs them)
   };
   std::vector<std::shared_ptr<Template>> templates_;
   struct Watched {

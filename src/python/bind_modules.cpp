@@ -199,8 +199,7 @@ void bind_modules(py::module_& m) {
       .value("WARMUP", GraphRecord::Phase::kWarmup)
       .value("FORWARD", GraphRecord::Phase::kForward)
       .value("BACKWARD", GraphRecord::Phase::kBackward);
-  py::class_<ReplayUse, std::shared_ptr<ReplayUse>>(m, "ReplayUse")
-      .def_property_readonly("consumed", &ReplayUse::consumed);
+  py::class_<ReplayUse, std::shared_ptr<ReplayUse>>(m, "ReplayUse");
   py::class_<GraphRecord, std::shared_ptr<GraphRecord>>(m, "GraphRecord")
       .def(py::init<>())
       .def("begin", &GraphRecord::begin, py::arg("phase"))

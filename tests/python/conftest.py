@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
+from _process_group import world_of_one
 
 import fp8dp
 
@@ -69,8 +69,4 @@ def device(request, fp8_states_released):
 
 @pytest.fixture(scope="module")
 def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    yield from world_of_one("gloo")

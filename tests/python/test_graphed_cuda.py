@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from _process_group import world_of_one
 
 import fp8dp
 
@@ -118,6 +119,20 @@ def _graph_copy(eager, recipe):
     return graphed
 
 
+def _steps_match(eager, graphed, recipe, steps):
+    """`steps` steps of one micro-batch on both copies: outputs and input gradients equal, then
+    after update_fp8_scales() the gradients and FP8 states."""
+    for step in range(steps):
+        x, dy = _inputs(step + 2)
+        ye, dxe = _step(eager, x, dy, recipe)
+        yg, dxg = _step(graphed, x, dy, recipe)
+        assert torch.equal(ye, yg) and torch.equal(dxe, dxg), f"step {step}"
+        fp8dp.update_fp8_scales()
+        _assert_same_state(eager, graphed, f"step {step}")
+        _clear(eager)
+        _clear(graphed)
+
+
 @pytest.mark.parametrize("wgrad", list(WGRADS))
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("kind", KINDS)
@@ -173,15 +188,7 @@ def test_a_stack_and_two_callables_match_eager(recipe_name):
     with fp8dp.fp8_autocast(fp8_recipe=recipe):
         hs = a(xs).detach().requires_grad_(True)  # a sample of b's input
         fp8dp.make_graphed_callables((a, b), ((xs,), (hs,)))
-    for step in range(3):
-        x, dy = _inputs(step + 2)
-        ye, dxe = _step(eager, x, dy, recipe)
-        yg, dxg = _step(graphed, x, dy, recipe)
-        assert torch.equal(ye, yg) and torch.equal(dxe, dxg), f"step {step}"
-        fp8dp.update_fp8_scales()
-        _assert_same_state(eager, graphed, f"step {step}")
-        _clear(eager)
-        _clear(graphed)
+    _steps_match(eager, graphed, recipe, 3)
 
 
 def test_a_graph_alone_marks_its_amaxes_at_every_replay():
@@ -285,13 +292,7 @@ def test_load_state_dict_after_capture_keeps_the_graph():
 
 @pytest.fixture(scope="module")
 def nccl_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    yield from world_of_one("nccl")
 
 
 @pytest.mark.parametrize("wgrad", list(WGRADS))
@@ -353,12 +354,4 @@ def test_activation_checkpointing_replays_match_eager(wgrad):
     recipe = RECIPES["delayed"]()
     eager = _Checkpointed(wgrad)
     graphed = _graph_copy(eager, recipe)
-    for step in range(2):
-        x, dy = _inputs(step + 2)
-        ye, dxe = _step(eager, x, dy, recipe)
-        yg, dxg = _step(graphed, x, dy, recipe)
-        assert torch.equal(ye, yg) and torch.equal(dxe, dxg), f"step {step}"
-        fp8dp.update_fp8_scales()
-        _assert_same_state(eager, graphed, f"step {step}")
-        _clear(eager)
-        _clear(graphed)
+    _steps_match(eager, graphed, recipe, 2)
