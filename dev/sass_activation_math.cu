@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "fp8/activation_lut.h"
 #include "fp8/activation_math.h"
 #include "fp8/cuda/cast_common.cuh"
 
@@ -55,6 +56,57 @@ __global__ void sass_gelu_group8_e4m3(const __nv_bfloat16* h, float scale, uint2
   quantize_scaled<Format::kE4M3, 8>(v, scale, am == kQuietNaNBits, q.b);
   out[g] = q.u;
   amax[g] = am;
+}
+
+// The same group with GELU looked up in a shared-memory table (activation_lut.h), as the kernels
+// do for bf16 inputs. `_hit` is the path of a group whose 8 inputs all lie in the table (what
+// almost every group takes); the other kernel has the computed fallback too.
+template <bool kFallback>
+__device__ __forceinline__ void gelu_group8_lut(const __nv_bfloat16* h, const float* lut_g,
+                                                float scale, uint2* out, unsigned* amax) {
+  __shared__ float lut[act_lut::kLutSize];
+  for (int i = threadIdx.x; i < static_cast<int>(act_lut::kLutSize); i += blockDim.x)
+    lut[i] = lut_g[i];
+  __syncthreads();
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  union {
+    uint4 u;
+    __nv_bfloat16 t[8];
+  } x;
+  x.u = reinterpret_cast<const uint4*>(h)[g];
+  float v[8], xf[8];
+  uint32_t am = 0, miss = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    xf[j] = to_float(x.t[j]);
+    bool in;
+    v[j] = lut[act_lut::slot(xf[j], in)];  // gelu(x) rounded to bf16 (activation_lut.h)
+    miss |= (in ? 0u : 1u) << j;
+  }
+  if (kFallback && miss != 0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (miss & (1u << j)) v[j] = to_float(from_float<__nv_bfloat16>(act::gelu(xf[j])));
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) am = max(am, abs_bits(v[j]));
+  union {
+    uint2 u;
+    uint8_t b[8];
+  } q;
+  quantize_scaled<Format::kE4M3, 8>(v, scale, am == kQuietNaNBits, q.b);
+  out[g] = q.u;
+  amax[g] = am;
+}
+
+__global__ void sass_gelu_group8_e4m3_lut_hit(const __nv_bfloat16* h, const float* lut,
+                                              float scale, uint2* out, unsigned* amax) {
+  gelu_group8_lut<false>(h, lut, scale, out, amax);
+}
+
+__global__ void sass_gelu_group8_e4m3_lut(const __nv_bfloat16* h, const float* lut, float scale,
+                                          uint2* out, unsigned* amax) {
+  gelu_group8_lut<true>(h, lut, scale, out, amax);
 }
 
 }  // namespace fp8dp::cuda

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "common/check.h"
@@ -23,6 +24,7 @@ const char* activation_name(Activation act) {
 }
 
 namespace {
+std::atomic<bool> g_lut_enabled{true};
 
 // Checks h (and da) and fills the shape and input fields of p. Returns the contiguous inputs.
 struct Inputs {
@@ -36,6 +38,7 @@ Inputs prepare(ActParams& p, const at::Tensor& da_in, const at::Tensor& h_in, Ac
   check_device_supported(h_in, fn, "argument 'h'");
   p.dtype = to_high_precision_dtype(h_in.scalar_type(), fn, "argument 'h'");
   p.act = act;
+  p.lut = g_lut_enabled.load();
   p.rows = h_in.size(0);
   const int64_t in_cols = h_in.size(1);
   if (act == Activation::kSwiglu) {
@@ -69,6 +72,8 @@ void run(const ActParams& p, const at::Tensor& like) {
 }
 
 }  // namespace
+
+bool set_activation_lut(bool enabled) { return g_lut_enabled.exchange(enabled); }
 
 at::Tensor activation_forward(const at::Tensor& h, Activation act) {
   return activation_backward(at::Tensor(), h, act);

@@ -33,4 +33,10 @@ Quantized activation_cast(const at::Tensor& da, const at::Tensor& h, Activation 
 // scale), nothing else written.
 at::Tensor activation_amax(const at::Tensor& da, const at::Tensor& h, Activation act);
 
+// Whether the CUDA kernels look bf16 inputs up in tables (activation_lut.h; the default) or
+// compute every element. Both give the same bits; the switch serves the benchmark's
+// same-process comparison (bench/layernorm_mlp_gpu.py) and the GPU test that compares the two.
+// Returns the previous setting.
+bool set_activation_lut(bool enabled);
+
 }  // namespace fp8dp

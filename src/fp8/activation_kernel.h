@@ -49,6 +49,9 @@ struct ActParams {
   float* scale_inv = nullptr;
   void* dbias = nullptr;
   DType dbias_dtype = DType::kFloat32;
+  // CUDA, bf16 input: look the activation up (activation_lut.h) instead of computing it. The
+  // same bits either way; the CPU always computes.
+  bool lut = true;
 
   int64_t in_cols() const { return activation_in_cols(act, cols); }
   int64_t out_cols() const { return backward ? in_cols() : cols; }

@@ -162,12 +162,14 @@ FP8DP_HD float silu(float x) { return mul(x, sigmoid(x)); }
 
 // SwiGLU forward of one (gate, up) pair: silu(gate) * up.
 FP8DP_HD float swiglu(float gate, float up) { return mul(silu(gate), up); }
-// Its gradients given da: d gate = da * up * silu'(gate), d up = da * silu(gate), where
-// silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g).
+// silu'(g) = s (1 + g (1 - s)) given s = sigmoid(g).
+FP8DP_HD float dsilu_of(float g, float s) { return mul(s, add(1.0f, mul(g, sub(1.0f, s)))); }
+FP8DP_HD float dsilu(float g) { return dsilu_of(g, sigmoid(g)); }
+// Its gradients given da: d gate = da * up * silu'(gate), d up = da * silu(gate). The kernels'
+// tables (activation_lut.h) hold silu and silu' of the gate: the same operations, the same bits.
 FP8DP_HD void dswiglu(float da, float gate, float up, float& dgate, float& dup) {
   const float s = sigmoid(gate);
-  const float dsilu = mul(s, add(1.0f, mul(gate, sub(1.0f, s))));
-  dgate = mul(mul(da, up), dsilu);
+  dgate = mul(mul(da, up), dsilu_of(gate, s));
   dup = mul(da, mul(gate, s));
 }
 

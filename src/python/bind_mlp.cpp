@@ -57,6 +57,10 @@ void bind_mlp(py::module_& m) {
       },
       py::arg("da"), py::arg("h"), py::arg("activation"));
   m.def(
+      "_set_activation_lut", &set_activation_lut, py::arg("enabled"),
+      "Internal: the CUDA activation kernels look bf16 inputs up in tables (True, the default) or "
+      "compute them (False); the same bits. Returns the previous setting.");
+  m.def(
       "activation_cast",
       [](const std::optional<at::Tensor>& da, const at::Tensor& h, const std::string& activation,
          const at::Tensor& scale, Format format, bool data, bool transpose, bool dbias,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/parallel.h"
+#include "fp8/activation_lut.h"
 #include "fp8/quantize.h"
 #include "norm/norm_kernel.h"
 
@@ -156,6 +157,55 @@ TEST(KernelsCpu, LayerNormMatchesAFloat64Reference) {
     }
     EXPECT_NEAR(mu[r], m, 1e-6);
     EXPECT_NEAR(rsigma[r], rs, 1e-5 * rs);
+  }
+}
+
+// The CUDA activation kernels load act_lut's table slot of each bf16 input and compute the
+// function only where `in` is false (activation_lut.h): each bf16 value in the range must have a
+// slot of its own that holds it (value(slot) == x; the device fills slot i with f(value(i))), and
+// every value outside must say so. Over all 65,536 bf16 bit patterns. Mutation (2026-12-05): slot()
+// one binade lower than value() -> fails at bf16 0x3900 (2^-13, now said to be inside).
+TEST(ActivationLut, EveryBf16InTheRangeHasItsOwnSlot) {
+  std::vector<int> seen(act_lut::kLutSize, 0);
+  int inside = 0;
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float x = act::from_bits(b << 16);
+    const float ax = std::fabs(x);
+    const bool want_in = ax >= 0x1p-12f && ax < 16.0f;  // false for NaN
+    bool in = !want_in;
+    const uint32_t s = act_lut::slot(x, in);
+    ASSERT_EQ(in, want_in) << "bf16 bits 0x" << std::hex << b;
+    ASSERT_LT(s, act_lut::kLutSize);
+    if (!in) {
+      ASSERT_EQ(s, 0u) << "bf16 bits 0x" << std::hex << b;  // a load from it stays inside
+      continue;
+    }
+    ++inside;
+    ++seen[s];
+    ASSERT_EQ(act::to_bits(act_lut::value(s)), b << 16) << "slot " << s;
+  }
+  EXPECT_EQ(inside, static_cast<int>(act_lut::kLutSize));
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<long>(act_lut::kLutSize));
+}
+
+// round_bf16 (GELU's forward table holds its outputs rounded) against round-to-nearest-even
+// spelled out on the discarded low half: every 4,099th float bit pattern (all exponents, both
+// signs) plus the ties and the largest finite values, NaN aside (no table holds one).
+// Mutation (2026-12-05): u + 0x8000 (ties away from zero) -> fails at 0x3F808000 (0x3F81, not
+// 0x3F80).
+TEST(ActivationLut, RoundBf16IsRoundToNearestEven) {
+  auto want = [](uint32_t u) {
+    const uint32_t lower = u & 0xFFFF0000u, rest = u & 0xFFFFu;
+    const bool up = rest > 0x8000u || (rest == 0x8000u && ((lower >> 16) & 1u));
+    return up ? lower + 0x10000u : lower;
+  };
+  std::vector<uint32_t> cases = {0x3F808000u, 0x3F818000u, 0x7F7F8000u, 0x7F7FFFFFu,
+                                 0x00008000u, 0x00018000u, 0x7F800000u, 0xFF800000u};
+  for (uint64_t u = 0; u <= 0xFFFFFFFFull; u += 4099) cases.push_back(static_cast<uint32_t>(u));
+  for (uint32_t u : cases) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) continue;  // NaN
+    ASSERT_EQ(act::to_bits(act_lut::round_bf16(act::from_bits(u))), want(u))
+        << "float bits 0x" << std::hex << u;
   }
 }
 

@@ -692,6 +692,78 @@ def test_cuda_activation_cast_misaligned_rows_match_cpu(act, back):
     assert torch.equal(hp_cpu, hp_gpu.cpu())
 
 
+def _every_bf16_below(limit, rows, cols):
+    """[rows, cols] bf16 that holds every bf16 bit pattern of magnitude below `limit` (the others,
+    Inf and NaN among them, set to 0), each rows * cols / 65536 times, in a fixed shuffled order.
+    The limit keeps products and dbias sums finite: an Inf - Inf NaN's bits differ between CPU and
+    GPU, and NaN never equals itself."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).clone()
+    x[~(x.float().abs() < limit)] = 0
+    x = x.repeat(rows * cols // 65536)
+    perm = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(8))
+    return x[perm].view(rows, cols)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("back", [False, True], ids=["forward", "backward"])
+def test_cuda_activation_tables_give_the_cpu_bytes_for_every_bf16(act, back):
+    """The CUDA kernels look bf16 inputs up in tables (src/fp8/activation_lut.h) and compute only
+    those outside them; the CPU computes every element. Over every bf16 value of h below 2^20 in
+    magnitude (the tables hold 2^-12 <= |x| < 16; the GELU input or SwiGLU's gate; the up half
+    and da random), the FP8 bytes of both orientations,
+    amax, dbias and the high-precision results must equal the CPU's, with the tables and without
+    (fp8dp._C._set_activation_lut). A slot of the wrong value, SwiGLU's two tables swapped or a
+    table entry not rounded as the kernel rounds changes bytes here."""
+    ok, reason = _cuda_reason()
+    if not ok:
+        pytest.skip(reason)
+    rows, cols = 512, 256  # 2 copies of each value; vec_in (cols % 8 == 0): the table path
+    g = torch.Generator().manual_seed(9)
+    h = _every_bf16_below(2.0**20, rows, cols)
+    if act == "swiglu":
+        h = torch.cat([h, torch.randn(rows, cols, generator=g).bfloat16()], dim=1)
+    da = torch.randn(rows, cols, generator=g).bfloat16() if back else None
+    fmt = _C.Format.E5M2 if back else _C.Format.E4M3
+    scale = torch.tensor([2.0])
+
+    def run(dev):
+        d = None if da is None else da.to(dev)
+        q = _C.activation_cast(
+            d, h.to(dev), act, scale.to(dev), fmt, True, True, back, None, torch.bfloat16
+        )
+        hp = (
+            _C.activation_backward(d, h.to(dev), act)
+            if back
+            else _C.activation_forward(h.to(dev), act)
+        )
+        out = [q.data.view(torch.uint8), q.data_t.view(torch.uint8), q.amax, hp.view(torch.int16)]
+        return [t.cpu() for t in out + ([q.dbias] if back else [])]
+
+    cpu = run("cpu")
+    before = _C._set_activation_lut(True)
+    try:
+        tables = run("cuda")
+        _C._set_activation_lut(False)
+        computed = run("cuda")
+    finally:
+        _C._set_activation_lut(before)
+    names = ["data", "data_t", "amax", "high precision", "dbias"]
+    for name, c, t, m in zip(names, cpu, tables, computed):
+        assert torch.equal(c, t), f"{name}: tables differ from the CPU"
+        assert torch.equal(c, m), f"{name}: computed differs from the CPU"
+
+
+def test_activation_table_switch_returns_the_previous_setting():
+    """The benchmark's switch (bench/layernorm_mlp_gpu.py): on by default, set and restored."""
+    assert _C._set_activation_lut(False) is True
+    try:
+        assert _C._set_activation_lut(False) is False
+    finally:
+        assert _C._set_activation_lut(True) is False
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ACTS)
 def test_cuda_module_matches_cpu(act):

@@ -8,6 +8,12 @@
 // bytes is written. The kernels are bound by instruction issue (the activation's arithmetic), so
 // inputs come in 16-byte loads where the layout allows (elements_vec).
 //
+// bf16 inputs are looked up, not computed (activation_lut.h): the kernels copy the tables they
+// need (16 or 32 KB) into shared memory once per block, and compute only the elements outside the
+// tables' range; the tiled kernel then takes tiles in a loop (one block per tile would copy the
+// tables once per 4,096 elements). The tables are filled once per device, outside any capture; a
+// launch that finds them unfilled while its stream captures computes every element instead.
+//
 // Two kernels. Row-major bytes alone (the forward's fc2 input, and the amax pass): a flat pass,
 // eight neighbouring output elements per thread and step. With the transposed bytes or dbias (the
 // backward's fc1 grad_output, and the forward when the wgrad needs the transpose): one tiled pass
@@ -16,11 +22,15 @@
 // that recomputed it and a byte-transpose pass cost more: docs/changelog.md, 2026-12-04).
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/cuda_scratch.h"
 #include "fp8/activation_kernel.h"
+#include "fp8/activation_lut.h"
 #include "fp8/cuda/cast_common.cuh"
 
 namespace fp8dp {
@@ -70,6 +80,108 @@ __device__ __forceinline__ float element(const Args& a, int64_t r, int64_t oc) {
 
 constexpr int kVec = 8;
 
+// ---------------------------------------------------------------- tables (activation_lut.h)
+using act_lut::kLutSize;
+
+// Every table of every device, filled by fill_lut_kernel; 16-byte aligned for the float4 copies.
+__device__ __align__(16) float g_lut[act_lut::kFns * kLutSize];
+
+__global__ void fill_lut_kernel(float* lut) {
+  const uint32_t i = blockIdx.x * kThreads + threadIdx.x;
+  if (i >= act_lut::kFns * kLutSize) return;
+  lut[i] = act_lut::eval(static_cast<act_lut::Fn>(i / kLutSize), act_lut::value(i % kLutSize));
+}
+
+// Work per block that amortises its copy of the tables (16 KB: as many bytes as 4,096 bf16
+// inputs and outputs): 4 tiles of 64 x 64 outputs, or 8 groups of kVec per thread.
+constexpr int64_t kLutTiles = 4;
+constexpr int64_t kLutGroups = 8;
+
+// The tables a kernel reads: GELU's or its derivative's; SiLU (forward); SiLU and SiLU'
+// (backward), adjacent in g_lut.
+template <Activation A, bool kBackward>
+constexpr int lut_count() {
+  return A == Activation::kSwiglu && kBackward ? 2 : 1;
+}
+template <Activation A, bool kBackward>
+constexpr int lut_first() {
+  return static_cast<int>(A == Activation::kGelu
+                              ? (kBackward ? act_lut::Fn::kDgelu : act_lut::Fn::kGelu)
+                              : act_lut::Fn::kSilu);
+}
+template <Activation A, bool kBackward>
+constexpr int lut_bytes() {
+  return lut_count<A, kBackward>() * static_cast<int>(kLutSize * sizeof(float));
+}
+
+extern __shared__ float4 lut_smem[];
+
+// Copies the kernel's tables from g_lut (`all`) into shared memory; every thread of the block.
+template <Activation A, bool kBackward>
+__device__ __forceinline__ const float* load_lut(const float* __restrict__ all) {
+  constexpr int kQuads = lut_bytes<A, kBackward>() / 16;
+  const float4* src = reinterpret_cast<const float4*>(all + lut_first<A, kBackward>() * kLutSize);
+  for (int i = threadIdx.x; i < kQuads; i += kThreads) lut_smem[i] = src[i];
+  __syncthreads();
+  return reinterpret_cast<const float*>(lut_smem);
+}
+
+// The tables of the current device, filled on first use; null (compute instead) while the stream
+// captures a graph before they were filled, since the fill synchronises.
+const float* lut_tables(cudaStream_t st) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<const float*> ready[kMaxDevices];
+  static std::mutex fill_mutex;
+  int dev = 0;
+  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices) return nullptr;
+  if (const float* t = ready[dev].load(std::memory_order_acquire)) return t;
+  std::lock_guard<std::mutex> lock(fill_mutex);
+  if (const float* t = ready[dev].load(std::memory_order_acquire)) return t;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  void* p = nullptr;
+  FP8DP_CHECK_CUDA(cudaGetSymbolAddress(&p, g_lut));
+  constexpr unsigned kBlocks = (act_lut::kFns * kLutSize + kThreads - 1) / kThreads;
+  fill_lut_kernel<<<kBlocks, kThreads, 0, st>>>(static_cast<float*>(p));
+  FP8DP_CHECK_CUDA(cudaGetLastError());
+  // Once: later launches on any stream must find the tables written.
+  FP8DP_CHECK_CUDA(cudaStreamSynchronize(st));
+  ready[dev].store(static_cast<const float*>(p), std::memory_order_release);
+  return static_cast<const float*>(p);
+}
+
+// Dynamic shared memory past 48 KB (with the tiled kernel's static tiles) needs the kernel's
+// opt-in, set once per device.
+template <auto Kernel>
+void allow_dynamic_smem(int bytes) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) return;
+  FP8DP_CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.fetch_or(bit, std::memory_order_relaxed);
+}
+
+// Resident blocks of a kernel on the whole device (the tiled kernel's grid when it loops).
+template <auto Kernel>
+int resident_blocks(int dynamic_smem) {
+  static std::atomic<int> per_sm{0};
+  int n = per_sm.load(std::memory_order_relaxed);
+  if (n == 0) {
+    FP8DP_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, reinterpret_cast<const void*>(Kernel), kThreads, dynamic_smem));
+    n = n > 0 ? n : 1;
+    per_sm.store(n, std::memory_order_relaxed);
+  }
+  return n * sm_count();
+}
+
 // kVec neighbouring inputs p[0 .. kVec), widened; p 16-byte aligned.
 template <typename T>
 __device__ __forceinline__ void load_vec(const T* p, float (&f)[kVec]) {
@@ -84,13 +196,96 @@ __device__ __forceinline__ void load_vec(const T* p, float (&f)[kVec]) {
   for (int j = 0; j < kVec; ++j) f[j] = to_float(x.t[j]);
 }
 
+// One looked-up value per element of x (kVec widened bf16 values); `miss` gets bit j where x[j]
+// lies outside the table, and v[j] is then left for the caller to compute.
+__device__ __forceinline__ uint32_t look_up(const float* __restrict__ lut, const float (&x)[kVec],
+                                            float (&v)[kVec]) {
+  uint32_t miss = 0;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    bool in;
+    v[j] = lut[act_lut::slot(x[j], in)];
+    miss |= (in ? 0u : 1u) << j;
+  }
+  return miss;
+}
+
+// elements_vec's outputs from the tables: the activation's factor looked up, and computed for the
+// elements outside the tables (rare: the branch is taken by few warps), then rounded to T as
+// elements_vec rounds (GELU's forward table holds its outputs already rounded).
+template <typename T, Activation A, bool kBackward>
+__device__ __forceinline__ void elements_lut(const Args& a, int64_t r, int64_t oc0, const T* h,
+                                             float (&v)[kVec], const float* __restrict__ lut) {
+  auto round = [](float f) { return to_float(from_float<T>(f)); };
+  float x[kVec];
+  if constexpr (!kBackward) {
+    load_vec(h + oc0, x);
+    const uint32_t miss = look_up(lut, x, v);  // round(gelu(x)) or silu(gate)
+    if constexpr (A == Activation::kGelu) {
+      if (miss != 0) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (miss & (1u << j)) v[j] = round(act::gelu(x[j]));
+      }
+    } else {
+      float up[kVec];
+      load_vec(h + a.cols + oc0, up);
+      if (miss != 0) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (miss & (1u << j)) v[j] = act::silu(x[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = round(act::mul(v[j], up[j]));  // act::swiglu
+    }
+  } else {
+    const T* da = static_cast<const T*>(a.da) + r * a.cols;
+    float g[kVec];
+    if constexpr (A == Activation::kGelu) {
+      load_vec(da + oc0, g);
+      load_vec(h + oc0, x);
+      const uint32_t miss = look_up(lut, x, v);  // dgelu(x)
+      if (miss != 0) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (miss & (1u << j)) v[j] = act::dgelu(x[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = round(act::mul(g[j], v[j]));
+    } else {
+      // A group lies in one half (a.vec_in: cols % kVec == 0): d gate = (da up) silu'(gate) from
+      // the second table, d up = da silu(gate) from the first (act::dswiglu's operations).
+      const bool gate = oc0 < a.cols;
+      const int64_t c0 = gate ? oc0 : oc0 - a.cols;
+      float up[kVec];
+      load_vec(da + c0, g);
+      load_vec(h + c0, x);
+      load_vec(h + a.cols + c0, up);
+      const uint32_t miss = look_up(gate ? lut + kLutSize : lut, x, v);
+      if (miss != 0) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (miss & (1u << j)) v[j] = gate ? act::dsilu(x[j]) : act::silu(x[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        v[j] = round(gate ? act::mul(act::mul(g[j], up[j]), v[j]) : act::mul(g[j], v[j]));
+    }
+  }
+}
+
 // The kVec outputs (r, oc0 .. oc0 + kVec) of element(), all inside the matrix, with 16-byte loads
 // (a.vec_in): one load instruction per operand instead of one per element and operand, and no
 // bounds check per element. The same arithmetic as element(), so the same bits.
-template <typename T, Activation A, bool kBackward>
+//
+// With kLut (bf16 only) the activation comes from the tables in shared memory (`lut`), and only
+// the elements they miss are computed: the same bits, since each entry is the computation's result.
+template <typename T, Activation A, bool kBackward, bool kLut>
 __device__ __forceinline__ void elements_vec(const Args& a, int64_t r, int64_t oc0,
-                                             float (&v)[kVec]) {
+                                             float (&v)[kVec], const float* __restrict__ lut) {
+  static_assert(!kLut || std::is_same_v<T, __nv_bfloat16>, "tables are for bf16 inputs only");
   const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
+  if constexpr (kLut) return elements_lut<T, A, kBackward>(a, r, oc0, h, v, lut);
   float x[kVec];
   if constexpr (!kBackward) {
     load_vec(h + oc0, x);
@@ -149,11 +344,14 @@ __device__ __forceinline__ void store_vec(T* p, const float (&v)[kVec]) {
 // element: the 64-bit division cost more than the activation), and with `vec` (out_cols a multiple
 // of kVec, out aligned) stores their FP8 bytes as one 8-byte word.
 
-template <typename T, Activation A, bool kBackward, Format F>
+template <typename T, Activation A, bool kBackward, Format F, bool kLut>
 __global__ void __launch_bounds__(kThreads)
     act_kernel(const Args a, T* __restrict__ out_hp, uint8_t* __restrict__ out,
                const float* __restrict__ scale_ptr, unsigned int* __restrict__ amax_bits,
-               float* __restrict__ scale_inv, bool vec, bool vec_hp) {
+               float* __restrict__ scale_inv, bool vec, bool vec_hp,
+               const float* __restrict__ lut_all) {
+  const float* lut = nullptr;
+  if constexpr (kLut) lut = load_lut<A, kBackward>(lut_all);
   const float scale = scale_ptr != nullptr ? *scale_ptr : 1.0f;
   const int64_t per_row = (a.out_cols + kVec - 1) / kVec;
   const int64_t n = a.rows * per_row;
@@ -165,7 +363,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i0 = r * a.out_cols + oc0;
     float v[kVec];
     if (a.vec_in && live == kVec) {
-      elements_vec<T, A, kBackward>(a, r, oc0, v);
+      elements_vec<T, A, kBackward, kLut>(a, r, oc0, v, lut);
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j)
@@ -225,80 +423,89 @@ struct TileOut {
   float* dbias_partial;  // [ceil(rows / 64), out_cols] chunk sums, or null
 };
 
-template <typename T, Activation A, bool kBackward, Format F, bool kDbias>
+// Tiles t = blockIdx.x, blockIdx.x + gridDim.x, ... of the (row band, column band) grid, row
+// bands outer: one tile per block (grid = tiles) when computing, a loop over tiles (grid = the
+// resident blocks) with the tables, so that each block copies them once.
+template <typename T, Activation A, bool kBackward, Format F, bool kDbias, bool kLut>
 __global__ void __launch_bounds__(kThreads)
     act_tile_kernel(const Args a, const TileOut o, const float* __restrict__ scale_ptr,
-                    unsigned int* __restrict__ amax_bits, float* __restrict__ scale_inv) {
+                    unsigned int* __restrict__ amax_bits, float* __restrict__ scale_inv,
+                    const float* __restrict__ lut_all, int64_t col_tiles, int64_t tiles) {
   // +1 byte / float of padding per row: the column-wise reads below fall into different banks.
   __shared__ uint8_t tile[kTileRows][kTileCols + 1];
   __shared__ float vals[kDbias ? kTileRows : 1][kTileCols + 1];
+  const float* lut = nullptr;
+  if constexpr (kLut) lut = load_lut<A, kBackward>(lut_all);
   // No scale with dbias alone (activation_cuda allows it): cast nothing, as the CPU's 1.0.
   const float scale = scale_ptr != nullptr ? *scale_ptr : 1.0f;
   const int tc = threadIdx.x % kTpr, tr = threadIdx.x / kTpr;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
-  const int64_t oc0 = c0 + tc * kVec;
-  const int live =
-      static_cast<int>(a.out_cols - oc0 >= kVec ? kVec : (a.out_cols > oc0 ? a.out_cols - oc0 : 0));
   uint32_t am = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {  // the same count in every thread
+    const int64_t band = t / col_tiles;                      // the dbias chunk
+    const int64_t c0 = (t - band * col_tiles) * kTileCols;
+    const int64_t r0 = band * kTileRows;
+    const int64_t oc0 = c0 + tc * kVec;
+    const int live = static_cast<int>(
+        a.out_cols - oc0 >= kVec ? kVec : (a.out_cols > oc0 ? a.out_cols - oc0 : 0));
 #pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int lr = tr + p * kRpp;
-    const int64_t r = r0 + lr;
-    const bool row_in = r < a.rows;
-    float v[kVec];
-    if (a.vec_in && row_in && live == kVec) {
-      elements_vec<T, A, kBackward>(a, r, oc0, v);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)  // zero outside the matrix: no effect on amax; never stored
-        v[j] = (row_in && j < live) ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) am = max(am, abs_bits(v[j]));
-    uint8_t q[kVec];
-    quantize_scaled<F, kVec>(v, scale, am == kQuietNaNBits, q);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      tile[lr][tc * kVec + j] = q[j];
-      if constexpr (kDbias) vals[lr][tc * kVec + j] = v[j];
-    }
-    if (o.out != nullptr && row_in && live > 0)
-      store_bytes8(o.out + r * a.out_cols + oc0, q, o.vec, live);  // o.vec: live == kVec
-  }
-  __syncthreads();
-  if (o.out_t != nullptr) {
-    // Transposed row c0 + oc (an output column) holds the tile's 64 rows: 4 segments of 16 bytes.
-    const int oc = threadIdx.x / kSegs, seg = (threadIdx.x % kSegs) * 16;
-    const int64_t orow = c0 + oc, rbeg = r0 + seg;
-    if (orow < a.out_cols && rbeg < a.rows) {
-      union {
-        uint4 u;
-        uint8_t b[16];
-      } t;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) t.b[i] = tile[seg + i][oc];
-      uint8_t* dst = o.out_t + orow * a.rows + rbeg;
-      if (o.vec_t) {  // rows % 16 == 0, so rbeg < rows means all 16 are inside
-        *reinterpret_cast<uint4*>(dst) = t.u;
+    for (int p = 0; p < kPasses; ++p) {
+      const int lr = tr + p * kRpp;
+      const int64_t r = r0 + lr;
+      const bool row_in = r < a.rows;
+      float v[kVec];
+      if (a.vec_in && row_in && live == kVec) {
+        elements_vec<T, A, kBackward, kLut>(a, r, oc0, v, lut);
       } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i)  // constant indices keep `t` in registers
-          if (rbeg + i < a.rows) dst[i] = t.b[i];
+        for (int j = 0; j < kVec; ++j)  // zero outside the matrix: no effect on amax; never stored
+          v[j] = (row_in && j < live) ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) am = max(am, abs_bits(v[j]));
+      uint8_t q[kVec];
+      quantize_scaled<F, kVec>(v, scale, am == kQuietNaNBits, q);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        tile[lr][tc * kVec + j] = q[j];
+        if constexpr (kDbias) vals[lr][tc * kVec + j] = v[j];
+      }
+      if (o.out != nullptr && row_in && live > 0)
+        store_bytes8(o.out + r * a.out_cols + oc0, q, o.vec, live);  // o.vec: live == kVec
+    }
+    __syncthreads();
+    if (o.out_t != nullptr) {
+      // Transposed row c0 + oc (an output column) holds the tile's 64 rows: 4 segments of 16 bytes.
+      const int oc = threadIdx.x / kSegs, seg = (threadIdx.x % kSegs) * 16;
+      const int64_t orow = c0 + oc, rbeg = r0 + seg;
+      if (orow < a.out_cols && rbeg < a.rows) {
+        union {
+          uint4 u;
+          uint8_t b[16];
+        } tb;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) tb.b[i] = tile[seg + i][oc];
+        uint8_t* dst = o.out_t + orow * a.rows + rbeg;
+        if (o.vec_t) {  // rows % 16 == 0, so rbeg < rows means all 16 are inside
+          *reinterpret_cast<uint4*>(dst) = tb.u;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i)  // constant indices keep `tb` in registers
+            if (rbeg + i < a.rows) dst[i] = tb.b[i];
+        }
       }
     }
-  }
-  if constexpr (kDbias) {
-    if (threadIdx.x < kTileCols && c0 + threadIdx.x < a.out_cols) {
-      const int64_t live_rows = a.rows - r0 < kTileRows ? a.rows - r0 : kTileRows;
-      float sum = 0.0f;
-      for (int64_t i = 0; i < live_rows; ++i) sum = __fadd_rn(sum, vals[i][threadIdx.x]);
-      o.dbias_partial[static_cast<int64_t>(blockIdx.y) * a.out_cols + c0 + threadIdx.x] = sum;
+    if constexpr (kDbias) {
+      if (threadIdx.x < kTileCols && c0 + threadIdx.x < a.out_cols) {
+        const int64_t live_rows = a.rows - r0 < kTileRows ? a.rows - r0 : kTileRows;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < live_rows; ++i) sum = __fadd_rn(sum, vals[i][threadIdx.x]);
+        o.dbias_partial[band * a.out_cols + c0 + threadIdx.x] = sum;
+      }
     }
+    __syncthreads();  // the next tile writes tile / vals
   }
   block_amax_commit<kThreads>(am, amax_bits);
-  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-    *scale_inv = 1.0f / scale;
+  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
 }
 
 int grid_for(int64_t n) {
@@ -307,25 +514,56 @@ int grid_for(int64_t n) {
   return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
 }
 
+// Launches Kernel (an act_tile_kernel) with the tables (lut non-null) or without.
+template <auto Kernel, Activation A, bool kBackward>
+void launch_tile_kernel(const Args& a, const TileOut& o, const ActParams& p, const float* lut,
+                        int64_t col_tiles, int64_t tiles, cudaStream_t st) {
+  int blocks = static_cast<int>(tiles < INT32_MAX ? tiles : INT32_MAX);  // more: loop over tiles
+  int smem = 0;
+  if (lut != nullptr) {
+    // Each block copies the tables: kLutTiles tiles per block where there are enough, not fewer
+    // blocks than SMs, not more than fit at once.
+    smem = lut_bytes<A, kBackward>();
+    allow_dynamic_smem<Kernel>(smem);
+    const int64_t want = (tiles + kLutTiles - 1) / kLutTiles;
+    const int64_t floor = want > sm_count() ? want : sm_count();
+    const int64_t resident = resident_blocks<Kernel>(smem);
+    const int64_t g = floor < resident ? floor : resident;
+    blocks = static_cast<int>(tiles < g ? tiles : g);
+  }
+  Kernel<<<blocks, kThreads, smem, st>>>(a, o, p.scale, reinterpret_cast<unsigned int*>(p.amax),
+                                         p.scale_inv, lut, col_tiles, tiles);
+}
+
 template <typename T, Activation A, bool kBackward, bool kDbias>
-void launch_tiled(const ActParams& p, const Args& a, cudaStream_t st) {
+void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStream_t st) {
   const int64_t chunks = (p.rows + kTileRows - 1) / kTileRows;
-  FP8DP_CHECK(chunks <= 65535, "activation_cuda: the transposed / dbias path supports up to ",
-              65535 * kChunkRows, " rows, got ", p.rows);
+  const int64_t col_tiles = (a.out_cols + kTileCols - 1) / kTileCols;
   TileOut o{
       p.out, p.out_t,
       p.out != nullptr && a.out_cols % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0,
       p.out_t != nullptr && aligned16(p.out_t) && p.rows % 16 == 0, nullptr};
   if (kDbias) o.dbias_partial = scratch_alloc<float>(static_cast<size_t>(chunks * a.out_cols), st);
-  auto* amax_bits = reinterpret_cast<unsigned int*>(p.amax);
-  const dim3 grid(static_cast<unsigned>((a.out_cols + kTileCols - 1) / kTileCols),
-                  static_cast<unsigned>(chunks));
-  if (p.format == Format::kE4M3) {
-    act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias>
-        <<<grid, kThreads, 0, st>>>(a, o, p.scale, amax_bits, p.scale_inv);
-  } else {
-    act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias>
-        <<<grid, kThreads, 0, st>>>(a, o, p.scale, amax_bits, p.scale_inv);
+  const int64_t tiles = chunks * col_tiles;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (lut != nullptr) {
+      if (p.format == Format::kE4M3) {
+        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, true>, A,
+                           kBackward>(a, o, p, lut, col_tiles, tiles, st);
+      } else {
+        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, true>, A,
+                           kBackward>(a, o, p, lut, col_tiles, tiles, st);
+      }
+    }
+  }
+  if (lut == nullptr) {
+    if (p.format == Format::kE4M3) {
+      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, false>, A,
+                         kBackward>(a, o, p, nullptr, col_tiles, tiles, st);
+    } else {
+      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, false>, A,
+                         kBackward>(a, o, p, nullptr, col_tiles, tiles, st);
+    }
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
   if (!kDbias) return;
@@ -365,12 +603,17 @@ void launch(const ActParams& p, cudaStream_t st) {
       p.cols % kVec == 0 && aligned16(p.input) && (p.grad == nullptr || aligned16(p.grad))};
   if (p.amax != nullptr && !p.amax_accumulate)
     FP8DP_CHECK_CUDA(cudaMemsetAsync(p.amax, 0, sizeof(float), st));
+  // The tables serve elements_vec, so only where it runs (a.vec_in).
+  const float* lut = nullptr;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (p.lut && a.vec_in) lut = lut_tables(st);
+  }
   if (p.out_t != nullptr || p.dbias != nullptr) {
     FP8DP_CHECK(p.out_hp == nullptr,
                 "activation_cuda: the high-precision result is not written with the transposed "
                 "bytes or dbias");
-    return p.dbias != nullptr ? launch_tiled<T, A, kBackward, true>(p, a, st)
-                              : launch_tiled<T, A, kBackward, false>(p, a, st);
+    return p.dbias != nullptr ? launch_tiled<T, A, kBackward, true>(p, a, lut, st)
+                              : launch_tiled<T, A, kBackward, false>(p, a, lut, st);
   }
   auto* amax_bits = reinterpret_cast<unsigned int*>(p.amax);
   T* out_hp = static_cast<T*>(p.out_hp);
@@ -378,12 +621,31 @@ void launch(const ActParams& p, cudaStream_t st) {
   const bool vec = a.out_cols % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
   const bool vec_hp = a.out_cols % kVec == 0 && aligned16(out_hp);
   const int act_grid = grid_for(groups);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (lut != nullptr) {
+      // Each block copies the tables (16 or 32 KB): at least kLutGroups groups per thread where
+      // there are enough, not fewer blocks than SMs.
+      const int64_t want = (groups + kThreads * kLutGroups - 1) / (kThreads * kLutGroups);
+      const int64_t floor = want > sm_count() ? want : sm_count();
+      const int grid = act_grid < floor ? act_grid : static_cast<int>(floor);
+      const int smem = lut_bytes<A, kBackward>();
+      if (p.format == Format::kE4M3) {
+        act_kernel<T, A, kBackward, Format::kE4M3, true><<<grid, kThreads, smem, st>>>(
+            a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp, lut);
+      } else {
+        act_kernel<T, A, kBackward, Format::kE5M2, true><<<grid, kThreads, smem, st>>>(
+            a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp, lut);
+      }
+      FP8DP_CHECK_CUDA(cudaGetLastError());
+      return;
+    }
+  }
   if (p.format == Format::kE4M3) {
-    act_kernel<T, A, kBackward, Format::kE4M3><<<act_grid, kThreads, 0, st>>>(
-        a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp);
+    act_kernel<T, A, kBackward, Format::kE4M3, false><<<act_grid, kThreads, 0, st>>>(
+        a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp, nullptr);
   } else {
-    act_kernel<T, A, kBackward, Format::kE5M2><<<act_grid, kThreads, 0, st>>>(
-        a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp);
+    act_kernel<T, A, kBackward, Format::kE5M2, false><<<act_grid, kThreads, 0, st>>>(
+        a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp, nullptr);
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
