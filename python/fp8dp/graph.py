@@ -45,6 +45,8 @@ outputs of a call that will have no backward.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
 from typing import Sequence
 
@@ -190,7 +192,25 @@ class _CudaGraphs:
     on_stream = staticmethod(lambda s: torch.cuda.stream(s))
     synchronize = staticmethod(lambda: torch.cuda.synchronize())
     new_graph = staticmethod(lambda: torch.cuda.CUDAGraph())
-    capture = staticmethod(lambda g, pool, s: torch.cuda.graph(g, pool=pool, stream=s))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def capture(g, pool, s):
+        # thread_local (docs/cuda_graphs_design.md B13): fp8dp's NCCL watchdog thread polls the
+        # events of collectives launched before the capture (cudaEventQuery); under the default
+        # "global" mode that call, from another thread, invalidates the capture.
+        # No garbage collection inside a capture (make_graphed_callables collects just before):
+        # a collected cycle of an earlier graphed module or DistributedDataParallel would destroy
+        # its CUDA graphs or NCCL communicator there, CUDA calls a capture may refuse.
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
+                yield
+        finally:
+            if gc_enabled:
+                gc.enable()
+
     # The backward graph's static grad_output: filled by each replay (a CPU capture runs, so the
     # host tests give it the values their replays will bring).
     grad_output = staticmethod(lambda o: torch.empty_like(o))
@@ -226,13 +246,14 @@ class _Saved:
 
 
 def _delivered_by_layers(module) -> set:
-    """ids of the parameters whose gradient a DDP-bound fp8dp layer hands to DDP itself (fused or
-    delayed weight; the bias too when delayed: FP8 off computes it in backward_dw), so that
-    autograd gives them none."""
+    """ids of the parameters whose gradient an fp8dp layer computes outside autograd, so that the
+    captured backward gives them none: a delayed weight, bound to DDP or not (backward_dw(); the
+    bias too: FP8 off computes it there), and the fused weight of a DDP-bound layer (an unbound
+    one hands autograd a stand-in)."""
     out = set()
     for layer in _fp8_layers(module):
-        if layer._core.grad_sink_bound and (
-            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute
+        if layer.delay_wgrad_compute or (
+            layer._core.grad_sink_bound and layer.fuse_wgrad_accumulation
         ):
             out.add(id(layer.weight))
             if layer.delay_wgrad_compute and layer.bias is not None:
@@ -335,6 +356,7 @@ def _capture(mods, args_all, num_warmup_iters, allow_unused_input, pool, backend
         warm.end()
         saved.restore()
 
+    gc.collect()  # dead graphed modules and DDPs go now, not inside a capture (backend.capture)
     fwd_graphs = [backend.new_graph() for _ in mods]
     bwd_graphs = [backend.new_graph() for _ in mods]
     # One graph per delayed weight-gradient GEMM, replayed by backward_dw() in whatever order the

@@ -133,3 +133,40 @@ def test_a_second_call_before_the_backward_is_refused():
         y3 = m(x.clone().requires_grad_(True))
     y3.backward(dy)
     fp8dp.update_fp8_scales()
+
+
+@pytest.mark.parametrize(
+    "fuse,delay",
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["plain", "fused", "delayed", "fused+delayed"],
+)
+def test_an_unbound_layer_is_captured_in_every_wgrad_route(fuse, delay):
+    """Without DDP, a delayed layer gives autograd no weight gradient (backward_dw() computes it):
+    the capture (allow_unused_input=False) must not call the weight an unused input, and a replay
+    then backward_dw() give the eager weight gradient. Missed until 2026-12-05 (a desk review of
+    the GPU tests): every unbound delayed-only case was refused at capture, "requires grad but the
+    captured backward gives it no gradient"; the fused+delayed one passed (a stand-in gradient)."""
+    torch.manual_seed(0)
+    m = fp8dp.Linear(H, H, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay)
+    if fuse:
+        m.weight.main_grad = torch.zeros(H, H)
+    x, dy = _data()
+    recipe = fp8dp.DelayedScaling()
+
+    def step():
+        with fp8dp.fp8_autocast(fp8_recipe=recipe):
+            y = m(x.clone().requires_grad_(True))
+        y.backward(dy)
+        if delay:
+            m.backward_dw()
+
+    step()
+    fp8dp.update_fp8_scales()
+    _capture(m, x, dy, recipe)  # raises if the weight is taken for an unused input
+    m.weight.grad = None
+    m.weight.grad_added_to_main_grad = False
+    step()  # a replay (on the host stand-in its kernels compute nothing: the host work runs)
+    if fuse:  # the GEMM into main_grad is in the graph; the replay marks it done again
+        assert m.weight.grad_added_to_main_grad is True
+    else:  # the static gradient the capture computed reaches .grad through autograd
+        assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0

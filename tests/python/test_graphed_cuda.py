@@ -185,8 +185,12 @@ def test_a_stack_and_two_callables_match_eager(recipe_name):
     fp8dp.update_fp8_scales()
     a, b = graphed[0], graphed[1]
     xs = x.clone().requires_grad_(True)
+    # b's sample: any tensor of its input's shape ([TOKENS, H], as a's output). Not a(xs): that
+    # eager forward would leave its amaxes in row 0 of a's delayed-scaling histories, which the
+    # capture keeps (it puts back the state it found), so a's next update would see them and the
+    # eager copy's would not.
+    hs = x.clone().requires_grad_(True)
     with fp8dp.fp8_autocast(fp8_recipe=recipe):
-        hs = a(xs).detach().requires_grad_(True)  # a sample of b's input
         fp8dp.make_graphed_callables((a, b), ((xs,), (hs,)))
     _steps_match(eager, graphed, recipe, 3)
 
@@ -212,7 +216,11 @@ def test_a_graph_alone_marks_its_amaxes_at_every_replay():
         y.backward(dy * (step + 2))  # a gradient amax the history has not seen
         fp8dp.update_fp8_scales()
         after = m._core.amax_history
-        assert not torch.equal(before, after), f"step {step}: the update rolled the history"
+        # Rolled: row 0 cleared, this step's amaxes in row 1, the older rows moved down (the
+        # replay's kernels alone would leave them in row 0, so "changed" would not be evidence).
+        assert not after[0].any(), f"step {step}: the update rolled the history (row 0 cleared)"
+        assert after[1].gt(0).all(), f"step {step}: the replays' amaxes reached the update"
+        assert torch.equal(after[2:], before[1:-1]), f"step {step}: the older rows moved down"
         _clear(m)
 
 
