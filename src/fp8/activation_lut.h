@@ -10,8 +10,9 @@
 //
 // Layout: the magnitudes 2^-12 <= |x| < 2^4 (16 binades of 128 bf16 values each), positive then
 // negative; `slot` maps a bf16 value to its index, `value` back. Outside that range (zero, tiny,
-// |x| >= 16, Inf, NaN: rare in a pre-activation, whose values are O(1)) the kernels compute the function. Each function reads its entry as one float (GELU, its
-// derivative, SiLU) or a pair (SwiGLU's backward: silu(g) and silu'(g)).
+// |x| >= 16, Inf, NaN: rare in a pre-activation, whose values are O(1)) the kernels compute the
+// function. Each function reads its entry as one float (GELU, its derivative, SiLU) or a pair
+// (SwiGLU's backward: silu(g) and silu'(g)).
 #pragma once
 
 #include <cstdint>
@@ -21,11 +22,11 @@
 namespace fp8dp {
 namespace act_lut {
 
-constexpr uint32_t kExpLo = 127 - 12;                     // biased exponent of 2^-12
-constexpr uint32_t kExpHi = 127 + 4;                      // of 2^4: the first one past the table
-constexpr uint32_t kPerSign = (kExpHi - kExpLo) << 7;     // 2048 magnitudes
-constexpr uint32_t kLutSize = 2 * kPerSign;               // 4096 slots
-constexpr uint32_t kLoBits = kExpLo << 7;                 // bf16 bits of 2^-12
+constexpr uint32_t kExpLo = 127 - 12;                  // biased exponent of 2^-12
+constexpr uint32_t kExpHi = 127 + 4;                   // of 2^4: the first one past the table
+constexpr uint32_t kPerSign = (kExpHi - kExpLo) << 7;  // 2048 magnitudes
+constexpr uint32_t kLutSize = 2 * kPerSign;            // 4096 slots
+constexpr uint32_t kLoBits = kExpLo << 7;              // bf16 bits of 2^-12
 
 // Slot of x, a bf16 value widened to float (its low 16 bits are 0), and whether x lies in the
 // table (`in`); the slot is 0 when it does not, so that a load from it stays inside.
@@ -55,7 +56,8 @@ enum class Fn : int {
   kGelu = 0,   // gelu(x) rounded to bf16: GELU's forward output itself, nothing left to round
   kDgelu = 1,  // dgelu(x)
   kSilu = 2,   // silu(x) (SwiGLU's forward: swiglu(g, u) = silu(g) * u)
-  kDsilu = 3,  // silu'(x) (SwiGLU's backward, with kSilu: dgate = (da u) silu'(g), dup = da silu(g))
+  kDsilu =
+      3,  // silu'(x) (SwiGLU's backward, with kSilu: dgate = (da u) silu'(g), dup = da silu(g))
 };
 constexpr int kFns = 4;
 

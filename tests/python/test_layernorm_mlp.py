@@ -715,11 +715,14 @@ def test_cuda_activation_tables_give_the_cpu_bytes_for_every_bf16(act, back):
     and da random), the FP8 bytes of both orientations,
     amax, dbias and the high-precision results must equal the CPU's, with the tables and without
     (fp8dp._C._set_activation_lut). A slot of the wrong value, SwiGLU's two tables swapped or a
-    table entry not rounded as the kernel rounds changes bytes here."""
+    table entry not rounded as the kernel rounds changes bytes here. The shape gives more tiles
+    (256 to 512) and 8-element groups than an H100 / H200 (132 SMs) gets blocks on the table path,
+    so blocks loop over several tiles (the tiled pass: data + data_t, dbias) and the flat pass
+    (data alone, the high-precision result) strides more than once."""
     ok, reason = _cuda_reason()
     if not ok:
         pytest.skip(reason)
-    rows, cols = 512, 256  # 2 copies of each value; vec_in (cols % 8 == 0): the table path
+    rows, cols = 2048, 512  # 16 copies of each value; vec_in (cols % 8 == 0): the table path
     g = torch.Generator().manual_seed(9)
     h = _every_bf16_below(2.0**20, rows, cols)
     if act == "swiglu":
@@ -738,7 +741,11 @@ def test_cuda_activation_tables_give_the_cpu_bytes_for_every_bf16(act, back):
             if back
             else _C.activation_forward(h.to(dev), act)
         )
+        flat = _C.activation_cast(
+            d, h.to(dev), act, scale.to(dev), fmt, True, False, False, None, torch.bfloat16
+        )
         out = [q.data.view(torch.uint8), q.data_t.view(torch.uint8), q.amax, hp.view(torch.int16)]
+        out += [flat.data.view(torch.uint8), flat.amax]
         return [t.cpu() for t in out + ([q.dbias] if back else [])]
 
     cpu = run("cpu")
@@ -749,7 +756,8 @@ def test_cuda_activation_tables_give_the_cpu_bytes_for_every_bf16(act, back):
         computed = run("cuda")
     finally:
         _C._set_activation_lut(before)
-    names = ["data", "data_t", "amax", "high precision", "dbias"]
+    names = ["data", "data_t", "amax", "high precision", "flat data", "flat amax", "dbias"]
+    assert len(cpu) == len(tables) == len(computed) == (7 if back else 6)
     for name, c, t, m in zip(names, cpu, tables, computed):
         assert torch.equal(c, t), f"{name}: tables differ from the CPU"
         assert torch.equal(c, m), f"{name}: computed differs from the CPU"

@@ -143,6 +143,13 @@ const float* lut_tables(cudaStream_t st) {
     (void)cudaGetLastError();
     return nullptr;
   }
+  // The fill synchronises: relaxed capture mode for this thread, so that a capture another thread
+  // runs in global mode is not invalidated by it (restored on every exit).
+  struct RelaxedCapture {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode); }
+    ~RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode); }
+  } relaxed;
   void* p = nullptr;
   FP8DP_CHECK_CUDA(cudaGetSymbolAddress(&p, g_lut));
   constexpr unsigned kBlocks = (act_lut::kFns * kLutSize + kThreads - 1) / kThreads;
@@ -624,19 +631,24 @@ void launch(const ActParams& p, cudaStream_t st) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (lut != nullptr) {
       // Each block copies the tables (16 or 32 KB): at least kLutGroups groups per thread where
-      // there are enough, not fewer blocks than SMs.
+      // there are enough, not fewer blocks than SMs, not more than fit at once (one wave).
       const int64_t want = (groups + kThreads * kLutGroups - 1) / (kThreads * kLutGroups);
       const int64_t floor = want > sm_count() ? want : sm_count();
-      const int grid = act_grid < floor ? act_grid : static_cast<int>(floor);
       const int smem = lut_bytes<A, kBackward>();
+      auto go = [&](auto kernel, int resident) {
+        const int64_t cap = floor < resident ? floor : resident;
+        const int grid = act_grid < cap ? act_grid : static_cast<int>(cap);
+        kernel<<<grid, kThreads, smem, st>>>(a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec,
+                                             vec_hp, lut);
+        FP8DP_CHECK_CUDA(cudaGetLastError());
+      };
+      constexpr auto k4 = act_kernel<T, A, kBackward, Format::kE4M3, true>;
+      constexpr auto k5 = act_kernel<T, A, kBackward, Format::kE5M2, true>;
       if (p.format == Format::kE4M3) {
-        act_kernel<T, A, kBackward, Format::kE4M3, true><<<grid, kThreads, smem, st>>>(
-            a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp, lut);
+        go(k4, resident_blocks<k4>(smem));
       } else {
-        act_kernel<T, A, kBackward, Format::kE5M2, true><<<grid, kThreads, smem, st>>>(
-            a, out_hp, p.out, p.scale, amax_bits, p.scale_inv, vec, vec_hp, lut);
+        go(k5, resident_blocks<k5>(smem));
       }
-      FP8DP_CHECK_CUDA(cudaGetLastError());
       return;
     }
   }
