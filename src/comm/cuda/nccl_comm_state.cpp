@@ -77,6 +77,11 @@ void NcclCommState::watchdog_loop() {
   // The events and the communicator live on `device`; without this the thread's CUDA calls would
   // create a context on device 0.
   cudaSetDevice(device);
+  // This thread never captures; its event queries must not invalidate a CUDA graph capture that
+  // another thread runs in the default global mode (torch.cuda.graph), which they would under
+  // the global interaction mode. Thread-local: only this thread's own captures would restrict it.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+  cudaThreadExchangeStreamCaptureMode(&mode);
   std::unique_lock<std::mutex> lock(watch_mutex_);
   while (!stop_) {
     if (watched_.empty()) {
