@@ -151,9 +151,26 @@ cublasLtHandle_t handle_for(int dev) {
 }
 
 // One workspace per (device, stream): GEMMs on one stream are ordered, so they can share it.
+// The first GEMM on a stream allocates it, which a CUDA graph capture of that stream refuses
+// (docs/cuda_graphs_design.md, B4): then the error says what to do instead of CUDA's "operation
+// not permitted when stream is capturing".
 void* workspace_for(int dev, cudaStream_t st) {
   void*& w = state().workspaces[{dev, st}];
-  if (w == nullptr) FP8DP_CHECK_CUDA(cudaMalloc(&w, kWorkspaceBytes));
+  if (w != nullptr) return w;
+  const cudaError_t e = cudaMalloc(&w, kWorkspaceBytes);
+  if (e == cudaSuccess) return w;
+  w = nullptr;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  const bool capturing =
+      cudaStreamIsCapturing(st, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone;
+  (void)cudaGetLastError();
+  FP8DP_CHECK(!capturing,
+              "fp8dp: the first FP8 GEMM on this CUDA stream runs inside a CUDA graph capture, "
+              "where its cuBLASLt workspace cannot be allocated (the capture is now invalid). Run "
+              "the captured work once eagerly on the capture stream before capturing "
+              "(torch.cuda.graph(g, stream=s) after a warm-up on s), or capture with "
+              "fp8dp.make_graphed_callables, which warms up on its capture stream");
+  FP8DP_CHECK_CUDA(e);
   return w;
 }
 
