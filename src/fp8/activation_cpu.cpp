@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <limits>
 #include <vector>
 
 #include "common/check.h"
@@ -20,7 +21,12 @@ void compute(const ActParams& p, T* out) {
   const T* h = static_cast<const T*>(p.input);
   const T* da = static_cast<const T*>(p.grad);
   const int64_t cols = p.cols, in_cols = p.in_cols(), out_cols = p.out_cols();
-  auto round = [](float v) { return static_cast<T>(v); };  // RNE into T
+  // RNE into T; every NaN as the positive quiet NaN (c10 stores it as 0x7FC0 in bf16, 0x7E00 in
+  // half): the sign of a NaN the activation makes differs between x86 (-Inf * 0 is -NaN) and the
+  // GPU, and the FP8 byte keeps it. The CUDA kernels store the same (activation_cast.cu).
+  auto round = [](float v) {
+    return static_cast<T>(v != v ? std::numeric_limits<float>::quiet_NaN() : v);
+  };
   at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* hr = h + r * in_cols;

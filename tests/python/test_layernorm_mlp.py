@@ -400,7 +400,8 @@ def test_activation_special_values_match_torch():
     F.gelu(xd).backward(torch.ones_like(xd))
     ours, ref = fp8dp.activation(x[None], "gelu")[0], F.gelu(x.double()).float()
     torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(torch.signbit(ours), torch.signbit(ref)), (ours, ref)
+    num = ~torch.isnan(ref)  # a NaN's sign is not a value (stored as +NaN: the test below)
+    assert torch.equal(torch.signbit(ours[num]), torch.signbit(ref[num])), (ours, ref)
     ours = _C.activation_backward(torch.ones(1, x.numel()), x[None], "gelu")[0]
     torch.testing.assert_close(ours, xd.grad.float(), rtol=0, atol=1e-14, equal_nan=True)
     h = torch.cat([x, torch.full_like(x, 2.0)])[None]
@@ -761,6 +762,90 @@ def test_cuda_activation_tables_give_the_cpu_bytes_for_every_bf16(act, back):
     for name, c, t, m in zip(names, cpu, tables, computed):
         assert torch.equal(c, t), f"{name}: tables differ from the CPU"
         assert torch.equal(c, m), f"{name}: computed differs from the CPU"
+
+
+_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _special_inputs(dtype, rows=16, cols=64):
+    """[rows, cols] of random values with -Inf, +Inf, NaN and -NaN in every row."""
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(rows, cols, generator=g) * 3
+    specials = torch.tensor([-math.inf, math.inf, math.nan, -math.nan])
+    h[:, :4] = specials
+    h[:, 9:13] = specials.flip(0)
+    return h.to(dtype)
+
+
+def _nan_bits(t):
+    return t.view(_INT_OF[t.dtype]).long() & (0xFFFFFFFF if t.dtype == torch.float32 else 0xFFFF)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ACTS)
+def test_activation_nans_are_the_positive_quiet_nan(act, dtype):
+    """Every NaN the activation makes or passes on is stored as the positive quiet NaN (c10's bits:
+    0x7FC00000, bf16 0x7FC0, half 0x7E00) and casts to FP8 0x7F: x86 makes gelu(-Inf) = -Inf * 0
+    a negative NaN where the GPU's is positive, so without this the two devices' bytes differed
+    (0xFF against 0x7F; found by a desk review, 2026-12-05). Mutation: activation_cpu.cpp's
+    round without the NaN replacement -> gelu(-Inf) is 0xFFC00000 here."""
+    h = _special_inputs(dtype)
+    if act == "swiglu":
+        h = torch.cat([h, h.flip(1)], dim=1)
+    rows, cols = h.shape[0], h.shape[1] // (2 if act == "swiglu" else 1)
+    da = torch.ones(rows, cols, dtype=dtype)
+    for out in (_C.activation_forward(h, act), _C.activation_backward(da, h, act)):
+        nan = torch.isnan(out.float())
+        assert nan.any(), "the specials make NaNs"
+        assert (_nan_bits(out)[nan] == _NAN_BITS[dtype]).all(), _nan_bits(out)[nan].unique()
+    for back in (False, True):
+        q = _C.activation_cast(
+            da if back else None, h, act, torch.tensor([1.0]), _C.Format.E4M3, True, False
+        )
+        hp = _C.activation_backward(da, h, act) if back else _C.activation_forward(h, act)
+        nan = torch.isnan(hp.float())
+        assert (q.data.view(torch.uint8)[nan] == 0x7F).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("back", [False, True], ids=["forward", "backward"])
+def test_cuda_activation_of_infinities_and_nans_matches_cpu(act, dtype, back):
+    """-Inf, +Inf, NaN and -NaN among random inputs: the CUDA bytes (high precision, FP8 in both
+    orientations, amax) equal the CPU's, NaNs included; dbias agrees as a NaN where it is one."""
+    ok, reason = _cuda_reason()
+    if not ok:
+        pytest.skip(reason)
+    h = _special_inputs(dtype)
+    if act == "swiglu":
+        h = torch.cat([h, h.flip(1)], dim=1)
+    rows, cols = h.shape[0], h.shape[1] // (2 if act == "swiglu" else 1)
+    da = torch.randn(rows, cols, generator=torch.Generator().manual_seed(12)).to(dtype)
+    d = da if back else None
+    fmt = _C.Format.E5M2 if back else _C.Format.E4M3
+    scale = torch.tensor([2.0])
+
+    def run(dev):
+        dd = None if d is None else d.to(dev)
+        q = _C.activation_cast(
+            dd, h.to(dev), act, scale.to(dev), fmt, True, True, back, None, dtype
+        )
+        hp = (
+            _C.activation_backward(dd, h.to(dev), act)
+            if back
+            else _C.activation_forward(h.to(dev), act)
+        )
+        return q, hp.cpu()
+
+    (qc, hc), (qg, hg) = run("cpu"), run("cuda")
+    assert torch.equal(_nan_bits(hc), _nan_bits(hg)), "high-precision bits"
+    assert torch.equal(qc.data.view(torch.uint8), qg.data.cpu().view(torch.uint8))
+    assert torch.equal(qc.data_t.view(torch.uint8), qg.data_t.cpu().view(torch.uint8))
+    assert torch.equal(qc.amax.view(torch.int32), qg.amax.cpu().view(torch.int32))
+    if back:
+        torch.testing.assert_close(qg.dbias.cpu(), qc.dbias, rtol=0, atol=0, equal_nan=True)
 
 
 def test_activation_table_switch_returns_the_previous_setting():

@@ -52,6 +52,34 @@ struct Args {
   bool vec_in;
 };
 
+// A result as the CPU stores it in T (activation_cpu.cpp): every NaN as the positive quiet NaN,
+// which c10 stores as 0x7FC0 in bf16 and 0x7E00 in half. The hardware conversions would give
+// bf16 0x7FFF, and a NaN's sign differs between the devices (x86 makes -Inf * 0 a negative NaN,
+// the GPU a positive one), which would reach the FP8 byte (0xFF against 0x7F).
+template <typename T>
+__device__ __forceinline__ T canonical_nan();
+template <>
+__device__ __forceinline__ float canonical_nan<float>() {
+  return __uint_as_float(kQuietNaNBits);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 canonical_nan<__nv_bfloat16>() {
+  return __ushort_as_bfloat16(0x7FC0);
+}
+template <>
+__device__ __forceinline__ __half canonical_nan<__half>() {
+  return __ushort_as_half(0x7E00);
+}
+template <typename T>
+__device__ __forceinline__ T to_storage(float v) {
+  return v != v ? canonical_nan<T>() : from_float<T>(v);
+}
+// v rounded to T and widened back (exact), NaN canonical.
+template <typename T>
+__device__ __forceinline__ float rounded(float v) {
+  return to_float(to_storage<T>(v));
+}
+
 // Output element (r, oc) of the activation (forward: a [rows, cols]) or of its derivative
 // (backward: dh [rows, in_cols]), rounded to T and widened back.
 template <typename T, Activation A, bool kBackward>
@@ -75,7 +103,7 @@ __device__ __forceinline__ float element(const Args& a, int64_t r, int64_t oc) {
       v = oc < a.cols ? dgate : dup;
     }
   }
-  return to_float(from_float<T>(v));
+  return rounded<T>(v);
 }
 
 constexpr int kVec = 8;
@@ -223,7 +251,7 @@ __device__ __forceinline__ uint32_t look_up(const float* __restrict__ lut, const
 template <typename T, Activation A, bool kBackward>
 __device__ __forceinline__ void elements_lut(const Args& a, int64_t r, int64_t oc0, const T* h,
                                              float (&v)[kVec], const float* __restrict__ lut) {
-  auto round = [](float f) { return to_float(from_float<T>(f)); };
+  auto round = [](float f) { return rounded<T>(f); };
   float x[kVec];
   if constexpr (!kBackward) {
     load_vec(h + oc0, x);
@@ -329,7 +357,7 @@ __device__ __forceinline__ void elements_vec(const Args& a, int64_t r, int64_t o
     }
   }
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) v[j] = to_float(from_float<T>(v[j]));
+  for (int j = 0; j < kVec; ++j) v[j] = rounded<T>(v[j]);
 }
 
 // kVec high-precision results, one 16-byte store per 16 bytes (p 16-byte aligned).
@@ -341,7 +369,7 @@ __device__ __forceinline__ void store_vec(T* p, const float (&v)[kVec]) {
     T t[kVec];
   } x;
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) x.t[j] = from_float<T>(v[j]);
+  for (int j = 0; j < kVec; ++j) x.t[j] = to_storage<T>(v[j]);
 #pragma unroll
   for (int j = 0; j < kStores; ++j) reinterpret_cast<uint4*>(p)[j] = x.u[j];
 }
@@ -384,7 +412,7 @@ __global__ void __launch_bounds__(kThreads)
       } else {
 #pragma unroll
         for (int j = 0; j < kVec; ++j)
-          if (j < live) out_hp[i0 + j] = from_float<T>(v[j]);
+          if (j < live) out_hp[i0 + j] = to_storage<T>(v[j]);
       }
     }
     if (out != nullptr) {
