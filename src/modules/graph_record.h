@@ -24,7 +24,9 @@
 //     the delayed ones: graph_sink.h records these calls (a RecordingSink stands in for DDP's sink
 //     while a record is active) and the replays re-issue them against DDP.
 // replay_forward / replay_backward then do what each phase's host code did.
-// is_first_microbatch=False stays refused (a replay cannot reuse a cast it did not make).
+// is_first_microbatch is accepted by a graphed callable and decides nothing
+// (python/fp8dp/graph.py): every replay casts the weight again, so no replay reuses a cast it did
+// not make.
 #pragma once
 
 #include <ATen/core/Tensor.h>

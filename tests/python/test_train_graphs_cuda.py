@@ -45,8 +45,15 @@ def _train(tmp: Path, graphs: bool) -> list:
     cmd += ["--no-progress", "--set", f"train.cuda_graphs={'true' if graphs else 'false'}"]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    # The run says whether it captured (a flag that stopped reaching the loop would otherwise
+    # compare two eager runs and pass).
+    summary = json.loads((out / "fp8" / "summary.json").read_text())
+    assert summary["cuda_graphs"] is graphs, summary
     lines = (out / "fp8" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if "train_loss" in json.loads(line)]
+    recs = [json.loads(line) for line in lines if "train_loss" in json.loads(line)]
+    # Captured once, after step 1, outside that step's time.
+    assert [r["step"] for r in recs if "graph_capture_s" in r] == ([1] if graphs else [])
+    return recs
 
 
 def test_graphed_training_follows_eager(tmp_path):

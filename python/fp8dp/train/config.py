@@ -175,7 +175,8 @@ class TrainSection:
     """Capture the model's forward and backward in CUDA graphs (fp8dp.make_graphed_callables)
     after the first step of each launch, and replay them for every later micro-batch: the same
     numbers, less host time. CUDA only, data parallel only, without train.fp8_stats_every.
-    Default false."""
+    The capture's seconds go into that step's metrics as graph_capture_s (not into its
+    step_time_s); summary.json's cuda_graphs says whether it happened. Default false."""
 
     def __post_init__(self):
         self.clip_grad = _as_float(self.clip_grad)

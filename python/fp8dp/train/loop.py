@@ -259,6 +259,7 @@ def train(
         "stopped_at": done,
         "peak_mem_gib": peak_memory_gib(device),
         "corpus_sha256": corpus.meta.get("sha256"),
+        "cuda_graphs": run.graphed,  # train.cuda_graphs and this launch captured
     }
     if run.probe:
         run.probe.close()
@@ -314,9 +315,7 @@ class _Run:
     wgrad_modules: list  # the modules whose backward_dw() each micro-batch runs, last layer first
     config_dict: dict
     probe: Any = None  # fp8_stats.FP8Probe on rank 0 with train.fp8_stats_every; else None
-    graphed: bool = (
-        False  # train.cuda_graphs: the model was captured (after this launch's 1st step)
-    )
+    graphed: bool = False  # train.cuda_graphs: captured (after this launch's first step)
 
     @classmethod
     def build(cls, cfg: TrainConfig, n_micro: int, corpus, rank, world_size, device) -> "_Run":
@@ -400,7 +399,7 @@ class _Run:
             return self.pipe.step(step, self.recipe), None
         every = self.cfg.train.fp8_stats_every
         due = self.probe is not None and (step == 0 or (step + 1) % every == 0)
-        out = _dp_step(
+        return _dp_step(
             self.cfg,
             self.ddp,
             self.opt,
@@ -413,9 +412,12 @@ class _Run:
             self.device,
             self.probe if due else None,
         )
-        if self.cfg.train.cuda_graphs and not self.graphed:
-            self.capture_graphs(step)
-        return out
+
+    def capture_due(self, step: int) -> bool:
+        """train.cuda_graphs: whether to capture after step `step` (this launch's first eager
+        step, unless it was the run's last)."""
+        t = self.cfg.train
+        return t.cuda_graphs and not self.graphed and not self.pipe and step + 1 < t.steps
 
     def capture_graphs(self, step: int) -> None:
         """train.cuda_graphs: capture the model (under its DDP) after an eager step, which gave
@@ -469,6 +471,11 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
             group["lr"] = lr
         train_loss, grad_norm = run.step(step)
         dt = time.perf_counter() - t0
+        capture_s = None
+        if run.capture_due(step):  # outside the step's time: its tokens/s stay the step's own
+            t_cap = time.perf_counter()
+            run.capture_graphs(step)
+            capture_s = time.perf_counter() - t_cap
         rec = {
             "step": step + 1,
             "train_loss": train_loss,
@@ -479,6 +486,8 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
         }
         if grad_norm is not None:
             rec["grad_norm"] = grad_norm
+        if capture_s is not None:
+            rec["graph_capture_s"] = capture_s
         if t.peak_tflops:
             rec["mfu"] = mfu(cfg.model, tokens_per_step / dt, run.world_size, t.peak_tflops)
         done = step + 1
