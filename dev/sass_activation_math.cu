@@ -34,14 +34,31 @@ __global__ void sass_dswiglu(const float* x, const float* u, const float* g, flo
   act::dswiglu(g[i], x[i], u[i], dx[i], du[i]);
 }
 
+// Eight bf16 inputs of group g (one 16-byte load), and the group's E4M3 cast and amax stored.
+union Group8 {
+  uint4 u;
+  __nv_bfloat16 t[8];
+};
+__device__ __forceinline__ Group8 load_group8(const __nv_bfloat16* h, int64_t g) {
+  Group8 x;
+  x.u = reinterpret_cast<const uint4*>(h)[g];
+  return x;
+}
+__device__ __forceinline__ void store_group8(const float (&v)[8], uint32_t am, float scale,
+                                             uint2* out, unsigned* amax) {
+  union {
+    uint2 u;
+    uint8_t b[8];
+  } q;
+  quantize_scaled<Format::kE4M3, 8>(v, scale, am == kQuietNaNBits, q.b);
+  *out = q.u;
+  *amax = am;
+}
+
 __global__ void sass_gelu_group8_e4m3(const __nv_bfloat16* h, float scale, uint2* out,
                                       unsigned* amax) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  union {
-    uint4 u;
-    __nv_bfloat16 t[8];
-  } x;
-  x.u = reinterpret_cast<const uint4*>(h)[g];
+  const Group8 x = load_group8(h, g);
   float v[8];
   uint32_t am = 0;
 #pragma unroll
@@ -49,13 +66,7 @@ __global__ void sass_gelu_group8_e4m3(const __nv_bfloat16* h, float scale, uint2
     v[j] = to_float(from_float<__nv_bfloat16>(act::gelu(to_float(x.t[j]))));
     am = max(am, abs_bits(v[j]));
   }
-  union {
-    uint2 u;
-    uint8_t b[8];
-  } q;
-  quantize_scaled<Format::kE4M3, 8>(v, scale, am == kQuietNaNBits, q.b);
-  out[g] = q.u;
-  amax[g] = am;
+  store_group8(v, am, scale, out + g, amax + g);
 }
 
 // The same group with GELU looked up in a shared-memory table (activation_lut.h), as the kernels
@@ -69,11 +80,7 @@ __device__ __forceinline__ void gelu_group8_lut(const __nv_bfloat16* h, const fl
     lut[i] = lut_g[i];
   __syncthreads();
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  union {
-    uint4 u;
-    __nv_bfloat16 t[8];
-  } x;
-  x.u = reinterpret_cast<const uint4*>(h)[g];
+  const Group8 x = load_group8(h, g);
   float v[8], xf[8];
   uint32_t am = 0, miss = 0;
 #pragma unroll
@@ -90,13 +97,7 @@ __device__ __forceinline__ void gelu_group8_lut(const __nv_bfloat16* h, const fl
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) am = max(am, abs_bits(v[j]));
-  union {
-    uint2 u;
-    uint8_t b[8];
-  } q;
-  quantize_scaled<Format::kE4M3, 8>(v, scale, am == kQuietNaNBits, q.b);
-  out[g] = q.u;
-  amax[g] = am;
+  store_group8(v, am, scale, out + g, amax + g);
 }
 
 __global__ void sass_gelu_group8_e4m3_lut_hit(const __nv_bfloat16* h, const float* lut,

@@ -189,20 +189,6 @@ const float* lut_tables(cudaStream_t st) {
   return static_cast<const float*>(p);
 }
 
-// Dynamic shared memory past 48 KB (with the tiled kernel's static tiles) needs the kernel's
-// opt-in, set once per device.
-template <auto Kernel>
-void allow_dynamic_smem(int bytes) {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) return;
-  FP8DP_CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  done.fetch_or(bit, std::memory_order_relaxed);
-}
-
 // Resident blocks of a kernel on the whole device (the tiled kernel's grid when it loops).
 template <auto Kernel>
 int resident_blocks(int dynamic_smem) {
@@ -245,119 +231,72 @@ __device__ __forceinline__ uint32_t look_up(const float* __restrict__ lut, const
   return miss;
 }
 
-// elements_vec's outputs from the tables: the activation's factor looked up, and computed for the
-// elements outside the tables (rare: the branch is taken by few warps), then rounded to T as
-// elements_vec rounds (GELU's forward table holds its outputs already rounded).
-template <typename T, Activation A, bool kBackward>
-__device__ __forceinline__ void elements_lut(const Args& a, int64_t r, int64_t oc0, const T* h,
-                                             float (&v)[kVec], const float* __restrict__ lut) {
-  auto round = [](float f) { return rounded<T>(f); };
-  float x[kVec];
-  if constexpr (!kBackward) {
-    load_vec(h + oc0, x);
-    const uint32_t miss = look_up(lut, x, v);  // round(gelu(x)) or silu(gate)
+// The activation's factor of each of kVec inputs x (a widened T each): GELU (forward) or its
+// derivative (backward); for SwiGLU, silu (forward, and the up half's backward) or silu' (the
+// gate half's backward, `gate`). With kLut (bf16 only) it is looked up in the tables in shared
+// memory (`lut`) and computed only for the inputs they miss (rare: the branch is taken by few
+// warps); a table entry is the computation's result, so the bits are the same either way. GELU's
+// forward table holds its outputs already rounded to T, so its misses are rounded here too.
+template <typename T, Activation A, bool kBackward, bool kLut>
+__device__ __forceinline__ void factors(const float* __restrict__ lut, bool gate,
+                                        const float (&x)[kVec], float (&f)[kVec]) {
+  static_assert(!kLut || std::is_same_v<T, __nv_bfloat16>, "tables are for bf16 inputs only");
+  auto compute = [gate](float xi) {
     if constexpr (A == Activation::kGelu) {
-      if (miss != 0) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (miss & (1u << j)) v[j] = round(act::gelu(x[j]));
-      }
+      if constexpr (kBackward) return act::dgelu(xi);
+      return kLut ? rounded<T>(act::gelu(xi)) : act::gelu(xi);
     } else {
-      float up[kVec];
-      load_vec(h + a.cols + oc0, up);
-      if (miss != 0) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (miss & (1u << j)) v[j] = act::silu(x[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = round(act::mul(v[j], up[j]));  // act::swiglu
+      return kBackward && gate ? act::dsilu(xi) : act::silu(xi);
     }
-  } else {
-    const T* da = static_cast<const T*>(a.da) + r * a.cols;
-    float g[kVec];
-    if constexpr (A == Activation::kGelu) {
-      load_vec(da + oc0, g);
-      load_vec(h + oc0, x);
-      const uint32_t miss = look_up(lut, x, v);  // dgelu(x)
-      if (miss != 0) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (miss & (1u << j)) v[j] = act::dgelu(x[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = round(act::mul(g[j], v[j]));
-    } else {
-      // A group lies in one half (a.vec_in: cols % kVec == 0): d gate = (da up) silu'(gate) from
-      // the second table, d up = da silu(gate) from the first (act::dswiglu's operations).
-      const bool gate = oc0 < a.cols;
-      const int64_t c0 = gate ? oc0 : oc0 - a.cols;
-      float up[kVec];
-      load_vec(da + c0, g);
-      load_vec(h + c0, x);
-      load_vec(h + a.cols + c0, up);
-      const uint32_t miss = look_up(gate ? lut + kLutSize : lut, x, v);
-      if (miss != 0) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (miss & (1u << j)) v[j] = gate ? act::dsilu(x[j]) : act::silu(x[j]);
-      }
+  };
+  if constexpr (kLut) {
+    // SiLU' follows SiLU in shared memory (load_lut).
+    const bool second = A == Activation::kSwiglu && kBackward && gate;
+    const uint32_t miss = look_up(second ? lut + kLutSize : lut, x, f);
+    if (miss != 0) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j)
-        v[j] = round(gate ? act::mul(act::mul(g[j], up[j]), v[j]) : act::mul(g[j], v[j]));
+        if (miss & (1u << j)) f[j] = compute(x[j]);
     }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) f[j] = compute(x[j]);
   }
 }
 
 // The kVec outputs (r, oc0 .. oc0 + kVec) of element(), all inside the matrix, with 16-byte loads
 // (a.vec_in): one load instruction per operand instead of one per element and operand, and no
-// bounds check per element. The same arithmetic as element(), so the same bits.
-//
-// With kLut (bf16 only) the activation comes from the tables in shared memory (`lut`), and only
-// the elements they miss are computed: the same bits, since each entry is the computation's result.
+// bounds check per element. The same operations as element() (act::swiglu = silu(g) up;
+// act::dswiglu's d gate = (da up) silu'(g), d up = da silu(g)), so the same bits. A group lies in
+// one half of SwiGLU's backward output (cols % kVec == 0), so it needs one of the two.
 template <typename T, Activation A, bool kBackward, bool kLut>
 __device__ __forceinline__ void elements_vec(const Args& a, int64_t r, int64_t oc0,
                                              float (&v)[kVec], const float* __restrict__ lut) {
-  static_assert(!kLut || std::is_same_v<T, __nv_bfloat16>, "tables are for bf16 inputs only");
   const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
-  if constexpr (kLut) return elements_lut<T, A, kBackward>(a, r, oc0, h, v, lut);
-  float x[kVec];
-  if constexpr (!kBackward) {
-    load_vec(h + oc0, x);
-    if constexpr (A == Activation::kGelu) {
+  const bool gate = !(A == Activation::kSwiglu && kBackward) || oc0 < a.cols;
+  const int64_t c0 = gate ? oc0 : oc0 - a.cols;  // the input column of the group
+  float x[kVec], f[kVec], up[kVec], g[kVec];
+  load_vec(h + c0, x);
+  factors<T, A, kBackward, kLut>(lut, gate, x, f);
+  if constexpr (A == Activation::kSwiglu) {
+    if (!kBackward || gate) load_vec(h + a.cols + c0, up);
+  }
+  if constexpr (kBackward) load_vec(static_cast<const T*>(a.da) + r * a.cols + c0, g);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = act::gelu(x[j]);
+  for (int j = 0; j < kVec; ++j) {
+    if constexpr (!kBackward) {
+      v[j] = A == Activation::kGelu ? f[j] : act::mul(f[j], up[j]);
+    } else if constexpr (A == Activation::kGelu) {
+      v[j] = act::mul(g[j], f[j]);
     } else {
-      float up[kVec];
-      load_vec(h + a.cols + oc0, up);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = act::swiglu(x[j], up[j]);
-    }
-  } else {
-    const T* da = static_cast<const T*>(a.da) + r * a.cols;
-    float g[kVec];
-    if constexpr (A == Activation::kGelu) {
-      load_vec(da + oc0, g);
-      load_vec(h + oc0, x);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = act::mul(g[j], act::dgelu(x[j]));
-    } else {
-      const bool gate = oc0 < a.cols;
-      const int64_t c0 = gate ? oc0 : oc0 - a.cols;
-      float up[kVec];
-      load_vec(da + c0, g);
-      load_vec(h + c0, x);
-      load_vec(h + a.cols + c0, up);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        float dgate, dup;
-        act::dswiglu(g[j], x[j], up[j], dgate, dup);
-        v[j] = gate ? dgate : dup;
-      }
+      v[j] = gate ? act::mul(act::mul(g[j], up[j]), f[j]) : act::mul(g[j], f[j]);
     }
   }
+  // Rounded to T (GELU's forward from the tables already is).
+  if constexpr (!(kLut && A == Activation::kGelu && !kBackward)) {
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) v[j] = rounded<T>(v[j]);
+    for (int j = 0; j < kVec; ++j) v[j] = rounded<T>(v[j]);
+  }
 }
 
 // kVec high-precision results, one 16-byte store per 16 bytes (p 16-byte aligned).
@@ -558,8 +497,9 @@ void launch_tile_kernel(const Args& a, const TileOut& o, const ActParams& p, con
   if (lut != nullptr) {
     // Each block copies the tables: kLutTiles tiles per block where there are enough, not fewer
     // blocks than SMs, not more than fit at once.
+    static std::atomic<uint64_t> smem_done{0};  // with dbias, SwiGLU's tables pass 48 KB
     smem = lut_bytes<A, kBackward>();
-    allow_dynamic_smem<Kernel>(smem);
+    allow_smem(Kernel, static_cast<size_t>(smem), smem_done);
     const int64_t want = (tiles + kLutTiles - 1) / kLutTiles;
     const int64_t floor = want > sm_count() ? want : sm_count();
     const int64_t resident = resident_blocks<Kernel>(smem);

@@ -216,18 +216,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Opts a kernel into more than 48 KiB of dynamic shared memory, once per device.
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done) {
-  int dev = 0;
-  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) return;
-  FP8DP_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bytes)));
-  done.fetch_or(bit, std::memory_order_relaxed);
-}
-
 template <Format F, typename T, bool kBlocks>
 void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t st) {
   static std::atomic<uint64_t> smem_done{0};

@@ -7,8 +7,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
+#include "common/cuda_check.h"
 #include "fp8/format.h"
 #include "fp8/quantize.h"
 
@@ -194,5 +196,18 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // Multiprocessors of the current device (for grid-stride grids).
 int sm_count();
+
+// Opts a kernel into more than 48 KiB of dynamic shared memory (static shared memory counts
+// towards the same 48 KiB), once per device: `done` (one per kernel) holds a bit per device.
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done) {
+  int dev = 0;
+  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) return;
+  FP8DP_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  done.fetch_or(bit, std::memory_order_relaxed);
+}
 
 }  // namespace fp8dp::cuda
