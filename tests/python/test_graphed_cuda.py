@@ -314,10 +314,16 @@ def test_ddp_bound_replays_match_eager(nccl_group, wgrad):
     )
     eager_m = torch.nn.Sequential(_layer("LayerNormLinear", wgrad), _layer("Linear", wgrad))
     graphed_m = copy.deepcopy(eager_m)
-    ddps = [
-        fp8dp.DistributedDataParallel(m, cfg, process_group=nccl_group)
-        for m in (eager_m, graphed_m)
-    ]
+    # The graphed model's DDP is built on a side stream, as torch's DDP must be for CUDA graphs:
+    # its gradient hooks create the parameters' AccumulateGrad nodes, which keep the stream they
+    # were made on, and a captured backward cannot sync with the legacy default stream
+    # (cudaErrorStreamCaptureImplicit, seen on the H100 2026-12-05).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graphed_ddp = fp8dp.DistributedDataParallel(graphed_m, cfg, process_group=nccl_group)
+    torch.cuda.current_stream().wait_stream(side)
+    ddps = [fp8dp.DistributedDataParallel(eager_m, cfg, process_group=nccl_group), graphed_ddp]
     x, dy = _inputs(1)
     for d in ddps:  # one eager step each: the first scales
         d.zero_grad_buffer()

@@ -332,7 +332,7 @@ class _Run:
             pipe = PipelineRun(cfg, model, ddp_cfg, n_micro, corpus, device)
             opt, state_model = pipe.optimizer, pipe.modules
         else:
-            ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
+            ddp = _build_ddp(model, ddp_cfg, t.cuda_graphs and device.type == "cuda")
             opt = fp8dp.DistributedOptimizer(
                 torch.optim.AdamW,
                 ddp,
@@ -441,6 +441,20 @@ class _Run:
             "train_time_s": 0.0,
             "complete": True,
         }
+
+
+def _build_ddp(model, ddp_cfg, graphs: bool):
+    """fp8dp.DistributedDataParallel; built on a side stream for train.cuda_graphs, as torch's DDP
+    must be: its gradient hooks create the parameters' AccumulateGrad nodes, which keep the stream
+    they were made on, and a captured backward cannot sync with the legacy default stream."""
+    if not graphs:
+        return fp8dp.DistributedDataParallel(model, ddp_cfg)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ddp = fp8dp.DistributedDataParallel(model, ddp_cfg)
+    torch.cuda.current_stream().wait_stream(side)
+    return ddp
 
 
 def _progress_bar(cfg: TrainConfig, start: int):
