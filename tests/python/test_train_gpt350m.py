@@ -56,6 +56,9 @@ def test_gpt350m_is_the_run_the_issue_asks_for():
     assert m.params_dtype == "bfloat16" and cfg.ddp.grad_reduce_in_fp32
     assert t.warmup_steps > 0 and t.min_lr_ratio < 1 and t.clip_grad > 0
     assert cfg.fp8.enabled and cfg.fp8.recipe == "delayed"
+    # The output head in BF16: with it in FP8, delayed scaling ended 10.3% behind FP8 off; without,
+    # within the spread of two FP8 off runs (BENCHMARKS.md, "Training runs", 2026-12-05).
+    assert cfg.fp8.exclude == ["head"]
     assert cfg.data.corpus == "python" and cfg.data.packages == ["torch"]
     assert t.steps == 2000 and t.eval_every == 100
     for world in (1, 2):  # one H200, or two with the same micro-batch
