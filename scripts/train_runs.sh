@@ -7,6 +7,7 @@
 #   scripts/train_runs.sh                                  # configs/gpt350m.yaml on one GPU
 #   scripts/train_runs.sh --nproc 2 --set train.micro_batch_size=8   # on 2 GPUs
 #   scripts/train_runs.sh --only block                     # Float8BlockScaling beside them
+#   scripts/train_runs.sh --seeds 1234,1,2 --only delayed,current,off   # mean and paired gaps
 #   BUDGET=300 scripts/train_runs.sh --config configs/ci_convergence.yaml --device cpu --nproc 2
 # Outputs: runs/gpt350m/{delayed,current,off}/{fp8,nofp8}/metrics.jsonl, torch/torch/metrics.jsonl,
 # compare.md (the table for BENCHMARKS.md), compare.json, and the plot (--png docs/gpt350m_loss.png).

@@ -175,6 +175,41 @@ TINY = [
 ]
 
 
+def test_runs_over_seeds_pair_each_seed_with_its_own_fp8_off(tmp_path):
+    """fp8dp.train.runs --seeds: each seed's runs under seed<N>/, trained with that train.seed
+    (other initial weights: another first validation loss), FP8 off and delayed of one seed from
+    the same start, the torch baseline on the first seed only, and a comparison whose paired gaps
+    are each seed's own final gap.
+
+    Mutation tried: the seed loop without its --set train.seed (every seed trains the config's
+    1234): failed, seed7's summary says seed 1234."""
+    sets = [a for kv in TINY + [f"data.cache_dir={tmp_path / 'corpus'}"] for a in ("--set", kv)]
+    cmd = [sys.executable, "-m", "fp8dp.train.runs", "--config", str(CONFIG), "--device", "cpu"]
+    cmd += ["--nproc", "1", "--out", str(tmp_path), "--torch-steps", "3", "--after", "4"]
+    cmd += ["--only", "delayed,off,torch", "--seeds", "1234,7", "--budget", "900", *sets]
+    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1000)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    first = {}
+    for seed in (1234, 7):
+        for name, sub in (("delayed", "fp8"), ("off", "nofp8")):
+            s = json.loads((tmp_path / f"seed{seed}" / name / sub / "summary.json").read_text())
+            assert s["complete"] and s["steps"] == 10 and s["seed"] == seed
+            first[seed, name] = s["first_val_loss"]
+        assert first[seed, "delayed"] == first[seed, "off"]  # same weights, same data
+    assert first[7, "off"] != first[1234, "off"]
+    assert (tmp_path / "seed1234" / "torch" / "torch" / "summary.json").exists()
+    assert not (tmp_path / "seed7" / "torch").exists()
+    res = json.loads((tmp_path / "compare.json").read_text())
+    d = res["runs"]["delayed"]
+    assert res["seeds"] == [7, 1234] and d["seeds"] == [7, 1234]  # in numeric order
+    own = [
+        compare(load_runs(str(tmp_path / f"seed{s}")), after=4)["runs"]["delayed"]
+        for s in (7, 1234)
+    ]
+    assert d["paired_gaps"] == [r["final_gap_signed"] for r in own]
+    assert "delayed: paired gap" in p.stdout and "over 2 seeds" in p.stdout
+
+
 def _train(out, *args):
     sets = [a for kv in TINY + [f"out.dir={out}"] for a in ("--set", kv)]
     rc, log = launch(

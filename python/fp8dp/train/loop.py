@@ -251,6 +251,7 @@ def train(
         "last_val_loss": last_val,
         "start_step": start,
         "steps": cfg.train.steps,
+        "seed": cfg.train.seed,
         "world_size": world_size,
         "fp8": cfg.fp8.enabled,
         "recipe": cfg.fp8.recipe if cfg.fp8.enabled else None,

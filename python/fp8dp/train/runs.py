@@ -1,7 +1,7 @@
 """The convergence runs of one config, in chunks that fit a limited command:
 
     python -m fp8dp.train.runs --config configs/gpt350m.yaml [--budget 540] [--nproc 1]
-        [--device cuda] [--out runs/gpt350m] [--torch-steps 200] [--set k=v ...]
+        [--device cuda] [--out runs/gpt350m] [--torch-steps 200] [--seeds 1234,1,2] [--set k=v ...]
 
 trains, with the same seed and data order, FP8 delayed scaling (HYBRID), FP8 current scaling and
 FP8 off (the config's fp8.* overridden, nothing else; `--only block` adds Float8BlockScaling to
@@ -10,6 +10,12 @@ in plain torch.nn + torch DDP (torch_ref.py). Each fp8dp run continues from its 
 (<out>/<run>/ckpt, --resume, bit-exact) and stops with --time-budget before this command's
 --budget seconds are spent; run the same command again until it prints "all runs complete" (exit
 status 0; 3 = run again). Then it compares them (compare.py: table, gaps, plot).
+
+--seeds S1,S2,...: the same runs once per seed (train.seed=S, which sets the initial weights and
+the data order), under <out>/seed<S>/, seed by seed (every run of S1 before any of S2, so that an
+interrupted series still holds complete pairs); the torch baseline on the first seed only. The
+comparison then uses each run's mean curve over seeds and the paired gaps per seed (compare.py):
+two runs of one seed on the GPU differ by more than the 0.25% target.
 
 --resume-check N trains N steps of the FP8 run (config as given) straight through and again as
 N/2 steps, --stop-at, then --resume to N, and says whether every logged loss, gradient norm and
@@ -85,6 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--after", type=int, default=200, help="compare: curve gap after this step")
     p.add_argument("--png", help="compare: plot path (default <out>/compare.png)")
     p.add_argument("--resume-check", type=int, metavar="N", help="see the module docstring")
+    p.add_argument("--seeds", help="comma-separated train.seed values: see the module docstring")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     cfg = load_config(args.config, args.set)  # a bad config fails here, before any launch
@@ -95,6 +102,19 @@ def main(argv=None) -> int:
     if unknown:
         print(f"[runs] error: --only: unknown runs {unknown}", file=sys.stderr)
         return 2
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = [int(x) for x in args.seeds.split(",")]
+        except ValueError:
+            seeds = []
+        if not seeds or len(set(seeds)) != len(seeds):
+            print(
+                f"[runs] error: --seeds: expected distinct integers separated by commas, got "
+                f"{args.seeds!r}",
+                file=sys.stderr,
+            )
+            return 2
     common = ["--config", args.config, "--device", args.device]
     for item in args.set:
         common += ["--set", item]
@@ -105,6 +125,28 @@ def main(argv=None) -> int:
     if args.resume_check:
         return resume_check(args, common, os.path.join(base, "resume_check"), left)
 
+    if seeds is None:
+        rc = train_runs(args, common, base, only, steps, left, with_torch=True)
+    else:
+        for i, seed in enumerate(seeds):
+            print(f"[runs] seed {seed} ({i + 1} of {len(seeds)})", flush=True)
+            seeded = common + ["--set", f"train.seed={seed}"]
+            rc = train_runs(
+                args, seeded, os.path.join(base, f"seed{seed}"), only, steps, left, i == 0
+            )
+            if rc != 0:
+                break
+    if rc != 0:
+        return rc
+    print("[runs] all runs complete; comparing", flush=True)
+    cmp_args = [base, "--after", str(args.after)] + (["--png", args.png] if args.png else [])
+    cmp.main(cmp_args)
+    return 0
+
+
+def train_runs(args, common: list, base: str, only: list, steps: int, left, with_torch) -> int:
+    """Trains (or continues) the runs of `only` under base: 0 when all are complete, 3 when this
+    command's budget ran out first, another status on a failure."""
     for name, overrides in VARIANTS.items():
         if name not in only:
             continue
@@ -133,7 +175,7 @@ def main(argv=None) -> int:
                 print(f"[runs] {name}: no progress from step {before}; stopping", file=sys.stderr)
                 return 1
         print(f"[runs] {name}: complete ({steps} steps)", flush=True)
-    if "torch" in only and args.torch_steps > 0:
+    if "torch" in only and args.torch_steps > 0 and with_torch:
         summary = os.path.join(base, "torch", "torch", "summary.json")
         if not os.path.exists(summary):
             if left() < args.min_chunk:
@@ -144,9 +186,6 @@ def main(argv=None) -> int:
             if rc != 0:
                 print(f"[runs] torch: exit status {rc}; run this command again", file=sys.stderr)
                 return 3 if rc == 124 else 1
-    print("[runs] all runs complete; comparing", flush=True)
-    cmp_args = [base, "--after", str(args.after)] + (["--png", args.png] if args.png else [])
-    cmp.main(cmp_args)
     return 0
 
 
