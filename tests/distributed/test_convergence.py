@@ -44,6 +44,7 @@ every one but the 2^-8 scale is far outside the tolerance that the named test as
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -208,6 +209,13 @@ def test_runs_over_seeds_pair_each_seed_with_its_own_fp8_off(tmp_path):
     ]
     assert d["paired_gaps"] == [r["final_gap_signed"] for r in own]
     assert "delayed: paired gap" in p.stdout and "over 2 seeds" in p.stdout
+    # A finished run is known by its summary: without its checkpoint it is not trained again
+    # (mutation tried: the loop without _complete() trained both seeds again from step 0).
+    for ckpt in tmp_path.glob("seed*/*/ckpt"):
+        shutil.rmtree(ckpt)
+    again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert "-m fp8dp.train " not in again.stdout and "[runs] all runs complete" in again.stdout
 
 
 def _train(out, *args):

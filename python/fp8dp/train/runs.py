@@ -58,6 +58,18 @@ def _step_of(ckpt: str) -> int:
         return 0
 
 
+def _complete(base: str, name: str, steps: int) -> bool:
+    """Whether run `name` under base finished all `steps` (its summary.json says so), so that a
+    finished run whose checkpoint was deleted (gigabytes at 342M) is not trained again."""
+    sub = "nofp8" if name == "off" else "fp8"
+    try:
+        with open(os.path.join(base, name, sub, "summary.json")) as f:
+            s = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return bool(s.get("complete")) and s.get("steps") == steps
+
+
 def _torchrun(nproc: int, module: str, args: list, timeout: float) -> int:
     cmd = [
         sys.executable,
@@ -151,7 +163,7 @@ def train_runs(args, common: list, base: str, only: list, steps: int, left, with
         if name not in only:
             continue
         ckpt = os.path.join(base, name, "ckpt")
-        while _step_of(ckpt) < steps:
+        while _step_of(ckpt) < steps and not _complete(base, name, steps):
             if left() < args.min_chunk:
                 print(
                     f"[runs] {name}: at step {_step_of(ckpt)} of {steps}; "
