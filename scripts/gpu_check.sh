@@ -15,7 +15,8 @@
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
 # (profile.log, profile_gpt_SHAPE.json), dev_profile_modules (profile_modules.json),
-# dev_host_profile (dev_host_profile.json), dev_graph_ceiling (dev_graph_ceiling.json). The 2-GPU parts
+# dev_host_profile (dev_host_profile.json), dev_graph_ceiling (dev_graph_ceiling.json),
+# dev_profile_train (the 342M training step by category: profile_train_{delayed,current,off}.json). The 2-GPU parts
 # (tests/distributed's NCCL cases, the reduce-scatter and DDP benchmarks) run when two or more GPUs
 # are visible: the NCCL tests on 2, the benchmarks on all.
 set -uo pipefail
@@ -151,6 +152,18 @@ want dev_profile_modules && run_step dev_profile_modules "$OUT/profile.log" 200 
 # Host time of one Linear step by Python function and operator (HOST_PROFILE_ARGS adds arguments).
 want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" dev/host_profile.py \
   ${HOST_PROFILE_ARGS:-} --json "$OUT/dev_host_profile.json"
+# Where the 342M training step's GPU time goes (fp8dp.train --profile): FP8 delayed, current and
+# FP8 off, steps 20-22 of a 24-step run (PROFILE_TRAIN_SETS adds --set arguments).
+if want dev_profile_train; then
+  for v in delayed current off; do
+    sets=(--set train.steps=24 --set "out.dir=$BUILD/profile_train/$v")
+    [ "$v" = off ] && sets+=(--set fp8.enabled=false) || sets+=(--set fp8.recipe=$v)
+    run_step dev_profile_train "$OUT/profile.log" 240 "$PY" -m torch.distributed.run --standalone \
+      --nproc_per_node=1 -m fp8dp.train --config configs/gpt350m.yaml --no-progress \
+      --profile 20:3 "${sets[@]}" ${PROFILE_TRAIN_SETS:-}
+    cp "$BUILD/profile_train/$v"/*/step_profile.json "$OUT/profile_train_$v.json" 2>/dev/null
+  done
+fi
 # What capturing the GPT stack whole in a CUDA graph gives at most, with today's code.
 want dev_graph_ceiling && run_step dev_graph_ceiling "$OUT/bench.log" 200 "$PY" dev/graph_ceiling.py \
   --json "$OUT/dev_graph_ceiling.json"

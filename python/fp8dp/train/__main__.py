@@ -19,6 +19,7 @@ from .config import load_config
 from .flops import flops_per_token, param_counts
 from .loop import setup_distributed, train
 from .metrics import plot_losses
+from .step_profile import parse_range
 
 
 def parse_args(argv=None):
@@ -74,6 +75,12 @@ def parse_args(argv=None):
         help="stop at the last step boundary that leaves room for the checkpoint within SECONDS "
         "of training (with --save; for GPU commands of limited length)",
     )
+    p.add_argument(
+        "--profile",
+        metavar="FIRST:COUNT",
+        help="profile COUNT steps from step FIRST (rank 0): the device's time per step by "
+        "category into <run>/step_profile.json and stdout (fp8dp.train.step_profile)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -96,6 +103,8 @@ def _fail(e: Exception) -> int:
 
 def _check_flags(args) -> None:
     """The command-line flags that do not fit together (ValueError naming the flag)."""
+    if args.profile is not None:
+        parse_range(args.profile)
     if args.compare_bf16 and (args.save or args.resume):
         raise ValueError(
             "--compare-bf16: expected no --save or --resume (it trains two "
@@ -206,6 +215,7 @@ def main(argv=None) -> int:
                 progress=not args.no_progress,
                 stop_at=args.stop_at,
                 time_budget_s=args.time_budget,
+                profile=parse_range(args.profile) if args.profile else None,
             )
             if rank == 0:
                 _print_outcome(name, summary, run_dir, args)

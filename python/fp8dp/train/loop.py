@@ -190,13 +190,15 @@ def train(
     progress: bool = True,
     stop_at: int = None,
     time_budget_s: float = None,
+    profile: tuple = None,
 ) -> dict:
     """Train one run (FP8 per cfg.fp8.enabled) writing <run_dir>/metrics.jsonl on rank 0; returns
     a summary dict (first/last validation loss, steps, time, and "complete").
 
     stop_at / time_budget_s end the run early at a step boundary (at that step, or before the
     seconds since this call would run out), checkpointing into `save`; --resume from there
-    continues bit-exactly. summary["complete"] says whether train.steps was reached."""
+    continues bit-exactly. summary["complete"] says whether train.steps was reached. profile:
+    (first step, count) to profile on rank 0 into <run_dir>/step_profile.json (step_profile.py)."""
     t_enter = time.perf_counter()
     n_micro = cfg.check_world_size(world_size)
     _check_train_args(cfg, save, stop_at, time_budget_s)
@@ -217,6 +219,10 @@ def train(
 
         path = os.path.join(run_dir, "fp8_stats.jsonl")
         run.probe = FP8Probe(run.model, run.recipe, path, cfg.fp8.exclude, start if resume else -1)
+    if rank == 0 and profile:
+        from .step_profile import StepProfiler
+
+        run.profiler = StepProfiler(*profile, device, os.path.join(run_dir, "step_profile.json"))
     writer = (
         MetricsWriter(
             os.path.join(run_dir, "metrics.jsonl"), truncate_after=start if resume else -1
@@ -316,6 +322,7 @@ class _Run:
     wgrad_modules: list  # the modules whose backward_dw() each micro-batch runs, last layer first
     config_dict: dict
     probe: Any = None  # fp8_stats.FP8Probe on rank 0 with train.fp8_stats_every; else None
+    profiler: Any = None  # step_profile.StepProfiler on rank 0 with --profile; else None
     graphed: bool = False  # train.cuda_graphs: captured (after this launch's first step)
 
     @classmethod
@@ -484,8 +491,17 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
         lr = lr_at(cfg, step)
         for group in run.opt.param_groups:
             group["lr"] = lr
-        train_loss, grad_norm = run.step(step)
+        profiled = run.profiler is not None and run.profiler.wants(step + 1)
+        if profiled:
+            run.profiler.begin(step + 1)
+        train_loss, grad_norm = run.step(step)  # the loss's .item() waits for the device
         dt = time.perf_counter() - t0
+        if profiled:
+            res = run.profiler.end(step + 1, dt)
+            if res is not None:
+                from .step_profile import table
+
+                print(table(res), flush=True)
         capture_s = None
         if run.capture_due(step):  # outside the step's time: its tokens/s stay the step's own
             t_cap = time.perf_counter()
@@ -503,6 +519,8 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
             rec["grad_norm"] = grad_norm
         if capture_s is not None:
             rec["graph_capture_s"] = capture_s
+        if profiled:
+            rec["profiled"] = True  # slowed by the profiler: not the run's tokens/s
         if t.peak_tflops:
             rec["mfu"] = mfu(cfg.model, tokens_per_step / dt, run.world_size, t.peak_tflops)
         done = step + 1
