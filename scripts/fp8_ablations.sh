@@ -6,7 +6,9 @@
 #   scripts/fp8_ablations.sh                      # probe, e4m3, fpropbf16, fprop
 #   STOP=400 scripts/fp8_ablations.sh probe head  # some of them
 #   STOP=2000 BUDGET=480 scripts/fp8_ablations.sh head   # again until it exits 0 (3: not done)
-# Variants (fp8.* over the config's delayed scaling):
+# Variants (fp8.* over the config's delayed scaling with the head in FP8, the stored reference
+# run's setting: since 2026-12-05 the config keeps the head in BF16, so every variant starts from
+# fp8.exclude=[] and those named *head put it back):
 #   probe  nothing changed, train.fp8_stats_every=100: what the casts do, per layer
 #          (runs/ablate/probe/fp8/fp8_stats.jsonl; python -m fp8dp.train.fp8_stats FILE)
 #   head   fp8.exclude=[head]: the output head in BF16
@@ -23,7 +25,12 @@
 #   fpropbf16, dgradbf16, wgradbf16  fp8.override_linear_precision: that GEMM of every layer
 #          in BF16 (which GEMM costs the loss; at CPU size the forward's: BENCHMARKS.md)
 #   off    fp8.enabled=false: FP8 off again, the noise floor of the comparison (GPU runs of the
-#          same seed are not bit-identical: two E4M3 runs were 1.46 and 1.70 at step 700)
+#          same seed are not bit-identical: two E4M3 runs were 1.46 and 1.70 at step 700; two FP8
+#          off runs ended 0.72% apart at step 2,000, 2026-12-05)
+#   currenthead       fp8.recipe=current with the head in BF16 (ended 5.3% behind on 12-05, where
+#          delayed with the head in BF16 ended level: BENCHMARKS.md)
+#   currentheadprobe  the same with the probe, for what current scaling's casts do per layer
+#   headprobe         delayed with the head in BF16 and the probe, the comparison for it
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +54,9 @@ declare -A SETS=(
   [dgradbf16]="fp8.override_linear_precision=[false,true,false]"
   [wgradbf16]="fp8.override_linear_precision=[false,false,true]"
   [off]="fp8.enabled=false"
+  [currenthead]="fp8.recipe=current fp8.exclude=[head]"
+  [currentheadprobe]="fp8.recipe=current fp8.exclude=[head] train.fp8_stats_every=100"
+  [headprobe]="fp8.exclude=[head] train.fp8_stats_every=100"
 )
 variants=("$@")
 # The default: the probe (a GPU kernel wrong at these widths would show against its emulation);
@@ -76,7 +86,7 @@ for v in "${variants[@]}"; do
   if [ "$at" -ge "$STOP" ]; then echo "[ablate] $v: at step $at already"; continue; fi
   [ -f "$ckpt/meta.json" ] || at=0  # reached a smaller STOP before: train again from the start
   echo "[ablate] $v: ${SETS[$v]} to step $STOP from step $at ($(date -u +%H:%M:%S))"
-  sets=(--set "out.dir=$OUTDIR/$v")
+  sets=(--set "out.dir=$OUTDIR/$v" --set "fp8.exclude=[]")  # the variant's own sets come after
   for s in ${SETS[$v]}; do sets+=(--set "$s"); done
   extra=()
   [ "$at" -gt 0 ] && extra+=(--resume "$ckpt")
