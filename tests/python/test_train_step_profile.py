@@ -60,6 +60,8 @@ REPO = Path(__file__).resolve().parents[2]
         ("void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl>",
          "elementwise and copies"),
         ("Memcpy DtoD (Device -> Device)", "elementwise and copies"),
+        ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>",
+         "norms"),
         ("some_unknown_kernel", "other"),
     ],
 )  # fmt: skip

@@ -29,7 +29,8 @@ import torch
 CATEGORIES = (
     ("communication", ("nccl", "gloo", "all_reduce", "reduce_scatter", "all_gather", "c10d::")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")),
-    ("norms", ("fp8dp::cuda::norm", "layernorm", "rmsnorm", "norm_fwd", "norm_bwd")),
+    ("norms", ("fp8dp::cuda::norm", "layernorm", "layer_norm", "rmsnorm", "rms_norm", "norm_fwd",
+               "norm_bwd")),
     ("FP8 scaling", ("update_scaling", "current_scale", "amax")),
     ("fp8dp autograd nodes (host)", ("cppnode<fp8dp",)),
     ("FP8 casts", ("fp8dp::", "quantize", "cast_transpose", "act_kernel", "column_sum")),
