@@ -227,17 +227,27 @@ def table_seeds(res: dict) -> str:
             f"| {label} | {len(r['seeds'])} | {_fmt(r['final_val_loss'], '.4f')}"
             f"{'' if sd is None else f' ± {sd:.4f}'} | "
             f"{pct(r.get('final_gap_signed'))} | {paired if name != 'off' else '–'} | "
-            f"{_fmt(None if r.get('curve_gap') is None else 100 * r['curve_gap'], '.3f')}"
-            f"{'' if r.get('curve_gap') is None else '%'} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-            f"{_fmt(r.get('speedup'), '.2f')}{'' if r.get('speedup') is None else '×'} | "
-            f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}"
-            f"{'' if r['mfu'] is None else '%'} | {_fmt(r['peak_mem_gib'], '.1f')} |"
+            f"{_common_cells(r)} |"
         )
     return "\n".join(lines)
 
 
 def _fmt(v, spec):
     return "–" if v is None else format(v, spec)
+
+
+def _share(v, spec) -> str:
+    """A fraction as a percentage ("12.345%"), or "–"."""
+    return "–" if v is None else format(100 * v, spec) + "%"
+
+
+def _common_cells(r: dict) -> str:
+    """The cells both tables end with: curve gap, tokens/s, speed-up, MFU, peak memory."""
+    return (
+        f"{_share(r.get('curve_gap'), '.3f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+        f"{_fmt(r.get('speedup'), '.2f')}{'' if r.get('speedup') is None else '×'} | "
+        f"{_share(r['mfu'], '.1f')} | {_fmt(r['peak_mem_gib'], '.1f')}"
+    )
 
 
 def table(res: dict) -> str:
@@ -256,13 +266,7 @@ def table(res: dict) -> str:
             final = r["val_gap_to_off"]
         lines.append(
             f"| {label} | {r['steps']} | {_fmt(r['final_val_loss'], '.4f')} | "
-            f"{_fmt(None if final is None else 100 * final, '.3f')}"
-            f"{'' if final is None else '%'} | "
-            f"{_fmt(None if r.get('curve_gap') is None else 100 * r['curve_gap'], '.3f')}"
-            f"{'' if r.get('curve_gap') is None else '%'} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-            f"{_fmt(r.get('speedup'), '.2f')}{'' if r.get('speedup') is None else '×'} | "
-            f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}"
-            f"{'' if r['mfu'] is None else '%'} | {_fmt(r['peak_mem_gib'], '.1f')} |"
+            f"{_share(final, '.3f')} | {_common_cells(r)} |"
         )
     return "\n".join(lines)
 
