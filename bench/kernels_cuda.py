@@ -85,6 +85,70 @@ def bench_one(rows, cols, dtype):
     }
 
 
+def check_block_against_cpu(x, shape):
+    """The block casts' bytes and scales on the timed shape against the CPU kernels (the tests
+    cover small shapes; the timed one has thousands of 128 x 128 regions)."""
+    gpu = _C.block_quantize(x, E4M3, shape, transpose=True)
+    cpu = _C.block_quantize(x.cpu(), E4M3, shape, transpose=True)
+    same = all(
+        torch.equal(getattr(gpu, k).view(torch.uint8).cpu(), getattr(cpu, k).view(torch.uint8))
+        for k in ("data", "data_t")
+    )
+    same &= torch.equal(gpu.scale_inv.cpu(), cpu.scale_inv)
+    same &= torch.equal(gpu.scale_inv_t.cpu(), cpu.scale_inv_t)
+    if not same:
+        print(f"MISMATCH between the CUDA and CPU block casts ({shape})", file=sys.stderr)
+    return bool(same)
+
+
+def bench_block(rows, cols, dtype):
+    """Float8BlockScaling's casts (1x128 tiles of x and of its transpose, as the forward and the
+    wgrad read them; 128x128 blocks of a weight in both layouts) against the copy and the
+    per-tensor cast + transpose. Bytes: the input once, every FP8 output and its FP32 scales
+    once."""
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    scale = torch.tensor([2.0], device="cuda")
+    copy_dst = torch.empty_like(x)
+    n, es = x.numel(), x.element_size()
+    tile, blocks = _C.BlockShape.TILE_1x128, _C.BlockShape.BLOCK_128x128
+    tile_s = 4 * (rows * -(-cols // 128) + cols * -(-rows // 128))
+    block_s = 8 * -(-rows // 128) * -(-cols // 128)
+    ops = {
+        "copy": (lambda: copy_dst.copy_(x), 2 * n * es),
+        "cast_transpose": (lambda: _C.quantize(x, scale, E4M3, True, True, False), n * es + 2 * n),
+        "block_1x128_rows": (
+            lambda: _C.block_quantize(x, E4M3, tile),
+            n * es + n + 4 * rows * -(-cols // 128),
+        ),
+        "block_1x128_both": (
+            lambda: _C.block_quantize(x, E4M3, tile, transpose=True),
+            n * es + 2 * n + tile_s,
+        ),
+        "block_1x128_both_dbias": (
+            lambda: _C.block_quantize(x, E4M3, tile, transpose=True, dbias=True),
+            n * es + 2 * n + tile_s + 4 * cols,
+        ),
+        "block_128x128_both": (
+            lambda: _C.block_quantize(x, E4M3, blocks, transpose=True),
+            n * es + 2 * n + block_s,
+        ),
+    }
+    ms = time_interleaved({k: v[0] for k, v in ops.items()})
+    matches = check_block_against_cpu(x, tile) and check_block_against_cpu(x, blocks)
+    copy_bw = ops["copy"][1] / ms["copy"] / 1e9
+    res = [
+        {"op": k, "ms": ms[k], "TBps": b / ms[k] / 1e9, "frac_copy_bw": b / ms[k] / 1e9 / copy_bw}
+        for k, (_, b) in ops.items()
+    ]
+    return {
+        "shape": [rows, cols],
+        "dtype": str(dtype),
+        "input_MiB": n * es / 2**20,
+        "matches_cpu": matches,
+        "ops": res,
+    }
+
+
 def bench_norm(rows, cols, dtype, rms):
     """LayerNorm / RMSNorm (+ FP8 cast) forward and backward against torch's own kernels (and the
     naive quantize after them). Bytes: the forward reads x (gamma / beta are negligible) and
@@ -176,13 +240,21 @@ def norm_results():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--only", choices=("all", "block"), default="all", help="block: the block casts alone"
+    )
     args = ap.parse_args()
     results = [
-        bench_one(16384, 8192, torch.bfloat16),  # 256 MiB input
-        bench_one(8192, 8192, torch.float32),  # 256 MiB input
-        bench_one(4096, 8192, torch.bfloat16),  # 64 MiB input
+        bench_block(8192, 8192, torch.bfloat16),  # the Linear 8192^3 step's x, dy and weight
+        bench_block(16384, 1536, torch.bfloat16),  # the 342M model's activations (width 1536)
     ]
-    results += norm_results()
+    if args.only == "all":
+        results += [
+            bench_one(16384, 8192, torch.bfloat16),  # 256 MiB input
+            bench_one(8192, 8192, torch.float32),  # 256 MiB input
+            bench_one(4096, 8192, torch.bfloat16),  # 64 MiB input
+        ]
+        results += norm_results()
     for r in results:
         rows = []
         for o in r["ops"]:

@@ -14,7 +14,8 @@
 # and without train.cuda_graphs: demo_graphs/). The experiments of
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
-# (profile.log, profile_gpt_SHAPE.json), dev_profile_modules (profile_modules.json),
+# (profile.log, profile_gpt_SHAPE.json), dev_block_casts (dev_block_casts.json),
+# dev_profile_modules (profile_modules.json),
 # dev_host_profile (dev_host_profile.json), dev_graph_ceiling (dev_graph_ceiling.json),
 # dev_profile_train (the 342M training step by category: profile_train_{delayed,current,off}.json). The 2-GPU parts
 # (tests/distributed's NCCL cases, the reduce-scatter and DDP benchmarks) run when two or more GPUs
@@ -146,6 +147,9 @@ if want dev_profile_gpt; then
       ${PROFILE_ARGS:-} --json "$OUT/profile_gpt_$s.json"
   done
 fi
+# The block casts alone against the copy bandwidth (8192 x 8192 and the 342M width).
+want dev_block_casts && run_step dev_block_casts "$OUT/bench.log" 120 "$PY" bench/kernels_cuda.py \
+  --only block --json "$OUT/dev_block_casts.json"
 # Kernel time per step of single modules: the block-scaled Linear, LayerNormMLP vs separate modules.
 want dev_profile_modules && run_step dev_profile_modules "$OUT/profile.log" 200 "$PY" \
   dev/profile_modules.py --json "$OUT/profile_modules.json"
@@ -219,7 +223,7 @@ fi
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
            bench_gpt bench_gpt_best bench_gpt_graphs bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
-           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_profile_modules dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
+           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_block_casts dev_profile_modules dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8
