@@ -52,13 +52,25 @@ Quantized block_quantize(const at::Tensor& x_in, Format format, BlockShape shape
     p.out_t = static_cast<uint8_t*>(out.data_t.data_ptr());
     p.scale_inv_t = out.scale_inv_t.data_ptr<float>();
   }
+  // FP32 column sums rounded once, as quantize's dbias (C4: the eager bias gradient). On CUDA with
+  // the transpose (the grad_output's cast) the cast kernel sums the columns it already holds.
+  // The partial sums are freed after the launch: the caching allocator hands their memory only to
+  // work queued behind it on this stream.
+  at::Tensor dbias32, partial;
   if (opts.dbias) {
     to_high_precision_dtype(opts.dbias_dtype, fn, "dbias_dtype");
-    // FP32 column sums rounded once, as quantize's dbias (C4: the eager bias gradient).
-    out.dbias = at::sum(x.reshape({rows, cols}), {0}, false, at::kFloat).to(opts.dbias_dtype);
+    if (x.is_cuda() && p.out_t != nullptr && rows > 0) {
+      dbias32 = at::empty({cols}, f32);
+      partial = at::empty({kbt, cols}, f32);
+      p.dbias_partial = partial.data_ptr<float>();
+      p.dbias = dbias32.data_ptr<float>();
+    } else {
+      dbias32 = at::sum(x.reshape({rows, cols}), {0}, false, at::kFloat);
+    }
   }
   if (rows > 0 && (p.out != nullptr || p.out_t != nullptr))
     dispatch_kernel(x.device(), block_quantize_cpu, FP8DP_CUDA_KERNEL(block_quantize_cuda), p);
+  if (opts.dbias) out.dbias = dbias32.to(opts.dbias_dtype);
   return out;
 }
 

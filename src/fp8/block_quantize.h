@@ -48,6 +48,9 @@ FP8DP_HD float block_scale(float amax, float fp8_max_v, bool power_2_scale, floa
 // A last tile shorter than 128 (cols or rows not a multiple of 128) takes its scale from the
 // elements it has: the scale a zero-padded tile would get, since zeros do not change an amax.
 // All scales are row-major FP32.
+//   dbias      [cols] FP32 column sums of the input (CUDA only, with out_t): each 128-row region's
+//              sums go to dbias_partial [ceil(rows/128), cols] and are added in region order, so
+//              the bits depend on the shape alone. The CPU path (block_cast.cpp) sums with ATen.
 struct BlockQuantizeParams {
   const void* input = nullptr;
   DType input_dtype = DType::kFloat32;
@@ -61,6 +64,8 @@ struct BlockQuantizeParams {
   float* scale_inv = nullptr;
   uint8_t* out_t = nullptr;
   float* scale_inv_t = nullptr;
+  float* dbias_partial = nullptr;  // both or neither; CUDA with out_t only
+  float* dbias = nullptr;
 };
 
 void block_quantize_cpu(const BlockQuantizeParams& p);

@@ -70,6 +70,36 @@ def test_cuda_casts_match_cpu(shape, fmt, p2, dtype):
         torch.testing.assert_close(d.cpu(), ref, rtol=0, atol=0, equal_nan=True)
 
 
+# (1000, 4096): a multiple of 128 in neither rows nor the region count's power of two; (3, 130) a
+# region shorter than 128 rows; (384, 200) the vector transposed stores.
+@pytest.mark.parametrize("shape", [(3, 130), (129, 128), (1000, 4096), (384, 200)])
+@pytest.mark.parametrize("dbias_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_dbias_fused(shape, dbias_dtype):
+    """With the transpose (the grad_output's cast) the CUDA kernel sums each region's columns and
+    column_sum.cuh adds the regions: against the float64 sum within FP32 summation over `rows`
+    terms (gamma_rows sum|x|) plus one rounding to the dbias dtype. The bits depend on the shape
+    alone: a second call gives the same bytes. Without the transpose the ATen sum runs, the same
+    bound."""
+    rows, cols = shape
+    x = data(rows, cols, seed=7).to(torch.bfloat16)
+    want = x.double().sum(0)
+    eps = 2.0**-8 if dbias_dtype == torch.bfloat16 else 2.0**-24
+    bound = rows * 2.0**-24 * x.double().abs().sum(0) + eps * want.abs()
+    for transpose in (True, False):
+        g = _C.block_quantize(
+            x.cuda(), FMT["E5M2"], TILE, transpose=transpose, dbias=True, dbias_dtype=dbias_dtype
+        )
+        assert g.dbias.dtype == dbias_dtype and g.dbias.shape == (cols,)
+        err = (g.dbias.cpu().double() - want).abs()
+        assert torch.all(err <= bound), f"transpose={transpose}: max excess {(err - bound).max()}"
+        again = _C.block_quantize(
+            x.cuda(), FMT["E5M2"], TILE, transpose=transpose, dbias=True, dbias_dtype=dbias_dtype
+        )
+        assert torch.equal(again.dbias, g.dbias)
+        c = _C.block_quantize(x, FMT["E5M2"], TILE, transpose=transpose)
+        assert torch.equal(g.data.cpu().view(torch.uint8), c.data.view(torch.uint8))
+
+
 @pytest.mark.parametrize("b_kind", ["tile", "block"])
 @pytest.mark.parametrize("mnk", [(256, 256, 256), (512, 384, 640), (128, 144, 4096)], ids=str)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)

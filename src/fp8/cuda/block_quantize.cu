@@ -8,7 +8,10 @@
 //            the transpose) and writes its bytes into a second, transposed byte tile, which all
 //            threads then store as 16-byte rows of out_t;
 //   128x128 blocks: the region's amax (block-wide), then both layouts from the staged values with
-//            the block's one scale.
+//            the block's one scale;
+//   dbias (with out_t): the warp that casts a column of the region also sums it, so the bias
+//            gradient needs no second read of the input (it was an ATen column sum, one more pass
+//            over dy per layer); the regions' sums are added in order by column_sum.cuh.
 // Max is order-free and each byte comes from the shared block_scale() and quantize_scaled (the
 // hardware's saturating conversion, which is quantize_one's clamp-then-round, or quantize_one
 // itself where the tile or block holds a NaN), so CPU and GPU agree bit for bit. (Separate row /
@@ -23,6 +26,7 @@
 #include "common/cuda_check.h"
 #include "fp8/block_quantize.h"
 #include "fp8/cuda/cast_common.cuh"
+#include "fp8/cuda/column_sum.cuh"
 
 namespace fp8dp {
 namespace cuda {
@@ -92,6 +96,7 @@ struct CastArgs {
   bool vec_t;          // rows % 16 == 0 and out_t 16-byte aligned: 16-byte transposed stores
   bool p2;
   float eps;
+  float* dbias_partial;  // [ceil(rows/128), cols] column sums of each region, or null
 };
 
 // kBlocks: one scale per 128x128 block (weights); else 1x128 tiles in each direction.
@@ -187,6 +192,12 @@ __global__ void __launch_bounds__(kThreads)
       v[j] = to_float(tile[(lane + j * kWarp) * S + c]);  // rows past nr were staged as zeros
       m = max(m, abs_bits(v[j]));
     }
+    if (a.dbias_partial != nullptr) {  // the column's sum over the region, in a fixed order
+      float sum = (v[0] + v[1]) + (v[2] + v[3]);
+#pragma unroll
+      for (int o = kWarp / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+      if (lane == 0) a.dbias_partial[rb * a.cols + c0 + c] = sum;
+    }
     float s = bs;
     bool nan = block_nan;
     if constexpr (!kBlocks) {
@@ -242,12 +253,18 @@ void launch(const BlockQuantizeParams& p, cudaStream_t st) {
              p.out != nullptr && p.cols % kVec == 0 && addr(p.out) % 8 == 0,
              p.out_t != nullptr && p.rows % 16 == 0 && addr(p.out_t) % 16 == 0,
              p.power_2_scale,
-             p.amax_epsilon};
+             p.amax_epsilon,
+             p.dbias_partial};
   if (p.shape == BlockShape::k1x128) {
     launch_cast<F, T, false>(p, a, st);
   } else {
     launch_cast<F, T, true>(p, a, st);
   }
+  if (p.dbias != nullptr)
+    launch_column_sums<float>(
+        ColumnSums<float>{
+            {p.dbias_partial, nullptr}, {p.dbias, nullptr}, ceil_blocks(p.rows), p.cols},
+        1, st);
 }
 
 template <Format F>
@@ -311,6 +328,9 @@ void block_quantize_cuda(const BlockQuantizeParams& p, void* stream) {
   FP8DP_CHECK((p.out == nullptr) == (p.scale_inv == nullptr) &&
                   (p.out_t == nullptr) == (p.scale_inv_t == nullptr),
               "block_quantize_cuda: every FP8 output needs its scale_inv and vice versa");
+  FP8DP_CHECK((p.dbias == nullptr) == (p.dbias_partial == nullptr) &&
+                  (p.dbias == nullptr || p.out_t != nullptr),
+              "block_quantize_cuda: dbias needs dbias_partial and the transposed output");
   if (p.rows == 0 || p.cols == 0 || (p.out == nullptr && p.out_t == nullptr)) return;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (p.format == Format::kE4M3) {
