@@ -119,10 +119,14 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
   const at::Tensor dst = direct ? out : at::empty({m, n}, a.options().dtype(at::kFloat));
   write_to(dst, false);
   gemm_lt(p, st);
-  dst.add_(args.bias.to(at::kFloat));
-  if (!direct) {
-    if (args.accumulate) dst.add_(out.to(at::kFloat));
-    out.copy_(dst);
+  const at::Tensor bias = args.bias.to(at::kFloat);
+  if (direct) {
+    dst.add_(bias);
+  } else if (args.accumulate) {  // (product + bias) + old output in FP32, rounded once
+    dst.add_(bias);
+    at::add_out(out, dst, out);
+  } else {  // one pass: the FP32 sum is rounded to the output's dtype as it is written
+    at::add_out(out, dst, bias);
   }
   return out;
 }
