@@ -163,9 +163,10 @@ want dev_profile_modules && run_step dev_profile_modules "$OUT/profile.log" 200 
 want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" dev/host_profile.py \
   ${HOST_PROFILE_ARGS:-} --json "$OUT/dev_host_profile.json"
 # Where the 342M training step's GPU time goes (fp8dp.train --profile): FP8 delayed, current and
-# FP8 off, steps 20-22 of a 24-step run (PROFILE_TRAIN_SETS adds --set arguments).
+# FP8 off, steps 20-22 of a 24-step run (PROFILE_TRAIN_SETS adds --set arguments;
+# PROFILE_TRAIN_VARIANTS picks recipes: delayed, current, block, off).
 if want dev_profile_train; then
-  for v in delayed current off; do
+  for v in ${PROFILE_TRAIN_VARIANTS:-delayed current off}; do
     sets=(--set train.steps=24 --set "out.dir=$BUILD/profile_train/$v")
     [ "$v" = off ] && sets+=(--set fp8.enabled=false) || sets+=(--set fp8.recipe=$v)
     run_step dev_profile_train "$OUT/profile.log" 240 "$PY" -m torch.distributed.run --standalone \
