@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 
 #include "common/cuda_check.h"
 #include "fp8/block_quantize.h"
@@ -100,43 +99,10 @@ struct CastArgs {
   float* dbias_partial;  // [ceil(rows/128), cols] column sums of each region, or null
 };
 
-// One column c of the staged region, its four values per lane (rows lane, lane + 32, ...) in v:
-// its dbias part, its scale (a tile of the transpose; kBlocks: the block's scale s) and its bytes
-// into the transposed byte tile qt.
-template <Format F, bool kBlocks>
-__device__ __forceinline__ void emit_column(const CastArgs& a, int c, const float (&v)[4],
-                                            int64_t rb, int64_t c0, int64_t kbt, float s, bool nan,
-                                            uint8_t* qt) {
-  const int lane = threadIdx.x % kWarp;
-  uint32_t m = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) m = max(m, abs_bits(v[j]));
-  if (a.dbias_partial != nullptr) {  // the column's sum over the region, in a fixed order
-    float sum = (v[0] + v[1]) + (v[2] + v[3]);
-#pragma unroll
-    for (int o = kWarp / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
-    if (lane == 0) a.dbias_partial[rb * a.cols + c0 + c] = sum;
-  }
-  if constexpr (!kBlocks) {
-    const uint32_t cm = warp_max(m);
-    nan = cm == kQuietNaNBits;
-    s = block_scale(amax_from_bits(cm), fp8_max(F), a.p2, a.eps);
-    if (lane == 0) a.scale_inv_t[(c0 + c) * kbt + rb] = 1.0f / s;
-  }
-  uint8_t q[4];
-  quantize_scaled<F, 4>(v, s, nan, q);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) qt[c * kQtStride + lane + j * kWarp] = q[j];
-}
-
 // kBlocks: one scale per 128x128 block (weights); else 1x128 tiles in each direction.
-// kPairs (16-bit inputs): the staging stores and the column reads move two neighbouring columns
-// as one 32-bit word (half the shared-memory instructions of 16-bit accesses; the padded row of
-// 130 elements keeps both word-aligned and the column reads free of bank conflicts).
-template <Format F, typename T, bool kBlocks, bool kPairs = sizeof(T) == 2>
+template <Format F, typename T, bool kBlocks>
 __global__ void __launch_bounds__(kThreads)
     block_cast_kernel(const T* __restrict__ in, const CastArgs a) {
-  static_assert(!kPairs || (sizeof(T) == 2 && staged_row<T>() % 2 == 0), "pairs: 16-bit only");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int S = staged_row<T>();
   T* tile = reinterpret_cast<T*>(smem);
@@ -173,15 +139,8 @@ __global__ void __launch_bounds__(kThreads)
       m = max(m, abs_bits(v[j]));
     }
     if (stage) {
-      if constexpr (kPairs) {
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(x.t);
 #pragma unroll
-        for (int j = 0; j < kVec / 2; ++j)
-          reinterpret_cast<uint32_t*>(tile + lr * S + cb)[j] = w[j];
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) tile[lr * S + cb + j] = x.t[j];
-      }
+      for (int j = 0; j < kVec; ++j) tile[lr * S + cb + j] = x.t[j];
     }
     if constexpr (kBlocks) {
       block_m = max(block_m, m);
@@ -225,29 +184,32 @@ __global__ void __launch_bounds__(kThreads)
   if (a.out_t == nullptr) return;  // uniform across the block
   __syncthreads();
   const int lane = threadIdx.x % kWarp;
-  if constexpr (kPairs) {
-    // Columns c and c + 1 in one word per row (rows past nr and columns past nc were staged as
-    // zeros, so the second column of an odd last pair is read but not emitted).
-    for (int c = 2 * (threadIdx.x / kWarp); c < nc; c += 2 * kWarps) {
-      float v0[4], v1[4];
+  for (int c = threadIdx.x / kWarp; c < nc; c += kWarps) {
+    float v[4];
+    uint32_t m = 0;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(tile + (lane + j * kWarp) * S + c);
-        T pair[2];
-        memcpy(pair, &w, sizeof(w));
-        v0[j] = to_float(pair[0]);
-        v1[j] = to_float(pair[1]);
-      }
-      emit_column<F, kBlocks>(a, c, v0, rb, c0, kbt, bs, block_nan, qt);
-      if (c + 1 < nc) emit_column<F, kBlocks>(a, c + 1, v1, rb, c0, kbt, bs, block_nan, qt);
+    for (int j = 0; j < 4; ++j) {
+      v[j] = to_float(tile[(lane + j * kWarp) * S + c]);  // rows past nr were staged as zeros
+      m = max(m, abs_bits(v[j]));
     }
-  } else {
-    for (int c = threadIdx.x / kWarp; c < nc; c += kWarps) {
-      float v[4];
+    if (a.dbias_partial != nullptr) {  // the column's sum over the region, in a fixed order
+      float sum = (v[0] + v[1]) + (v[2] + v[3]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = to_float(tile[(lane + j * kWarp) * S + c]);
-      emit_column<F, kBlocks>(a, c, v, rb, c0, kbt, bs, block_nan, qt);
+      for (int o = kWarp / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+      if (lane == 0) a.dbias_partial[rb * a.cols + c0 + c] = sum;
     }
+    float s = bs;
+    bool nan = block_nan;
+    if constexpr (!kBlocks) {
+      const uint32_t cm = warp_max(m);
+      nan = cm == kQuietNaNBits;
+      s = block_scale(amax_from_bits(cm), fp8_max(F), a.p2, a.eps);
+      if (lane == 0) a.scale_inv_t[(c0 + c) * kbt + rb] = 1.0f / s;
+    }
+    uint8_t q[4];
+    quantize_scaled<F, 4>(v, s, nan, q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) qt[c * kQtStride + lane + j * kWarp] = q[j];
   }
   __syncthreads();
 #pragma unroll
@@ -265,12 +227,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <Format F, typename T, bool kBlocks, bool kPairs>
+template <Format F, typename T, bool kBlocks>
 void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t st) {
   static std::atomic<uint64_t> smem_done{0};
   const int64_t grid = ceil_blocks(p.rows) * ceil_blocks(p.cols);
   FP8DP_CHECK(grid < (int64_t{1} << 31), "block_quantize_cuda: too many 128x128 regions: ", grid);
-  auto kernel = block_cast_kernel<F, T, kBlocks, kPairs>;
+  auto kernel = block_cast_kernel<F, T, kBlocks>;
   // Row tiles alone need no staging (and so no shared memory beyond the reductions').
   const size_t smem = (kBlocks || p.out_t != nullptr) ? smem_bytes<T>() : 0;
   if (smem > 48 * 1024) allow_smem(kernel, smem, smem_done);
@@ -278,30 +240,25 @@ void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t s
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-CastArgs cast_args(const BlockQuantizeParams& p) {
-  const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
-  return CastArgs{p.rows,
-                  p.cols,
-                  p.out,
-                  p.scale_inv,
-                  p.out_t,
-                  p.scale_inv_t,
-                  p.cols % kVec == 0 && addr(p.input) % 16 == 0,
-                  p.out != nullptr && p.cols % kVec == 0 && addr(p.out) % 8 == 0,
-                  p.out_t != nullptr && p.rows % 16 == 0 && addr(p.out_t) % 16 == 0,
-                  p.power_2_scale,
-                  p.amax_epsilon,
-                  p.dbias_partial};
-}
-
-// kPairs: see block_cast_kernel (dev/block_cast_variants.cu times both).
-template <Format F, typename T, bool kPairs = sizeof(T) == 2>
+template <Format F, typename T>
 void launch(const BlockQuantizeParams& p, cudaStream_t st) {
-  const CastArgs a = cast_args(p);
+  const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
+  CastArgs a{p.rows,
+             p.cols,
+             p.out,
+             p.scale_inv,
+             p.out_t,
+             p.scale_inv_t,
+             p.cols % kVec == 0 && addr(p.input) % 16 == 0,
+             p.out != nullptr && p.cols % kVec == 0 && addr(p.out) % 8 == 0,
+             p.out_t != nullptr && p.rows % 16 == 0 && addr(p.out_t) % 16 == 0,
+             p.power_2_scale,
+             p.amax_epsilon,
+             p.dbias_partial};
   if (p.shape == BlockShape::k1x128) {
-    launch_cast<F, T, false, kPairs>(p, a, st);
+    launch_cast<F, T, false>(p, a, st);
   } else {
-    launch_cast<F, T, true, kPairs>(p, a, st);
+    launch_cast<F, T, true>(p, a, st);
   }
   if (p.dbias != nullptr)
     launch_column_sums<float>(
