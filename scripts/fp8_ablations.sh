@@ -30,6 +30,8 @@
 #   currenthead       fp8.recipe=current with the head in BF16 (ended 5.3% behind on 12-05, where
 #          delayed with the head in BF16 ended level: BENCHMARKS.md)
 #   currentheadprobe  the same with the probe, for what current scaling's casts do per layer
+#          (12-05, an H100, to step 1,000: level with delayed scaling and FP8 off, where the
+#          first currenthead run was 7.7% behind there; nothing saturates)
 #   headprobe         delayed with the head in BF16 and the probe, the comparison for it
 # Checkpoints (needed by --stop-at) are deleted after each run. Outputs: runs/ablate/<variant>/.
 set -euo pipefail
