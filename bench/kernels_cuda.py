@@ -49,6 +49,26 @@ def check_against_cpu(x, scale):
     return bool(same)
 
 
+def shape_result(x, ops, ms, matches, baselines=None, key="speedup_vs_naive"):
+    """One shape's entry: every op's time, bandwidth (its fewest bytes, ops[op][1]) and share of
+    the copy's; with baselines {op: baseline op}, the baseline's time over the op's as `key`."""
+    copy_bw = ops["copy"][1] / ms["copy"] / 1e9
+    res = []
+    for op, (_, nbytes) in ops.items():
+        bw = nbytes / ms[op] / 1e9  # bytes / ms / 1e9 = TB/s
+        entry = {"op": op, "ms": ms[op], "TBps": bw, "frac_copy_bw": bw / copy_bw}
+        if baselines and op in baselines:
+            entry[key] = ms[baselines[op]] / ms[op]
+        res.append(entry)
+    return {
+        "shape": list(x.shape),
+        "dtype": str(x.dtype),
+        "input_MiB": x.numel() * x.element_size() / 2**20,
+        "matches_cpu": bool(matches),
+        "ops": res,
+    }
+
+
 def bench_one(rows, cols, dtype):
     x = torch.randn(rows, cols, device="cuda", dtype=dtype)
     scale = torch.tensor([2.0], device="cuda")
@@ -68,21 +88,8 @@ def bench_one(rows, cols, dtype):
     }
     ms = time_interleaved({k: v[0] for k, v in ops.items()})
     matches = check_against_cpu(x, scale)
-    copy_bw = ops["copy"][1] / ms["copy"] / 1e9
-    res = []
-    for name, (_, nbytes) in ops.items():
-        bw = nbytes / ms[name] / 1e9  # bytes / ms / 1e9 = TB/s
-        entry = {"op": name, "ms": ms[name], "TBps": bw, "frac_copy_bw": bw / copy_bw}
-        if name in ("quantize", "cast_transpose"):
-            entry["speedup_vs_naive"] = ms["naive_" + name] / ms[name]
-        res.append(entry)
-    return {
-        "shape": [rows, cols],
-        "dtype": str(dtype),
-        "input_MiB": n * es / 2**20,
-        "matches_cpu": matches,
-        "ops": res,
-    }
+    naive = {"quantize": "naive_quantize", "cast_transpose": "naive_cast_transpose"}
+    return shape_result(x, ops, ms, matches, naive)
 
 
 def check_block_against_cpu(x, shape):
@@ -135,18 +142,7 @@ def bench_block(rows, cols, dtype):
     }
     ms = time_interleaved({k: v[0] for k, v in ops.items()})
     matches = check_block_against_cpu(x, tile) and check_block_against_cpu(x, blocks)
-    copy_bw = ops["copy"][1] / ms["copy"] / 1e9
-    res = [
-        {"op": k, "ms": ms[k], "TBps": b / ms[k] / 1e9, "frac_copy_bw": b / ms[k] / 1e9 / copy_bw}
-        for k, (_, b) in ops.items()
-    ]
-    return {
-        "shape": [rows, cols],
-        "dtype": str(dtype),
-        "input_MiB": n * es / 2**20,
-        "matches_cpu": matches,
-        "ops": res,
-    }
+    return shape_result(x, ops, ms, matches)
 
 
 def bench_norm(rows, cols, dtype, rms):
@@ -208,26 +204,12 @@ def bench_norm(rows, cols, dtype, rms):
     matches &= torch.equal(r.amax, q.amax)
     if not matches:
         print(f"MISMATCH between the fused {name} cast and quantize()", file=sys.stderr)
-    copy_bw = ops["copy"][1] / ms["copy"] / 1e9
-    res = []
-    for op, (_, nbytes) in ops.items():
-        bw = nbytes / ms[op] / 1e9
-        entry = {"op": op, "ms": ms[op], "TBps": bw, "frac_copy_bw": bw / copy_bw}
-        base = {
-            f"{name}_fp8": f"torch_{name}+naive_quantize",
-            f"{name}_out": f"torch_{name}",
-            f"{name}_bwd": f"torch_{name}_bwd",
-        }.get(op)
-        if base:
-            entry["speedup_vs_torch"] = ms[base] / ms[op]
-        res.append(entry)
-    return {
-        "shape": [rows, cols],
-        "dtype": str(dtype),
-        "input_MiB": n * es / 2**20,
-        "matches_cpu": bool(matches),
-        "ops": res,
+    torch_ops = {
+        f"{name}_fp8": f"torch_{name}+naive_quantize",
+        f"{name}_out": f"torch_{name}",
+        f"{name}_bwd": f"torch_{name}_bwd",
     }
+    return shape_result(x, ops, ms, matches, torch_ops, key="speedup_vs_torch")
 
 
 def norm_results():

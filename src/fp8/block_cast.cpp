@@ -54,15 +54,11 @@ Quantized block_quantize(const at::Tensor& x_in, Format format, BlockShape shape
   }
   // FP32 column sums rounded once, as quantize's dbias (C4: the eager bias gradient). On CUDA with
   // the transpose (the grad_output's cast) the cast kernel sums the columns it already holds.
-  // The partial sums are freed after the launch: the caching allocator hands their memory only to
-  // work queued behind it on this stream.
-  at::Tensor dbias32, partial;
+  at::Tensor dbias32;
   if (opts.dbias) {
     to_high_precision_dtype(opts.dbias_dtype, fn, "dbias_dtype");
     if (x.is_cuda() && p.out_t != nullptr && rows > 0) {
       dbias32 = at::empty({cols}, f32);
-      partial = at::empty({kbt, cols}, f32);
-      p.dbias_partial = partial.data_ptr<float>();
       p.dbias = dbias32.data_ptr<float>();
     } else {
       dbias32 = at::sum(x.reshape({rows, cols}), {0}, false, at::kFloat);

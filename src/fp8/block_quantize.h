@@ -49,8 +49,8 @@ FP8DP_HD float block_scale(float amax, float fp8_max_v, bool power_2_scale, floa
 // elements it has: the scale a zero-padded tile would get, since zeros do not change an amax.
 // All scales are row-major FP32.
 //   dbias      [cols] FP32 column sums of the input (CUDA only, with out_t): each 128-row region's
-//              sums go to dbias_partial [ceil(rows/128), cols] and are added in region order, so
-//              the bits depend on the shape alone. The CPU path (block_cast.cpp) sums with ATen.
+//              sums go to stream-ordered scratch and are added in region order, so the bits depend
+//              on the shape alone. The CPU path (block_cast.cpp) sums with ATen.
 struct BlockQuantizeParams {
   const void* input = nullptr;
   DType input_dtype = DType::kFloat32;
@@ -64,8 +64,7 @@ struct BlockQuantizeParams {
   float* scale_inv = nullptr;
   uint8_t* out_t = nullptr;
   float* scale_inv_t = nullptr;
-  float* dbias_partial = nullptr;  // both or neither; CUDA with out_t only
-  float* dbias = nullptr;
+  float* dbias = nullptr;  // CUDA with out_t only
 };
 
 void block_quantize_cpu(const BlockQuantizeParams& p);

@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "common/cuda_check.h"
+#include "common/cuda_scratch.h"
 #include "fp8/block_quantize.h"
 #include "fp8/cuda/cast_common.cuh"
 #include "fp8/cuda/column_sum.cuh"
@@ -254,17 +255,20 @@ void launch(const BlockQuantizeParams& p, cudaStream_t st) {
              p.out_t != nullptr && p.rows % 16 == 0 && addr(p.out_t) % 16 == 0,
              p.power_2_scale,
              p.amax_epsilon,
-             p.dbias_partial};
+             nullptr};
+  const int64_t regions = ceil_blocks(p.rows);  // row regions: one partial row of dbias each
+  if (p.dbias != nullptr)
+    a.dbias_partial = scratch_alloc<float>(static_cast<size_t>(regions * p.cols), st);
   if (p.shape == BlockShape::k1x128) {
     launch_cast<F, T, false>(p, a, st);
   } else {
     launch_cast<F, T, true>(p, a, st);
   }
-  if (p.dbias != nullptr)
+  if (p.dbias != nullptr) {
     launch_column_sums<float>(
-        ColumnSums<float>{
-            {p.dbias_partial, nullptr}, {p.dbias, nullptr}, ceil_blocks(p.rows), p.cols},
-        1, st);
+        ColumnSums<float>{{a.dbias_partial, nullptr}, {p.dbias, nullptr}, regions, p.cols}, 1, st);
+    scratch_free(a.dbias_partial, st);
+  }
 }
 
 template <Format F>
@@ -328,9 +332,8 @@ void block_quantize_cuda(const BlockQuantizeParams& p, void* stream) {
   FP8DP_CHECK((p.out == nullptr) == (p.scale_inv == nullptr) &&
                   (p.out_t == nullptr) == (p.scale_inv_t == nullptr),
               "block_quantize_cuda: every FP8 output needs its scale_inv and vice versa");
-  FP8DP_CHECK((p.dbias == nullptr) == (p.dbias_partial == nullptr) &&
-                  (p.dbias == nullptr || p.out_t != nullptr),
-              "block_quantize_cuda: dbias needs dbias_partial and the transposed output");
+  FP8DP_CHECK(p.dbias == nullptr || p.out_t != nullptr,
+              "block_quantize_cuda: dbias needs the transposed output");
   if (p.rows == 0 || p.cols == 0 || (p.out == nullptr && p.out_t == nullptr)) return;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (p.format == Format::kE4M3) {
