@@ -167,6 +167,8 @@ if want dev_profile_train; then
       --nproc_per_node=1 -m fp8dp.train --config configs/gpt350m.yaml --no-progress \
       --profile 20:3 "${sets[@]}" ${PROFILE_TRAIN_SETS:-}
     cp "$BUILD/profile_train/$v"/*/step_profile.json "$OUT/profile_train_$v.json" 2>/dev/null
+    # tokens/s of the unprofiled steps
+    cp "$BUILD/profile_train/$v"/*/metrics.jsonl "$OUT/profile_train_${v}_metrics.jsonl" 2>/dev/null
   done
 fi
 # What capturing the GPT stack whole in a CUDA graph gives at most, with today's code.

@@ -46,8 +46,10 @@ class DistributedOptimizer:
             for s in self._shards
         ]
         # A rank whose chunks hold only padding owns no element; torch optimizers refuse an empty
-        # parameter list, so it steps one empty tensor (no state, no effect).
-        params = self._masters or [torch.nn.Parameter(torch.zeros(0))]
+        # parameter list, so it steps one empty tensor (no state, no effect). On the parameters'
+        # device: a fused optimizer (AdamW(fused=True)) refuses a CPU tensor beside CUDA ones.
+        self._device = ddp_model._params[0].device if ddp_model._params else torch.device("cpu")
+        params = self._masters or [torch.nn.Parameter(torch.zeros(0, device=self._device))]
         self.optimizer = optimizer_cls(params, **kwargs)
         self._optimizer_kwargs = dict(kwargs)  # for load_state_dict's probe (_probe_state)
         # C13: the parameters that this rank's masters stand for, and their version counters
@@ -364,7 +366,7 @@ class DistributedOptimizer:
         settings are not this class's); None when the class cannot be stepped that way at all
         (it needs a closure, as LBFGS does): its state's keys and dtypes then go unchecked."""
         cls = type(self.optimizer)
-        device = self._masters[0].device if self._masters else torch.device("cpu")
+        device = self._device
 
         def probe(settings):
             p = torch.nn.Parameter(torch.zeros(2, device=device))

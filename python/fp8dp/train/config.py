@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import yaml
 
 from fp8dp.ddp_config import DistributedDataParallelConfig
@@ -204,6 +205,19 @@ class TrainSection:
                 f"train.global_batch_size: expected a multiple of train.micro_batch_size="
                 f"{self.micro_batch_size}, got {self.global_batch_size}"
             )
+
+
+    def adamw_kwargs(self, device) -> dict:
+        """The keyword arguments of torch.optim.AdamW for the run's DistributedOptimizers. On
+        CUDA, torch's fused kernel: one pass over masters, gradients and both moments where the
+        default foreach kernels make several (10.6 ms of the 342M step's 126 ms of kernels on an
+        H100, 12-05). Its rounding differs from foreach's in the last bits, so a run does not
+        switch kernels across a resume: loading a checkpoint restores the saved groups' `fused`
+        with the rest of their settings."""
+        kw = dict(lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay)
+        if torch.device(device).type == "cuda":
+            kw["fused"] = True
+        return kw
 
 
 def _library_default(cls, name: str):

@@ -82,8 +82,12 @@ def make_recipe(cfg: TrainConfig):
     return cfg.fp8.recipe_object()
 
 
-def _all_mean(value: float, device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def _all_mean(value, device) -> float:
+    """The mean over the ranks of `value` (a float, or a one-element float64 tensor on `device`)."""
+    if isinstance(value, torch.Tensor):
+        t = value.reshape(1).clone()
+    else:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -132,7 +136,9 @@ def _dp_step(
     probe: an fp8_stats.FP8Probe that watches this step's first micro-batch, or None."""
     t = cfg.train
     ddp.zero_grad_buffer()
-    loss_sum = 0.0
+    # Summed on the device in FP64 (the same sum as Python floats of each loss): a .item() per
+    # micro-batch would make the host wait for each backward before launching the next forward.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(n_micro):
         x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
         x, y = x.to(device), y.to(device)
@@ -146,7 +152,7 @@ def _dp_step(
             (loss / n_micro).backward()  # input gradients only with delayed wgrad
             for m in wgrad_modules:  # the weight gradients, later, in reverse layer order
                 m.backward_dw()
-        loss_sum += loss.item()
+        loss_sum += loss.detach().double()
     ddp.finish_grad_sync()
     grad_norm = clip_grad_norm(ddp, t.clip_grad, device) if t.clip_grad > 0 else None
     opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
@@ -344,9 +350,7 @@ class _Run:
             opt = fp8dp.DistributedOptimizer(
                 torch.optim.AdamW,
                 ddp,
-                lr=t.lr,
-                betas=(t.beta1, t.beta2),
-                weight_decay=t.weight_decay,
+                **t.adamw_kwargs(device),
             )
             state_model = model
         wgrad_modules = list(reversed(model.fp8_modules())) if d.delay_wgrad_compute else []

@@ -180,9 +180,7 @@ class PipelineRun:
                 n: fp8dp.DistributedOptimizer(
                     torch.optim.AdamW,
                     d,
-                    lr=t.lr,
-                    betas=(t.beta1, t.beta2),
-                    weight_decay=t.weight_decay,
+                    **t.adamw_kwargs(device),
                 )
                 for n, d in zip(names, self.pp.modules)
             }

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig, TrainConfig, load_config
 from .data import VOCAB_SIZE, load_corpus
+from .model import split_qkv
 from .loop import _all_mean, evaluate, lr_at, peak_memory_gib, setup_distributed
 from .metrics import MetricsWriter
 
@@ -76,7 +77,7 @@ class TorchBlock(torch.nn.Module):
     def forward(self, x):  # model.Block.forward, step for step
         s, b, d = x.shape
         h = self.n_head
-        q, k, v = self.qkv(x).view(s, b, 3, h, d // h).permute(2, 1, 3, 0, 4).unbind(0)
+        q, k, v = split_qkv(self.qkv(x), h)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(a.permute(2, 0, 1, 3).reshape(s, b, d))
         return x + self.down(F.gelu(self.up(x)))
@@ -124,9 +125,7 @@ def train_torch(cfg: TrainConfig, run_dir: str, *, rank, world_size, device, ste
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
     t = cfg.train
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay
-    )
+    opt = torch.optim.AdamW(model.parameters(), **t.adamw_kwargs(device))
     bf16 = cfg.model.params_dtype == "bfloat16"
 
     def autocast():

@@ -1,0 +1,104 @@
+"""What the demo model's training step spends outside fp8dp's kernels (the 342M step profile,
+BENCHMARKS.md): the attention's q/k/v split and the optimizer.
+
+- model.split_qkv gives the same q, k, v and the same qkv gradient as the permute-first split it
+  replaced, bit for bit, and its backward writes that gradient with one stack and no other copy.
+  Mutation (2026-12-05, restored): split_qkv as the permute-first split
+  (`view(...).permute(2, 1, 3, 0, 4).unbind(0)`): test_split_qkv_backward_is_one_stack failed
+  (ops stack, permute, clone, _unsafe_view).
+- TrainSection.adamw_kwargs picks torch's fused AdamW on CUDA only, and a DistributedOptimizer
+  around AdamW(fused=True) steps its masters exactly as that optimizer steps the same tensors.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8dp
+from fp8dp.train.config import TrainSection
+from fp8dp.train.model import split_qkv
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops that run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _reference_split(qkv, h):
+    """q, k, v as [b, h, s, hd], by indexing the [s, b, 3, h, hd] view (copies)."""
+    s, b, three_d = qkv.shape
+    x = qkv.view(s, b, 3, h, three_d // 3 // h)
+    return tuple(x[:, :, i].permute(1, 2, 0, 3).contiguous() for i in range(3))
+
+
+@pytest.mark.parametrize("s,b,h,hd", [(8, 2, 2, 16), (5, 3, 4, 8), (16, 1, 1, 32)])
+def test_split_qkv_matches_the_reference_and_its_gradient(s, b, h, hd):
+    seed = s * 1000 + b * 100 + h
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(s, b, 3 * h * hd, generator=g, dtype=torch.float64)
+    qkv = data.clone().requires_grad_()
+    ref_in = data.clone().requires_grad_()
+    out = F.scaled_dot_product_attention(*split_qkv(qkv, h), is_causal=True)
+    ref = F.scaled_dot_product_attention(*_reference_split(ref_in, h), is_causal=True)
+    # The same values reach the attention, so its output and gradients are identical.
+    assert torch.equal(out, ref)
+    dy = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(dy)
+    ref.backward(dy)
+    assert torch.equal(qkv.grad, ref_in.grad)
+    assert qkv.grad.is_contiguous()
+
+
+def test_split_qkv_backward_is_one_stack():
+    qkv = torch.randn(8, 2, 3 * 32, requires_grad=True)
+    q, k, v = split_qkv(qkv, 2)
+    grads = tuple(torch.randn(t.shape) for t in (q, k, v))
+    with _Ops() as rec:
+        (dx,) = torch.autograd.grad((q, k, v), qkv, grads)
+    copies = [op for op in rec.ops if op not in ("permute", "view", "unsqueeze", "detach")]
+    assert copies == ["stack"], rec.ops
+    assert dx.is_contiguous()
+
+
+def test_adamw_kwargs_fused_only_on_cuda():
+    t = TrainSection(lr=1e-3, beta1=0.8, beta2=0.9, weight_decay=0.05)
+    base = dict(lr=1e-3, betas=(0.8, 0.9), weight_decay=0.05)
+    assert t.adamw_kwargs(torch.device("cpu")) == base
+    assert t.adamw_kwargs("cuda") == {**base, "fused": True}
+    assert t.adamw_kwargs(torch.device("cuda", 1)) == {**base, "fused": True}
+
+
+def test_distributed_optimizer_steps_fused_adamw_exactly(group):
+    """AdamW(fused=True) (torch has a CPU kernel too) through DistributedOptimizer: every master
+    after two steps equals a plain AdamW(fused=True) stepping a copy of the same FP32 values on
+    the same gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(fp8dp.Linear(16, 16), fp8dp.Linear(16, 8))
+    cfg = fp8dp.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=False
+    )
+    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, **kw)
+    mirror = [torch.nn.Parameter(m.detach().clone()) for m in opt._masters]
+    ref = torch.optim.AdamW(mirror, **kw)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.randn(16, 16)).square().sum().backward()
+        ddp.finish_grad_sync()
+        for p, s in zip(mirror, opt._shards):
+            p.grad = ddp.grad_shard(s).detach().clone()
+        opt.step()
+        ref.step()
+    assert opt.param_groups[0]["fused"] is True
+    for m, p in zip(opt._masters, mirror):
+        assert torch.equal(m, p)
