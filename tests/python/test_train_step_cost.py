@@ -8,7 +8,12 @@ BENCHMARKS.md): the attention's q/k/v split and the optimizer.
   (ops stack, permute, clone, _unsafe_view).
 - TrainSection.adamw_kwargs picks torch's fused AdamW on CUDA only, and a DistributedOptimizer
   around AdamW(fused=True) steps its masters exactly as that optimizer steps the same tensors.
+- loop.clip_grad_norm, now one multi-tensor norm and one multi-tensor scale over the rank's
+  shards, against float64. Mutation (2026-12-05, restored): `torch._foreach_mul_` removed (the
+  norm computed, the gradients not scaled): [max_norm=0.001] failed.
 """
+
+import math
 
 import pytest
 import torch
@@ -102,3 +107,31 @@ def test_distributed_optimizer_steps_fused_adamw_exactly(group):
     assert opt.param_groups[0]["fused"] is True
     for m, p in zip(opt._masters, mirror):
         assert torch.equal(m, p)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6])
+def test_clip_grad_norm_against_float64(group, max_norm):
+    """loop.clip_grad_norm (one multi-tensor norm over the rank's shards): the norm of all
+    gradients against float64 within FP32 rounding of the per-shard norms (relative 1e-6, a few
+    ulps of each norm), and the gradients scaled by max_norm / (norm + 1e-6) exactly as one FP32
+    multiply each, or left bit for bit when the norm is below max_norm."""
+    from fp8dp.train.loop import clip_grad_norm
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(fp8dp.Linear(16, 32), fp8dp.Linear(32, 8))
+    cfg = fp8dp.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=False
+    )
+    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+    ddp(torch.randn(16, 16)).square().sum().backward()
+    ddp.finish_grad_sync()
+    shards = ddp.owned_shards()
+    before = [ddp.grad_shard(s).clone() for s in shards]
+    ref = math.sqrt(sum(float(g.double().square().sum()) for g in before))
+    norm = clip_grad_norm(ddp, max_norm, torch.device("cpu"))
+    assert norm == pytest.approx(ref, rel=1e-6)
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for s, g in zip(shards, before):
+        after = ddp.grad_shard(s)
+        assert torch.equal(after, g * coef if coef < 1.0 else g)
+    assert (coef < 1.0) == (max_norm < ref)

@@ -206,7 +206,6 @@ class TrainSection:
                 f"{self.micro_batch_size}, got {self.global_batch_size}"
             )
 
-
     def adamw_kwargs(self, device) -> dict:
         """The keyword arguments of torch.optim.AdamW for the run's DistributedOptimizers. On
         CUDA, torch's fused kernel: one pass over masters, gradients and both moments where the

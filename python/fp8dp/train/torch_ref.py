@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from .config import ModelConfig, TrainConfig, load_config
 from .data import VOCAB_SIZE, load_corpus
-from .model import split_qkv
 from .loop import _all_mean, evaluate, lr_at, peak_memory_gib, setup_distributed
 from .metrics import MetricsWriter
+from .model import split_qkv
 
 
 class NormLinear(torch.nn.Module):
