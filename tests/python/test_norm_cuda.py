@@ -480,3 +480,30 @@ def test_ulp_matches_the_dtypes():
                 [torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(a)) for a in v.tolist()]
             ),
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not OK or torch.cuda.device_count() < 2, reason="needs two GPUs in one process"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_device_gets_the_same_bytes(dtype):
+    """The norms on cuda:0, then on cuda:1 in the same process, every shape: the same output,
+    statistics, FP8 bytes and gradients on both. A kernel that needs more than 48 KiB of shared
+    memory must be allowed it on each device (cudaFuncSetAttribute acts on the current device);
+    with one process-wide flag, the second device's launches failed."""
+    scale = torch.full((1,), 2.0)
+    for rows, cols in SHAPES:
+        x, gamma, beta = make_inputs(rows, cols, dtype, rms=False, seed=3)
+        dz = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)).to(dtype)
+        got = []
+        for d in range(2):
+            with torch.cuda.device(d):
+                dev = torch.device("cuda", d)
+                f = run_fwd(x.to(dev), gamma, beta, False, False, "E4M3", scale)
+                b = _C.norm_backward(
+                    dz.to(dev), x.to(dev), f.mu, f.rsigma, gamma.to(dev), has_beta=True, rms=False
+                )
+                got.append([f.out, f.mu, f.rsigma, f.out_fp8, *b])
+        for a, c in zip(*got):
+            assert torch.equal(as_bytes(a), as_bytes(c)), (rows, cols)

@@ -425,7 +425,7 @@ void launch(const NormBwdParams& p, BwdArgs a, int block, cudaStream_t st) {
   static OccupancyCache cache;  // static storage: zero-initialised
   const size_t smem_max =
       (kNV > 0 ? align128(size_t{kNV} * 256 * Vec<T>::kV * sizeof(float)) : 0) + stage_max;
-  static std::atomic<size_t> smem_allowed{0};
+  static SmemAllowed smem_allowed;
   allow_smem(kernel, smem_max, smem_allowed);
   const int per_sm = resident_blocks(kernel, block, cache, smem_max);
   const int64_t blocks = std::max<int64_t>(

@@ -305,7 +305,7 @@ void launch_kernel(const FwdArgs& a, int block, cudaStream_t st) {
   // have (block * kNV vectors of 16 bytes), so that the shared memory, and with it the occupancy
   // answer, depends on the block size only.
   const size_t smem = kStages > 0 ? size_t{kStages} * block * kNV * 16 : 0;
-  static std::atomic<size_t> smem_allowed{0};
+  static SmemAllowed smem_allowed;
   allow_smem(kernel, smem, smem_allowed);
   // As many resident blocks as fit, and no more: the grid-stride loop covers the remaining rows,
   // and fewer blocks mean fewer amax atomics. The occupancy answer is cached per block size (it
