@@ -10,8 +10,8 @@ Three architectures (--arch), each against its own torch BF16 stack:
   LayerNormMLP (GELU) for the MLP;
 - llama: RMSNorm, SwiGLU (ffn = 8/3 hidden rounded up to 256), no bias; LayerNormLinear(QKV),
   Linear(proj), LayerNormMLP(swiglu) in fp8dp and TE.
-Activations [seq, batch, hidden], BF16 parameters, head dim 128; q, k and v are taken from the QKV output with `unbind` (`--compare-qkv-index` also
-times the baseline and FP8 delayed with the indexing the issue's numbers used). One step = forward, backward with a fixed grad_output, gradients dropped, and for
+Activations [seq, batch, hidden], BF16 parameters, head dim 128; q, k and v are taken from the QKV output with `split_qkv` (`--compare-qkv unbind`
+or `index` also times the baseline and FP8 delayed with an earlier split; QKV_SPLITS). One step = forward, backward with a fixed grad_output, gradients dropped, and for
 delayed scaling the per-step scale update (fp8dp.update_fp8_scales(); TE updates at the end of
 its autocast). Reported per variant: ms per step (median of CUDA-event samples), tokens/s, the
 ratio over torch BF16, peak memory of one step, and host enqueue time per step (CPU time from the
@@ -60,6 +60,7 @@ from cuda_timing import (  # noqa: E402
 )
 
 import fp8dp  # noqa: E402
+from fp8dp.train.model import split_qkv  # noqa: E402
 
 try:
     import transformer_engine.pytorch as te
@@ -70,10 +71,13 @@ except Exception as e:  # noqa: BLE001  (any import failure means: no TE on this
     te, te_recipe, TE_REASON = None, None, f"{type(e).__name__}: {e}"
 
 SEQ, BATCH, HEAD_DIM = 2048, 2, 128
-# q, k, v from the QKV output: "unbind" (its backward stacks the three gradients in one kernel) or
-# "index" (qkv[0], qkv[1], qkv[2]: each backward writes a zero-filled full-size gradient and autograd
-# adds the three; what this benchmark used before 2026-12-02; docs/changelog.md).
-QKV_SPLITS = ("unbind", "index")
+# q, k, v from the QKV output: "split_qkv" (fp8dp.train.model.split_qkv: unbind on the q/k/v axis
+# before the permute, so the backward's stack writes the QKV gradient in its own layout; the
+# default since 2026-12-05), "unbind" (permute first, then unbind: the stack writes [3, b, h, s, hd]
+# and a second full copy brings it back; 2026-12-02 to 12-05) or "index" (qkv[0], qkv[1], qkv[2]:
+# each backward writes a zero-filled full-size gradient and autograd adds the three; before
+# 2026-12-02; docs/changelog.md). Every variant of a run uses the same split.
+QKV_SPLITS = ("split_qkv", "unbind", "index")
 TARGETS = {
     ("gpt", 2048, 8): 1.40,
     ("gpt", 4096, 4): 1.55,
@@ -142,12 +146,15 @@ class Block(torch.nn.Module):
                 **kw,
             )
 
-    split = "unbind"  # how q, k, v come out of the QKV output (QKV_SPLITS); set per step
+    split = QKV_SPLITS[0]  # how q, k, v come out of the QKV output (QKV_SPLITS); set per step
 
     def forward(self, x):
         s, b, h = x.shape
-        qkv = self.qkv(x).view(s, b, 3, self.heads, HEAD_DIM).permute(2, 1, 3, 0, 4)
-        q, k, v = qkv.unbind(0) if self.split == "unbind" else (qkv[0], qkv[1], qkv[2])
+        if self.split == "split_qkv":
+            q, k, v = split_qkv(self.qkv(x), self.heads)
+        else:
+            qkv = self.qkv(x).view(s, b, 3, self.heads, HEAD_DIM).permute(2, 1, 3, 0, 4)
+            q, k, v = qkv.unbind(0) if self.split == "unbind" else (qkv[0], qkv[1], qkv[2])
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
         if self.mlp is not None:
@@ -159,6 +166,11 @@ class Block(torch.nn.Module):
         else:
             u = F.gelu(u)
         return x + self.fc2(u)
+
+
+def _baseline(mode: str) -> str:
+    """The torch BF16 variant a mode is compared with: the one with the same QKV split."""
+    return "bf16@" + mode.partition("@")[2] if "@" in mode else "bf16"
 
 
 def _mlp_params(m):
@@ -263,7 +275,7 @@ def make_step(model, x, dy, mode: str):
     """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_delayed_fastbwd' (fast accumulation in
     the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
     'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', each optionally suffixed
-    '@index' (the QKV split, QKV_SPLITS; default unbind); 'bf16_graphed' and
+    '@unbind' or '@index' (the QKV split, QKV_SPLITS; default split_qkv); 'bf16_graphed' and
     'fp8dp_delayed_graphed' capture the whole stack as one callable (make_graphed_step). Returns
     (step, loss) closures."""
     if mode.endswith("_graphed"):
@@ -338,7 +350,7 @@ class _nullcontext:
 
 
 def bench_shape(
-    hidden, layers, rounds, skip_te, energy, compare_index, fast_backward, block, arch, graphs=False
+    hidden, layers, rounds, skip_te, energy, compare_split, fast_backward, block, arch, graphs=False
 ):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
     if graphs:  # each on its own copy of the model: capture replaces its forward
@@ -351,8 +363,8 @@ def bench_shape(
         modes += ["te_delayed", "te_off"]
         if block and getattr(te_recipe, "Float8BlockScaling", None):
             modes.append("te_block")
-    if compare_index:  # the same stack with the old QKV split, for the baseline and FP8 delayed
-        modes += ["bf16@index", "fp8dp_delayed@index"]
+    if compare_split:  # the same stack with an earlier QKV split, for the baseline and FP8 delayed
+        modes += [f"bf16@{compare_split}", f"fp8dp_delayed@{compare_split}"]
     torch.manual_seed(1)
     x = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(SEQ, BATCH, hidden, device="cuda", dtype=torch.bfloat16) * 1e-2
@@ -383,11 +395,9 @@ def bench_shape(
     with GpuSampler() as gpu:
         ms = time_interleaved(steps, warmup=5, rounds=rounds)
     tokens = SEQ * BATCH
-    base = ms["bf16"]
     out = {"arch": arch, "hidden": hidden, "layers": layers, "tokens": tokens, "variants": {}}
     for m in modes:
-        # each variant against the torch BF16 stack with the same QKV split
-        vs = ms["bf16@index"] if m.endswith("@index") else base
+        vs = ms[_baseline(m)]
         out["variants"][m] = {
             "ms": ms[m],
             "tokens_per_s": tokens / ms[m] * 1e3,
@@ -405,9 +415,7 @@ def bench_shape(
     if energy is not None:
         alone = {m: time_sustained(steps[m], energy) for m in modes}
         for m in modes:
-            out["variants"][m].update(
-                alone_vs(alone, m, "bf16@index" if m.endswith("@index") else "bf16")
-            )
+            out["variants"][m].update(alone_vs(alone, m, _baseline(m)))
     return out
 
 
@@ -427,9 +435,10 @@ def main():
         "--no-alone", action="store_true", help="skip the sustained per-variant energy blocks"
     )
     ap.add_argument(
-        "--compare-qkv-index",
-        action="store_true",
-        help="also time torch BF16 and fp8dp FP8 delayed with the old QKV split (QKV_SPLITS)",
+        "--compare-qkv",
+        choices=QKV_SPLITS[1:],
+        default=None,
+        help="also time torch BF16 and fp8dp FP8 delayed with this earlier QKV split (QKV_SPLITS)",
     )
     ap.add_argument(
         "--fast-backward",
@@ -473,7 +482,7 @@ def main():
                     args.rounds,
                     args.no_te,
                     energy,
-                    args.compare_qkv_index,
+                    args.compare_qkv,
                     args.fast_backward,
                     args.block,
                     arch,

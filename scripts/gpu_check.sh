@@ -122,7 +122,7 @@ if want dev_norm_variants; then
     -o $BUILD/norm_variants dev/norm_variants.cu src/fp8/cuda/quantize.cu && $BUILD/norm_variants"
 fi
 wantb bench_gemm && run_step bench_gemm "$OUT/bench.log" 300 "$PY" bench/gemm_cuda.py --json "$OUT/bench_gemm.json"
-# GEMM_ACCUM_ARGS / GPT_ARGS add arguments (e.g. --gemms backward; --compare-qkv-index --fast-backward).
+# GEMM_ACCUM_ARGS / GPT_ARGS add arguments (e.g. --gemms backward; --compare-qkv unbind --fast-backward).
 want dev_gemm_accum && run_step dev_gemm_accum "$OUT/bench.log" 300 "$PY" dev/gemm_accum_choice.py \
   ${GEMM_ACCUM_ARGS:-} --json "$OUT/dev_gemm_accum.json"
 want dev_gemm_energy && run_step dev_gemm_energy "$OUT/bench.log" 300 "$PY" dev/gemm_energy_candidates.py \

@@ -483,9 +483,7 @@ def test_ulp_matches_the_dtypes():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not OK or torch.cuda.device_count() < 2, reason="needs two GPUs in one process"
-)
+@pytest.mark.skipif(not OK or torch.cuda.device_count() < 2, reason="needs two GPUs in one process")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_device_gets_the_same_bytes(dtype):
     """The norms on cuda:0, then on cuda:1 in the same process, every shape: the same output,
