@@ -167,15 +167,18 @@ want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" de
 # FP8 off, steps 20-22 of a 24-step run (PROFILE_TRAIN_SETS adds --set arguments;
 # PROFILE_TRAIN_VARIANTS picks recipes: delayed, current, block, off).
 if want dev_profile_train; then
+  # PROFILE_TRAIN_SETS adds --set options to every variant and PROFILE_TRAIN_TAG to the file
+  # names (e.g. PROFILE_TRAIN_SETS="--set train.cuda_graphs=true" PROFILE_TRAIN_TAG=_graphs).
   for v in ${PROFILE_TRAIN_VARIANTS:-delayed current off}; do
-    sets=(--set train.steps=24 --set "out.dir=$BUILD/profile_train/$v")
+    vt="$v${PROFILE_TRAIN_TAG:-}"
+    sets=(--set train.steps=24 --set "out.dir=$BUILD/profile_train/$vt")
     [ "$v" = off ] && sets+=(--set fp8.enabled=false) || sets+=(--set fp8.recipe=$v)
     run_step dev_profile_train "$OUT/profile.log" 240 "$PY" -m torch.distributed.run --standalone \
       --nproc_per_node=1 -m fp8dp.train --config configs/gpt350m.yaml --no-progress \
       --profile 20:3 "${sets[@]}" ${PROFILE_TRAIN_SETS:-}
-    cp "$BUILD/profile_train/$v"/*/step_profile.json "$OUT/profile_train_$v.json" 2>/dev/null
+    cp "$BUILD/profile_train/$vt"/*/step_profile.json "$OUT/profile_train_$vt.json" 2>/dev/null
     # tokens/s of the unprofiled steps
-    cp "$BUILD/profile_train/$v"/*/metrics.jsonl "$OUT/profile_train_${v}_metrics.jsonl" 2>/dev/null
+    cp "$BUILD/profile_train/$vt"/*/metrics.jsonl "$OUT/profile_train_${vt}_metrics.jsonl" 2>/dev/null
   done
 fi
 # What capturing the GPT stack whole in a CUDA graph gives at most, with today's code.
