@@ -8,8 +8,12 @@ time goes, by category.
   categories add up to the total, the GEMMs are there, and exactly steps 3 and 4 are marked
   "profiled" in metrics.jsonl.
 
-Mutation tried (then restored): _train_steps without the profiler's begin(): the run test failed
-(no step_profile.json).
+- idle_by_phase() on hand-made kernels and phase ranges: the gaps between the union of the
+  kernels, each given to the innermost phase around its end.
+
+Mutations tried (then restored): _train_steps without the profiler's begin(): the run test failed
+(no step_profile.json). idle_by_phase measuring gaps from the previous kernel's end instead of the
+union's (`end = b`): test_idle_by_phase failed (the overlapped kernel opened a false gap).
 """
 
 import json
@@ -22,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fp8dp.train.step_profile import category, parse_range, summarize
+from fp8dp.train.step_profile import PHASE, category, idle_by_phase, parse_range, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,3 +142,40 @@ def test_a_cpu_run_profiles_the_steps_asked_for(tmp_path):
     assert "steps 3..4:" in p.stdout and "ms per step (wall)" in p.stdout
     recs = [json.loads(x) for x in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if r.get("profiled")] == [3, 4]
+
+
+def _span(name, start, end, cuda=True, annotation=False):
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(
+        name=name,
+        device_type=kind,
+        time_range=SimpleNamespace(start=start, end=end),
+        is_user_annotation=annotation,
+    )
+
+
+def test_idle_by_phase():
+    """Kernels (us): [0, 40] overlaps [10, 20] (no gap after the short one), a 3 us gap (below
+    min_gap_us), a 20 us gap ending in "forward", a 50 us gap ending in "backward_dw" nested in
+    "backward", a 100 us gap ending outside the phases; the optimizer's range on the GPU timeline
+    is not a kernel. Two steps: per-step means."""
+    events = [
+        _span("k", 0, 40),
+        _span("k", 10, 20),
+        _span("k", 43, 60),
+        _span("k", 80, 90),
+        _span("k", 140, 150),
+        _span("k", 250, 260),
+        _span("Optimizer.step#AdamW.step", 0, 260, annotation=True),
+        _span(PHASE + "forward", 0, 85, cuda=False, annotation=True),
+        _span(PHASE + "backward", 100, 200, cuda=False, annotation=True),
+        _span(PHASE + "backward_dw", 120, 200, cuda=False, annotation=True),
+        _span("aten::mm", 130, 145, cuda=False),
+    ]
+    res = idle_by_phase(events, steps=2)
+    assert res["idle_by_phase_ms"] == pytest.approx(
+        {"forward": 0.010, "backward_dw": 0.025, "(between steps)": 0.050}
+    )
+    assert res["idle_ms"] == pytest.approx(0.085)
+    assert list(res["idle_by_phase_ms"])[0] == "(between steps)"  # largest first
+    assert idle_by_phase([], steps=1) == {"idle_ms": 0, "idle_by_phase_ms": {}}

@@ -28,6 +28,7 @@ from .device import choose_device, local_world_size
 from .flops import mfu
 from .metrics import MetricsWriter
 from .model import GPT
+from .step_profile import phase
 
 
 def setup_distributed(run: RunSection) -> tuple:
@@ -138,28 +139,37 @@ def _dp_step(
     loss over all ranks and the gradient norm before clipping (None without train.clip_grad).
     probe: an fp8_stats.FP8Probe that watches this step's first micro-batch, or None."""
     t = cfg.train
-    ddp.zero_grad_buffer()
-    # Summed on the device in FP64 (the same sum as Python floats of each loss): a .item() per
-    # micro-batch would make the host wait for each backward before launching the next forward.
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    with phase("zero_grad"):
+        ddp.zero_grad_buffer()
+        # Summed on the device in FP64 (the same sum as Python floats of each loss): a .item()
+        # per micro-batch would make the host wait for each backward before the next forward.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(n_micro):
-        x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
-        x, y = x.to(device), y.to(device)
+        with phase("data"):
+            x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
+            x, y = x.to(device), y.to(device)
         # Only the last micro-batch may launch collectives; the others just accumulate.
         sync = ddp.no_sync() if i < n_micro - 1 else contextlib.nullcontext()
         watch = probe.capture(step + 1) if probe and i == 0 else contextlib.nullcontext()
         with sync, watch:
-            with fp8dp.fp8_autocast(enabled=cfg.fp8.enabled, fp8_recipe=recipe):
+            with phase("forward"), fp8dp.fp8_autocast(enabled=cfg.fp8.enabled, fp8_recipe=recipe):
                 logits = ddp(x, is_first_microbatch=(i == 0))
-            loss = F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.view(-1))
-            (loss / n_micro).backward()  # input gradients only with delayed wgrad
-            for m in wgrad_modules:  # the weight gradients, later, in reverse layer order
-                m.backward_dw()
+            with phase("loss"):
+                loss = F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.view(-1))
+            with phase("backward"):
+                (loss / n_micro).backward()  # input gradients only with delayed wgrad
+            with phase("backward_dw"):
+                for m in wgrad_modules:  # the weight gradients, later, in reverse layer order
+                    m.backward_dw()
         loss_sum += loss.detach().double()
-    ddp.finish_grad_sync()
-    grad_norm = clip_grad_norm(ddp, t.clip_grad, device) if t.clip_grad > 0 else None
-    opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
-    return _all_mean(loss_sum / n_micro, device), grad_norm
+    with phase("finish_grad_sync"):
+        ddp.finish_grad_sync()
+    with phase("clip_grad"):
+        grad_norm = clip_grad_norm(ddp, t.clip_grad, device) if t.clip_grad > 0 else None
+    with phase("optimizer"):
+        opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
+    with phase("loss_mean"):
+        return _all_mean(loss_sum / n_micro, device), grad_norm
 
 
 def peak_memory_gib(device) -> float:

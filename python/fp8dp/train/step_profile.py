@@ -10,8 +10,14 @@ categories may add up to more than the wall time; what they leave of it is time 
 the host or for nothing. The profiled steps are marked "profiled" in metrics.jsonl: the profiler
 slows them, so their tokens/s are not the run's.
 
-Why: the 342M run's FP8 reaches 1.26x FP8 off's tokens/s where the target is 1.35x
-(BENCHMARKS.md, "Training runs"); this says where the rest of the time goes, in the real step.
+On CUDA it also gives the GPU's idle time per step and, by the phase of the step (phase(): zero
+grad, data, forward, loss, backward, backward_dw, finish_grad_sync, clip_grad, optimizer,
+loss_mean) the host was in when the kernel ending each gap was launched, which host work the GPU
+waited for (idle_by_phase).
+
+Why: the 342M run's FP8 reaches 1.24x FP8 off's tokens/s where the target is 1.35x
+(BENCHMARKS.md, "Training runs"); this says where the rest of the time goes, in the real step
+(12-15 ms per step of it the GPU waits for the host, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -58,6 +64,53 @@ def category(name: str) -> str:
     return "other"
 
 
+PHASE = "fp8dp.train."  # the record_function ranges of the training step's phases (phase())
+
+
+def phase(name: str):
+    """A record_function range around one phase of the training step (loop._dp_step), by which
+    idle_by_phase() attributes the GPU's idle time. A few microseconds of host time per range
+    when no profiler runs."""
+    return torch.profiler.record_function(PHASE + name)
+
+
+def idle_by_phase(events, steps: int, min_gap_us: float = 5.0) -> dict:
+    """The GPU's idle time per step (gaps of at least min_gap_us between the union of its
+    kernels, from the first kernel to the last) and, per step phase, the part of it that ended
+    while the host was in that phase: the phase that launched the kernel ending the gap, so the
+    one the GPU waited for. Kernels and host ranges share the profiler's clock. Gaps that end
+    outside every phase (between steps: metrics, evaluation, the profiler) go to "(between
+    steps)"."""
+    kernels = sorted(
+        (ev.time_range.start, ev.time_range.end)
+        for ev in events
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(ev, "is_user_annotation", False)
+    )
+    phases = [
+        (ev.time_range.start, ev.time_range.end, ev.name[len(PHASE) :])
+        for ev in events
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith(PHASE)
+    ]
+    gaps = []
+    if kernels:
+        end = kernels[0][1]
+        for a, b in kernels[1:]:
+            if a - end >= min_gap_us:
+                gaps.append((end, a))
+            end = max(end, b)
+    by = collections.defaultdict(float)
+    for g0, g1 in gaps:
+        # the innermost phase around the gap's end (phases do not overlap, but may nest)
+        inside = [p for p in phases if p[0] <= g1 <= p[1]]
+        name = max(inside)[2] if inside else "(between steps)"
+        by[name] += (g1 - g0) / 1e3 / steps
+    return {
+        "idle_ms": sum(by.values()),
+        "idle_by_phase_ms": dict(sorted(by.items(), key=lambda kv: -kv[1])),
+    }
+
+
 def parse_range(text: str) -> tuple:
     """'FIRST:COUNT' -> (first, count), both >= 1 (ValueError naming --profile otherwise)."""
     try:
@@ -101,7 +154,10 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.synchronize()
         self.prof.stop()
-        res = summarize(self.prof.events(), self.count, self.walls, self.cuda)
+        events = self.prof.events()
+        res = summarize(events, self.count, self.walls, self.cuda)
+        if self.cuda:
+            res.update(idle_by_phase(events, self.count))
         res["steps"] = [self.first, self.first + self.count - 1]
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "w") as f:
@@ -117,7 +173,9 @@ def summarize(events, steps: int, walls: list, cuda: bool, top: int = 15) -> dic
         # A user annotation (record_function: "Optimizer.step#AdamW.step") also shows on the GPU
         # timeline, spanning the kernels it launched, which are counted themselves: counting it
         # too put the optimizer's time in twice (2026-12-05, H100: 10 of its 21 ms).
-        if cuda and getattr(ev, "is_user_annotation", False):
+        # (On the CPU a range's self time is the Python between its operators: not an operator
+        # either.)
+        if getattr(ev, "is_user_annotation", False):
             continue
         if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
             ms = ev.device_time / 1e3
@@ -154,6 +212,10 @@ def table(res: dict) -> str:
     ]
     for cat, ms in res["categories_ms"].items():
         lines.append(f"{cat:>24s} {ms:9.2f} {100 * ms / res['wall_ms']:7.1f}%")
+    if "idle_ms" in res:
+        lines.append(f"GPU idle {res['idle_ms']:.2f} ms per step; ended in phase:")
+        for name, ms in res["idle_by_phase_ms"].items():
+            lines.append(f"{name:>24s} {ms:9.2f}")
     lines.append("largest:")
     for t in res["top"]:
         lines.append(f"{t['ms']:9.3f} ms {t['per_step']:6.1f}x  [{t['category']}] {t['name'][:90]}")
