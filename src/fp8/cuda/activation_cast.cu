@@ -497,7 +497,7 @@ void launch_tile_kernel(const Args& a, const TileOut& o, const ActParams& p, con
   if (lut != nullptr) {
     // Each block copies the tables: kLutTiles tiles per block where there are enough, not fewer
     // blocks than SMs, not more than fit at once.
-    static std::atomic<uint64_t> smem_done{0};  // with dbias, SwiGLU's tables pass 48 KB
+    static SmemAllowed smem_done;  // with dbias, SwiGLU's tables pass 48 KB
     smem = lut_bytes<A, kBackward>();
     allow_smem(Kernel, static_cast<size_t>(smem), smem_done);
     const int64_t want = (tiles + kLutTiles - 1) / kLutTiles;

@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <Format F, typename T, bool kBlocks, bool kThreadCols = false>
 void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t st) {
-  static std::atomic<uint64_t> smem_done{0};
+  static SmemAllowed smem_done;
   const int64_t grid = ceil_blocks(p.rows) * ceil_blocks(p.cols);
   FP8DP_CHECK(grid < (int64_t{1} << 31), "block_quantize_cuda: too many 128x128 regions: ", grid);
   auto kernel = block_cast_kernel<F, T, kBlocks, kThreadCols>;

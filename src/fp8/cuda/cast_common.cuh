@@ -197,17 +197,28 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 // Multiprocessors of the current device (for grid-stride grids).
 int sm_count();
 
-// Opts a kernel into more than 48 KiB of dynamic shared memory (static shared memory counts
-// towards the same 48 KiB), once per device: `done` (one per kernel) holds a bit per device.
+// The largest dynamic shared memory allowed so far to one kernel, per device (devices 0-63).
+struct SmemAllowed {
+  std::atomic<size_t> bytes[64] = {};
+};
+
+// Opts a kernel into `bytes` of dynamic shared memory (above the default 48 KiB; static shared
+// memory counts towards the same 48 KiB), once per device and size: cudaFuncSetAttribute acts on
+// the current device only, so a process that launches the kernel on a second GPU allows it there
+// again. `allowed` is one per kernel; 0 bytes asks for nothing. Devices past 63 ask every time.
 template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done) {
+void allow_smem(Kernel kernel, size_t bytes, SmemAllowed& allowed) {
+  if (bytes == 0) return;
   int dev = 0;
   FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) return;
+  std::atomic<size_t>* slot = dev < 64 ? &allowed.bytes[dev] : nullptr;
+  if (slot != nullptr && slot->load(std::memory_order_relaxed) >= bytes) return;
   FP8DP_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(bytes)));
-  done.fetch_or(bit, std::memory_order_relaxed);
+  if (slot == nullptr) return;
+  size_t cur = slot->load(std::memory_order_relaxed);
+  while (cur < bytes && !slot->compare_exchange_weak(cur, bytes, std::memory_order_relaxed)) {
+  }
 }
 
 }  // namespace fp8dp::cuda

@@ -355,29 +355,4 @@ __device__ __forceinline__ void stage_wait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
-// The largest dynamic shared memory allowed so far to one kernel, per device (devices 0-63).
-struct SmemAllowed {
-  std::atomic<size_t> bytes[64] = {};
-};
-
-// Shared memory above the default 48 KiB per block must be allowed per kernel and device, once
-// for the largest size asked: cudaFuncSetAttribute sets it for the current device only, so a
-// process that runs the norms on a second GPU allows it there again (one process-wide flag made
-// that device's launches fail). `bytes` of dynamic memory are asked for whenever there are any,
-// because the kernel's static shared memory counts towards the same 48 KiB.
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes, SmemAllowed& allowed) {
-  if (bytes == 0) return;
-  int dev = 0;
-  FP8DP_CHECK_CUDA(cudaGetDevice(&dev));
-  std::atomic<size_t>* slot = dev < 64 ? &allowed.bytes[dev] : nullptr;
-  if (slot != nullptr && slot->load(std::memory_order_relaxed) >= bytes) return;
-  FP8DP_CHECK_CUDA(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  if (slot == nullptr) return;
-  size_t cur = slot->load(std::memory_order_relaxed);
-  while (cur < bytes && !slot->compare_exchange_weak(cur, bytes, std::memory_order_relaxed)) {
-  }
-}
-
 }  // namespace fp8dp::cuda::norm
