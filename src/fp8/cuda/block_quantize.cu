@@ -50,10 +50,9 @@ constexpr int staged_row() {
   return kDim + (sizeof(T) == 4 ? 1 : 2);
 }
 
-// The staged region, and the transposed byte tile unless kThreadCols stores without it.
-template <typename T, bool kThreadCols = false>
+template <typename T>
 constexpr size_t smem_bytes() {
-  return size_t{kDim} * staged_row<T>() * sizeof(T) + (kThreadCols ? 0 : size_t{kDim} * kQtStride);
+  return size_t{kDim} * staged_row<T>() * sizeof(T) + size_t{kDim} * kQtStride;
 }
 
 // Block-wide max of amax bits, returned to every thread (all threads must call it).
@@ -102,11 +101,7 @@ struct CastArgs {
 };
 
 // kBlocks: one scale per 128x128 block (weights); else 1x128 tiles in each direction.
-// kThreadCols (1x128 tiles only; an experiment, dev/block_cast_variants.cu, not launched by the
-// library): the transposed tiles by one thread per column and half region instead of one warp per
-// column, so a column's amax, scale and sum need no shuffles and its bytes go straight to out_t
-// as 16-byte stores (no transposed byte tile, no second barrier). Same bytes and scales.
-template <Format F, typename T, bool kBlocks, bool kThreadCols = false>
+template <Format F, typename T, bool kBlocks>
 __global__ void __launch_bounds__(kThreads)
     block_cast_kernel(const T* __restrict__ in, const CastArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -189,52 +184,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (a.out_t == nullptr) return;  // uniform across the block
   __syncthreads();
-  if constexpr (kThreadCols && !kBlocks) {
-    constexpr int kHalf = kDim / 2;  // thread (c, h): column c, rows h * 64 .. h * 64 + 63
-    __shared__ uint32_t half_max[2][kDim];
-    __shared__ float half_sum[2][kDim];
-    const int c = threadIdx.x % kDim, h = threadIdx.x / kDim;
-    const T* col = tile + h * kHalf * S + c;  // lanes read neighbouring columns of one row
-    const bool db = a.dbias_partial != nullptr;
-    uint32_t m = 0;
-    float sum = 0.0f;
-#pragma unroll 8
-    for (int r = 0; r < kHalf; ++r) {
-      const float v = to_float(col[r * S]);  // rows past nr were staged as zeros
-      m = max(m, abs_bits(v));
-      if (db) sum += v;
-    }
-    half_max[h][c] = m;
-    half_sum[h][c] = sum;
-    __syncthreads();
-    if (c >= nc) return;
-    const uint32_t cm = max(half_max[0][c], half_max[1][c]);
-    const bool nan = cm == kQuietNaNBits;
-    const float s = block_scale(amax_from_bits(cm), fp8_max(F), a.p2, a.eps);
-    if (h == 0) {
-      a.scale_inv_t[(c0 + c) * kbt + rb] = 1.0f / s;
-      if (db) a.dbias_partial[rb * a.cols + c0 + c] = half_sum[0][c] + half_sum[1][c];
-    }
-    uint8_t* dst = a.out_t + (c0 + c) * a.rows + r0 + h * kHalf;
-#pragma unroll
-    for (int k = 0; k < kHalf / 16; ++k) {
-      const int rr = h * kHalf + k * 16;
-      if (rr >= nr) break;
-      float v[16];
-#pragma unroll
-      for (int j = 0; j < 16; ++j) v[j] = to_float(col[(k * 16 + j) * S]);
-      if (a.vec_t) {
-        uint32_t w[4];
-        quantize_words<F, 16>(v, s, nan, w);
-        *reinterpret_cast<uint4*>(dst + k * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-      } else {
-        uint8_t q[16];
-        quantize_scaled<F, 16>(v, s, nan, q);
-        for (int i = 0; i < 16 && rr + i < nr; ++i) dst[k * 16 + i] = q[i];
-      }
-    }
-    return;
-  }
   const int lane = threadIdx.x % kWarp;
   for (int c = threadIdx.x / kWarp; c < nc; c += kWarps) {
     float v[4];
@@ -279,21 +228,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <Format F, typename T, bool kBlocks, bool kThreadCols = false>
+template <Format F, typename T, bool kBlocks>
 void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t st) {
   static SmemAllowed smem_done;
   const int64_t grid = ceil_blocks(p.rows) * ceil_blocks(p.cols);
   FP8DP_CHECK(grid < (int64_t{1} << 31), "block_quantize_cuda: too many 128x128 regions: ", grid);
-  auto kernel = block_cast_kernel<F, T, kBlocks, kThreadCols>;
+  auto kernel = block_cast_kernel<F, T, kBlocks>;
   // Row tiles alone need no staging (and so no shared memory beyond the reductions').
-  const size_t smem =
-      (kBlocks || p.out_t != nullptr) ? smem_bytes<T, kThreadCols && !kBlocks>() : 0;
+  const size_t smem = (kBlocks || p.out_t != nullptr) ? smem_bytes<T>() : 0;
   if (smem > 48 * 1024) allow_smem(kernel, smem, smem_done);
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, st>>>(static_cast<const T*>(p.input), a);
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-template <Format F, typename T, bool kThreadCols = false>
+template <Format F, typename T>
 void launch(const BlockQuantizeParams& p, cudaStream_t st) {
   const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
   CastArgs a{p.rows,
@@ -312,7 +260,7 @@ void launch(const BlockQuantizeParams& p, cudaStream_t st) {
   if (p.dbias != nullptr)
     a.dbias_partial = scratch_alloc<float>(static_cast<size_t>(regions * p.cols), st);
   if (p.shape == BlockShape::k1x128) {
-    launch_cast<F, T, false, kThreadCols>(p, a, st);
+    launch_cast<F, T, false>(p, a, st);
   } else {
     launch_cast<F, T, true>(p, a, st);
   }
