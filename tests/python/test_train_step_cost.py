@@ -10,7 +10,9 @@ BENCHMARKS.md): the attention's q/k/v split and the optimizer.
   around AdamW(fused=True) steps its masters exactly as that optimizer steps the same tensors.
 - loop.clip_grad_norm, now one multi-tensor norm and one multi-tensor scale over the rank's
   shards, against float64. Mutation (2026-12-05, restored): `torch._foreach_mul_` removed (the
-  norm computed, the gradients not scaled): [max_norm=0.001] failed.
+  norm computed, the gradients not scaled): [max_norm=0.001] failed. It reads nothing back to the
+  host. Mutation (2026-12-05, restored): the coefficient computed from `norm.item()`:
+  test_clip_grad_norm_does_not_wait_for_the_device failed.
 """
 
 import math
@@ -128,10 +130,32 @@ def test_clip_grad_norm_against_float64(group, max_norm):
     shards = ddp.owned_shards()
     before = [ddp.grad_shard(s).clone() for s in shards]
     ref = math.sqrt(sum(float(g.double().square().sum()) for g in before))
-    norm = clip_grad_norm(ddp, max_norm, torch.device("cpu"))
+    norm = float(clip_grad_norm(ddp, max_norm, torch.device("cpu")))
     assert norm == pytest.approx(ref, rel=1e-6)
     coef = min(1.0, max_norm / (norm + 1e-6))
     for s, g in zip(shards, before):
         after = ddp.grad_shard(s)
         assert torch.equal(after, g * coef if coef < 1.0 else g)
     assert (coef < 1.0) == (max_norm < ref)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6])
+def test_clip_grad_norm_does_not_wait_for_the_device(group, max_norm):
+    """clip_grad_norm reads no value back to the host (no aten._local_scalar_dense, which is what
+    .item() / float() dispatch): on CUDA such a read makes the host wait for the backward and the
+    reduction before it launches the optimizer, and the GPU idles (4 ms per 342M step)."""
+    from fp8dp.train.loop import clip_grad_norm
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(fp8dp.Linear(16, 32), fp8dp.Linear(32, 8))
+    cfg = fp8dp.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=False
+    )
+    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+    ddp(torch.randn(16, 16)).square().sum().backward()
+    ddp.finish_grad_sync()
+    with _Ops() as seen:
+        norm = clip_grad_norm(ddp, max_norm, torch.device("cpu"))
+    assert "_foreach_norm" in seen.ops and "_foreach_mul_" in seen.ops
+    assert "_local_scalar_dense" not in seen.ops
+    assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float64
