@@ -143,8 +143,8 @@ def _dp_step(
     cfg, ddp, opt, corpus, recipe, wgrad_modules, step, rank, n_micro, device, probe=None
 ) -> tuple:
     """One data-parallel optimizer step (the module docstring's); returns the mean training
-    loss over all ranks and the gradient norm before clipping (a device tensor; None without
-    train.clip_grad).
+    loss over all ranks (a one-element float64 tensor) and the gradient norm before clipping (a
+    0-dim float64 tensor; None without train.clip_grad), both on the device and not yet read.
     probe: an fp8_stats.FP8Probe that watches this step's first micro-batch, or None."""
     t = cfg.train
     with phase("zero_grad"):
@@ -176,8 +176,10 @@ def _dp_step(
         grad_norm = clip_grad_norm(ddp, t.clip_grad, device) if t.clip_grad > 0 else None
     with phase("optimizer"):
         opt.step()  # steps this rank's shard, all-gathers, updates the FP8 scales once
-    with phase("loss_mean"):
-        return _all_mean(loss_sum / n_micro, device), grad_norm
+    with phase("loss_mean"):  # on the device: the loop reads it (_train_steps)
+        mean = (loss_sum / n_micro).reshape(1)
+        dist.all_reduce(mean)
+        return mean / dist.get_world_size(), grad_norm
 
 
 def peak_memory_gib(device) -> float:
@@ -190,19 +192,30 @@ def peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _stop_now(done, cfg, stop_at, time_budget_s, t_enter, longest, device) -> bool:
-    """Whether to stop after step `done` (before train.steps): at stop_at, or when two more of the
-    longest iterations so far (step + evaluation) would not fit in time_budget_s from train()'s
-    start (the margin leaves the final checkpoint time). Rank 0 decides for all (clocks differ)."""
-    if done >= cfg.train.steps or (stop_at is None and time_budget_s is None):
-        return False
-    stop = stop_at is not None and done >= stop_at
-    if time_budget_s is not None:
-        stop = stop or time.perf_counter() - t_enter + 2 * longest > time_budget_s
-        flag = torch.tensor([int(stop)], device=device)
-        dist.broadcast(flag, 0)
-        stop = bool(flag.item())
-    return stop
+class _Stopper:
+    """Whether to stop after step `done` (before train.steps): at stop_at, or when 2 + backlog more
+    of the longest iterations so far (step + evaluation) would not fit in time_budget_s from
+    train()'s start (the margin leaves the final checkpoint time; backlog counts steps launched but
+    not yet finished). Rank 0 decides for all (clocks differ): with several ranks and a time budget
+    that is a broadcast whose value the host waits for (`waits`)."""
+
+    def __init__(self, cfg, stop_at, time_budget_s, t_enter, device, world_size: int):
+        self.cfg, self.stop_at, self.budget = cfg, stop_at, time_budget_s
+        self.t_enter, self.device = t_enter, device
+        self.waits = time_budget_s is not None and world_size > 1
+
+    def __call__(self, done: int, longest: float, backlog: int = 0) -> bool:
+        if done >= self.cfg.train.steps or (self.stop_at is None and self.budget is None):
+            return False
+        stop = self.stop_at is not None and done >= self.stop_at
+        if self.budget is not None:
+            elapsed = time.perf_counter() - self.t_enter
+            stop = stop or elapsed + (2 + backlog) * longest > self.budget
+            if self.waits:
+                flag = torch.tensor([int(stop)], device=self.device)
+                dist.broadcast(flag, 0)
+                stop = bool(flag.item())
+        return stop
 
 
 def train(
@@ -271,9 +284,7 @@ def train(
         writer,
         bar,
         save,
-        stop=lambda done, longest: _stop_now(
-            done, cfg, stop_at, time_budget_s, t_enter, longest, device
-        ),
+        stop=_Stopper(cfg, stop_at, time_budget_s, t_enter, device, world_size),
     )
     if bar:
         bar.close()
@@ -427,7 +438,8 @@ class _Run:
         return evaluate(self.model, self.corpus, self.cfg, self.rank, self.device)
 
     def step(self, step: int) -> tuple:
-        """One optimizer step: (mean training loss, gradient norm or None)."""
+        """One optimizer step: (mean training loss, gradient norm or None), as _dp_step's
+        device tensors (floats for the pipeline)."""
         if self.pipe:
             return self.pipe.step(step, self.recipe), None
         every = self.cfg.train.fp8_stats_every
@@ -505,12 +517,22 @@ def _progress_bar(cfg: TrainConfig, start: int):
 def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tuple:
     """The steps from `start` on, each recorded by `writer` and `bar` (rank 0), with validation
     every eval_every steps and at the last, and the save_every checkpoints; stop(done, longest
-    iteration) ends the run early. Returns (steps done, the last validation loss: `last_val` when
-    no step validated)."""
+    iteration, backlog) ends the run early. Returns (steps done, the last validation loss:
+    `last_val` when no step validated).
+
+    A plain step (no validation, checkpoint, profile, capture or stop decision that needs the
+    device after it, and not the last) is read one step late: its loss and gradient norm stay on
+    the device until the next step has been launched. Reading them at once (a `.item()`) made the
+    host wait for the step's end and the GPU idle while the next step's first kernels were
+    launched (2 ms per 342M step on the H100, the profile's zero_grad / data / forward idle).
+    The values and their order in metrics.jsonl are the same; a step's tokens/s is taken from the
+    interval between the host seeing the previous step end and seeing this one end, which is the
+    step's own time while the GPU is busy."""
     cfg, t = run.cfg, run.cfg.train
-    tokens_per_step = t.global_batch_size * cfg.model.seq_len
     longest = 0.0  # the longest iteration (step + evaluation) so far, for time_budget_s
     done = start
+    pending = None  # a plain step launched before the running one, not yet read
+    t_seen = time.perf_counter()  # when the host last saw a step end (or this loop begin)
     for step in range(start, t.steps):
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
@@ -519,49 +541,91 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
         profiled = run.profiler is not None and run.profiler.wants(step + 1)
         if profiled:
             run.profiler.begin(step + 1)
-        train_loss, grad_norm = run.step(step)  # the loss's .item() waits for the device
-        dt = time.perf_counter() - t0
-        if profiled:
-            res = run.profiler.end(step + 1, dt)
-            if res is not None:
-                from .step_profile import table
-
-                print(table(res), flush=True)
-        capture_s = None
-        if run.capture_due(step):  # outside the step's time: its tokens/s stay the step's own
-            t_cap = time.perf_counter()
-            run.capture_graphs(step)
-            capture_s = time.perf_counter() - t_cap
-        rec = {
-            "step": step + 1,
-            "train_loss": train_loss,
-            "lr": lr,
-            "tokens_per_s": tokens_per_step / dt,
-            "step_time_s": dt,
-            "peak_mem_gib": peak_memory_gib(run.device),
-        }
-        if grad_norm is not None:  # a device tensor: read after the loss's wait, so no new wait
-            rec["grad_norm"] = float(grad_norm)
-        if capture_s is not None:
-            rec["graph_capture_s"] = capture_s
-        if profiled:
-            rec["profiled"] = True  # slowed by the profiler: not the run's tokens/s
-        if t.peak_tflops:
-            rec["mfu"] = mfu(cfg.model, tokens_per_step / dt, run.world_size, t.peak_tflops)
+        train_loss, grad_norm = run.step(step)  # launched: device tensors on CUDA
+        if pending is not None:  # the previous step's values: it ran while this one queued
+            t_seen, dt, _ = _record(run, pending, writer, bar, t_seen)
+            longest = max(longest, dt)
+            pending = None
         done = step + 1
-        if done % t.eval_every == 0 or done == t.steps:
-            rec["val_loss"] = last_val = run.evaluate()
-        if writer:
-            writer.write(rec)
-        if bar:
-            post = {"loss": f"{train_loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
-            if "val_loss" in rec:
-                post["val"] = f"{rec['val_loss']:.3f}"
-            bar.set_postfix(post, refresh=False)
-            bar.update(1)
-        longest = max(longest, time.perf_counter() - t0)
+        rec = {"step": done, "lr": lr, "loss": train_loss, "norm": grad_norm, "t0": t0}
+        if _reads_late(run, done, save, stop, longest):
+            pending = rec
+            continue
+        t_seen, dt, val = _record(run, rec, writer, bar, t_seen, profiled=profiled)
+        longest = max(longest, dt)
+        last_val = val if val is not None else last_val
         if stop(done, longest):
             break
         if save and t.save_every and done % t.save_every == 0 and done != t.steps:
             run.save(os.path.join(save, f"step_{done:06d}"), done)
     return done, last_val
+
+
+def _reads_late(run: _Run, done: int, save, stop, longest: float) -> bool:
+    """Whether step `done` is plain (_train_steps' docstring): nothing after it needs its end."""
+    t = run.cfg.train
+    nxt = done + 1  # the step launched next, whose launch the read waits for
+    if run.pipe or done >= t.steps or done % t.eval_every == 0:
+        return False
+    if run.capture_due(done - 1) or (save and t.save_every and done % t.save_every == 0):
+        return False
+    if run.profiler is not None and (run.profiler.wants(done) or run.profiler.wants(nxt)):
+        return False
+    # The stop decision is made now, before the step's end: one more step of margin. Across
+    # ranks it is a broadcast that waits for the device, so there every step is read at once.
+    return not stop.waits and not stop(done, longest, backlog=1)
+
+
+def _record(run: _Run, rec: dict, writer, bar, t_seen: float, profiled: bool = False) -> tuple:
+    """Reads step rec["step"]'s loss and gradient norm (the wait for its end), writes its record,
+    validates after it when due; returns (the time its end was seen, the iteration's seconds with
+    the validation, the validation loss or None)."""
+    cfg, t = run.cfg, run.cfg.train
+    tokens_per_step = t.global_batch_size * cfg.model.seq_len
+    done = rec["step"]
+    train_loss = float(rec["loss"])  # the wait for the step's end
+    now = time.perf_counter()
+    # A step read at once is timed from its launch; one read late from the end of the step
+    # before it, which is when the GPU began it.
+    dt = now - max(rec["t0"], t_seen) if not profiled else now - rec["t0"]
+    if profiled:
+        res = run.profiler.end(done, dt)
+        if res is not None:
+            from .step_profile import table
+
+            print(table(res), flush=True)
+    capture_s = None
+    if run.capture_due(done - 1):  # outside the step's time: its tokens/s stay the step's own
+        t_cap = time.perf_counter()
+        run.capture_graphs(done - 1)
+        capture_s = time.perf_counter() - t_cap
+    out = {
+        "step": done,
+        "train_loss": train_loss,
+        "lr": rec["lr"],
+        "tokens_per_s": tokens_per_step / dt,
+        "step_time_s": dt,
+        "peak_mem_gib": peak_memory_gib(run.device),
+    }
+    if rec["norm"] is not None:
+        out["grad_norm"] = float(rec["norm"])
+    if capture_s is not None:
+        out["graph_capture_s"] = capture_s
+    if profiled:
+        out["profiled"] = True  # slowed by the profiler: not the run's tokens/s
+    if t.peak_tflops:
+        out["mfu"] = mfu(cfg.model, tokens_per_step / dt, run.world_size, t.peak_tflops)
+    it, val = dt, None
+    if done % t.eval_every == 0 or done == t.steps:
+        t_eval = time.perf_counter()
+        out["val_loss"] = val = run.evaluate()
+        it += time.perf_counter() - t_eval
+    if writer:
+        writer.write(out)
+    if bar:
+        post = {"loss": f"{train_loss:.3f}", "tok/s": f"{out['tokens_per_s']:.0f}"}
+        if "val_loss" in out:
+            post["val"] = f"{out['val_loss']:.3f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+    return now, it, val
