@@ -4,11 +4,17 @@ torch.profiler over a few steps after warm-up; per case the top kernels by total
 
     python3 dev/profile_modules.py [--cases linear_block,mlp_gelu_fp8,...] [--json out.json]
     python3 dev/profile_modules.py --cases linear_block,linear_delayed --runtime
+    python3 dev/profile_modules.py --cases mlp_gelu_fp8,sep_gelu_fp8 --mlp-shape 1536x8192
+    ncu ... python3 dev/profile_modules.py --cases mlp_gelu_fp8 --plain --steps 1   # gpu_check dev_ncu
 
 --runtime adds the wall time per step (events, steps back to back) and the host's CUDA runtime
 calls per step (synchronizes, allocations, attribute sets): the block-scaled Linear 8192^3 ran its
 kernels in 3.1 ms but took 3.77 ms per step (H100, 2026-12-05), where delayed scaling's kernels
 fill its step; a runtime call that waits would show here.
+
+--plain runs the steps with no profiler (for Nsight Compute, which cannot share CUPTI with
+torch.profiler); --mlp-shape WIDTHxTOKENS sets the MLP cases' width and tokens (default
+2048x4096; the 342M model's is 1536x8192, one micro-batch).
 """
 
 import argparse
@@ -33,7 +39,11 @@ def linear_case(recipe, t=8192, k=8192, n=8192):
     return make_step(m, x, dy, recipe, update_scales=isinstance(recipe, fp8dp.DelayedScaling))
 
 
-def mlp_case(fused, act, fp8, h=2048, tokens=4096):
+MLP_SHAPE = [2048, 4096]  # width, tokens (--mlp-shape)
+
+
+def mlp_case(fused, act, fp8):
+    h, tokens = MLP_SHAPE
     ffn = ffn_of(h, act)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -91,13 +101,33 @@ def main():
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", default=None)
     ap.add_argument("--runtime", action="store_true", help="wall time and CUDA runtime calls")
+    ap.add_argument("--plain", action="store_true", help="no profiler: for ncu")
+    ap.add_argument("--mlp-shape", default="2048x4096", help="WIDTHxTOKENS of the MLP cases")
     args = ap.parse_args()
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: expected names from {sorted(CASES)}, got {unknown}")
+    try:
+        MLP_SHAPE[:] = [int(v) for v in args.mlp_shape.lower().split("x")]
+        assert len(MLP_SHAPE) == 2 and min(MLP_SHAPE) > 0
+    except (ValueError, AssertionError):
+        ap.error(f"--mlp-shape: expected WIDTHxTOKENS (positive integers), got {args.mlp_shape!r}")
     out = {}
     for name in args.cases.split(","):
         step = CASES[name]()
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        if args.plain:  # the kernels alone, for an outside profiler
+            torch.cuda.nvtx.range_push(name)
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            print(f"== {name}: {args.steps} plain step(s)", flush=True)
+            del step
+            torch.cuda.empty_cache()
+            continue
         if args.runtime:
             out[name + "_runtime"] = runtime_calls(step, args.steps)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -15,7 +15,7 @@
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
 # (profile.log, profile_gpt_SHAPE.json), dev_block_casts (dev_block_casts.json),
-# dev_profile_modules (profile_modules.json),
+# dev_profile_modules (profile_modules.json), dev_ncu (ncu.log: Nsight Compute on the casts),
 # dev_host_profile (dev_host_profile.json), dev_graph_ceiling (dev_graph_ceiling.json),
 # dev_profile_train (the 342M training step by category: profile_train_{delayed,current,off}.json). The 2-GPU parts
 # (tests/distributed's NCCL cases, the reduce-scatter and DDP benchmarks) run when two or more GPUs
@@ -150,9 +150,10 @@ fi
 # The block casts alone against the copy bandwidth (8192 x 8192 and the 342M width).
 want dev_block_casts && run_step dev_block_casts "$OUT/bench.log" 120 "$PY" bench/kernels_cuda.py \
   --only block --json "$OUT/dev_block_casts.json"
-# Kernel time per step of single modules: the block-scaled Linear, LayerNormMLP vs separate modules.
+# Kernel time per step of single modules: the block-scaled Linear, LayerNormMLP vs separate modules
+# (PROFILE_MODULES_ARGS adds arguments, e.g. --mlp-shape 1536x8192 for the 342M MLP).
 want dev_profile_modules && run_step dev_profile_modules "$OUT/profile.log" 200 "$PY" \
-  dev/profile_modules.py --json "$OUT/profile_modules.json"
+  dev/profile_modules.py ${PROFILE_MODULES_ARGS:-} --json "$OUT/profile_modules.json"
 # Host time of one Linear step by Python function and operator (HOST_PROFILE_ARGS adds arguments).
 want dev_host_profile && run_step dev_host_profile "$OUT/bench.log" 200 "$PY" dev/host_profile.py \
   ${HOST_PROFILE_ARGS:-} --json "$OUT/dev_host_profile.json"
@@ -173,6 +174,17 @@ if want dev_profile_train; then
     # tokens/s of the unprofiled steps
     cp "$BUILD/profile_train/$vt"/*/metrics.jsonl "$OUT/profile_train_${vt}_metrics.jsonl" 2>/dev/null
   done
+fi
+# Nsight Compute on fp8dp's cast kernels (what bounds each: the speed-of-light, memory and
+# occupancy sections; ncu.log): the fused activation casts against the separate path's, and the
+# block casts, at the 342M MLP shape. NCU_CASES / NCU_KERNELS / NCU_COUNT / NCU_ARGS narrow it.
+if want dev_ncu; then
+  run_step dev_ncu "$OUT/ncu.log" 400 ncu --clock-control none --target-processes all \
+    -k "regex:${NCU_KERNELS:-act_|cast_transpose|block_cast}" --launch-count "${NCU_COUNT:-24}" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section LaunchStats "$PY" dev/profile_modules.py \
+    --cases "${NCU_CASES:-mlp_gelu_fp8,sep_gelu_fp8,linear_block}" --plain --steps 1 \
+    ${NCU_ARGS:---mlp-shape 1536x8192}
 fi
 # What capturing the GPT stack whole in a CUDA graph gives at most, with today's code.
 want dev_graph_ceiling && run_step dev_graph_ceiling "$OUT/bench.log" 200 "$PY" dev/graph_ceiling.py \
@@ -229,7 +241,7 @@ fi
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
            bench_gpt bench_gpt_best bench_gpt_graphs bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_norm_variants \
-           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_block_casts dev_profile_modules dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
+           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_block_casts dev_profile_modules dev_ncu dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8
