@@ -111,6 +111,12 @@ class ModelConfig:
     share_embeddings_and_output_weights). Default false, as before. Under pipeline parallelism
     the embedding (first stage) and the head (last stage) each hold a copy, summed and kept
     identical by fp8dp.pipeline (contract C15)."""
+    fused_mlp: bool = False
+    """Each block's MLP as one fp8dp.LayerNormMLP (norm + fc1 + GELU + fc2; the GELU fused with
+    fc2's input cast in the forward and with fc1's output-gradient cast in the backward) instead
+    of LayerNormLinear, torch's GELU and Linear. The same parameters, initialised from the same
+    random stream, under the names blocks.N.mlp.fc1 / .fc2 instead of blocks.N.up / .down (so a
+    checkpoint does not carry over). Default false."""
 
     def __post_init__(self):
         for k in ("n_layer", "d_model", "n_head", "ffn_mult", "seq_len"):
@@ -124,6 +130,7 @@ class ModelConfig:
         _choice("model.normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _bool("model.bias", self.bias)
         _bool("model.tie_embeddings", self.tie_embeddings)
+        _bool("model.fused_mlp", self.fused_mlp)
         _choice("model.params_dtype", self.params_dtype, _DTYPES)
 
 
@@ -567,6 +574,16 @@ class TrainConfig:
                     "train.fp8_stats_every: expected 0 with parallel.pipeline_parallel_size > 1 "
                     f"(the probe runs on the data-parallel path), got {self.train.fp8_stats_every}"
                 )
+        if self.model.fused_mlp and self.train.fp8_stats_every > 0 and self.fp8.enabled:
+            raise ValueError(
+                "model.fused_mlp: expected false with train.fp8_stats_every > 0 (the probe "
+                "watches each projection's own forward, which LayerNormMLP does not call), got true"
+            )
+        if self.model.fused_mlp and ("up" in self.fp8.exclude) != ("down" in self.fp8.exclude):
+            raise ValueError(
+                "model.fused_mlp: expected fp8.exclude to name both or neither of 'up' and 'down' "
+                f"(one LayerNormMLP runs both GEMMs), got fp8.exclude={self.fp8.exclude}"
+            )
         if self.train.cuda_graphs and par.pipeline_parallel_size > 1:
             raise ValueError(
                 "train.cuda_graphs: expected false with parallel.pipeline_parallel_size > 1 (the "

@@ -64,10 +64,24 @@ class Block(torch.nn.Module):
         ln = dict(normalization=cfg.normalization)
         self.qkv = fp8dp.LayerNormLinear(d, 3 * d, init_method=partial(_normal, std), **ln, **proj)
         self.out = fp8dp.Linear(d, d, init_method=partial(_normal, out_std), **proj)
-        self.up = fp8dp.LayerNormLinear(
-            d, cfg.ffn_mult * d, init_method=partial(_normal, std), **ln, **proj
-        )
-        self.down = fp8dp.Linear(cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **proj)
+        if cfg.fused_mlp:  # the same two projections, built in the same order (same weights)
+            self.mlp = fp8dp.LayerNormMLP(
+                d,
+                cfg.ffn_mult * d,
+                activation="gelu",
+                init_method=partial(_normal, std),
+                output_layer_init_method=partial(_normal, out_std),
+                **ln,
+                **proj,
+            )
+        else:
+            self.mlp = None
+            self.up = fp8dp.LayerNormLinear(
+                d, cfg.ffn_mult * d, init_method=partial(_normal, std), **ln, **proj
+            )
+            self.down = fp8dp.Linear(
+                cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **proj
+            )
 
     def forward(self, x: torch.Tensor, is_first_microbatch) -> torch.Tensor:
         s, b, d = x.shape
@@ -80,6 +94,9 @@ class Block(torch.nn.Module):
         a = a.permute(2, 0, 1, 3).reshape(s, b, d)
         with precision("out", self.exclude):
             x = x + self.out(a, is_first_microbatch=first)
+        if self.mlp is not None:  # fp8.exclude names both of up / down or neither (config)
+            with precision("up", self.exclude):
+                return x + self.mlp(x, is_first_microbatch=first)
         with precision("up", self.exclude):
             u = F.gelu(self.up(x, is_first_microbatch=first))
         with precision("down", self.exclude):
