@@ -10,9 +10,17 @@ starts with the FP8 modules of the last file or device released (pytest-xdist in
 
 `group`: a gloo process group of one rank (this process), for the tests of
 DistributedDataParallel and its optimizer; one per test module.
+
+Every test also leaves torchrun's environment variables as it found them: fp8dp.train's
+setup_distributed sets RANK / LOCAL_RANK / WORLD_SIZE for a run without torchrun, so a test that
+calls its main() in-process made every later `python -m fp8dp.train` subprocess of the same
+pytest-xdist worker believe it ran under torchrun (MASTER_ADDR missing; seen 2026-12-05 when the
+load distribution put test_train_demo.py after test_train_graphs_host.py, whose run calls
+main() in-process; mutation-checked: that pair in that order fails without this fixture).
 """
 
 import gc
+import os
 import sys
 
 import pytest
@@ -37,6 +45,20 @@ def _release_fp8_states():
 
 
 _LAST = [None]  # (file, device) of the last test this process ran
+
+
+_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _torchrun_env_restored():
+    before = {k: os.environ.get(k) for k in _TORCHRUN_ENV}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(autouse=True)

@@ -8,15 +8,18 @@ kernels are launched.
   launch (the weights they validate or save are those of that step).
 - The records are the same, bit for bit (train_loss, grad_norm, val_loss, lr), as those of the
   same run read at once (`_reads_late` forced to False), and both runs train the same weights.
-- A step's time: read late, from the end of the step before it, which is when the device began
-  it; the tokens/s of every step stay positive and finite.
+- A step's time is taken where the device runs it (loop._StepTimer: CUDA events, or the host
+  clock around the launch on a CPU), so every step's time covers its own step, read late or not.
 
 Mutations (2026-12-05, restored): `_reads_late` returning False always: the two order tests
 failed (each read before the next launch); the `continue` after `pending = rec` removed (a step
-read at once and again after the next launch): those two and the records test failed.
+read at once and again after the next launch): those two and the records test failed. The
+first version's timing (from the host's read of the step before): the step-time test failed
+(a step at 0.0001 s).
 """
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,7 @@ from fp8dp.train.metrics import MetricsWriter
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "ci_convergence.yaml")
 
 
-def _run(tmp_path, name, monkeypatch, *, read_late=True, stop_at=None, sets=()):
+def _run(tmp_path, name, monkeypatch, *, read_late=True, stop_at=None, sets=(), sleep=0.0):
     """Trains the CI config for six steps on the CPU (rank 0 of the module's gloo group);
     returns (events, records): ("launch", step) when a step is launched, ("read", step) when its
     record is written."""
@@ -38,6 +41,7 @@ def _run(tmp_path, name, monkeypatch, *, read_late=True, stop_at=None, sets=()):
 
     def step(self, s):
         events.append(("launch", s + 1))
+        time.sleep(sleep)  # part of the step: on the CPU a step runs while it is launched
         return step_fn(self, s)
 
     def write(self, rec):
@@ -95,6 +99,15 @@ def test_read_late_records_equal_read_at_once(group, tmp_path, monkeypatch):
     keys = ("step", "train_loss", "grad_norm", "val_loss", "lr")
     assert [{k: r.get(k) for k in keys} for r in late] == [{k: r.get(k) for k in keys} for r in now]
     assert any("grad_norm" in r for r in late)  # the CI config clips: the norm is read late too
+
+
+def test_every_step_time_covers_its_own_step(group, tmp_path, monkeypatch):
+    """Each step's step_time_s includes its own run (a step made 50 ms longer): a step read late
+    is not timed from when the host read the one before it (which, on the CPU, is after the
+    step itself ran: the validation steps of a first version were timed at ~0 s)."""
+    _, recs = _run(tmp_path, "sleep", monkeypatch, sleep=0.05)
+    times = [r["step_time_s"] for r in recs if r["step"] > 0]
+    assert len(times) == 6 and min(times) >= 0.05, times
 
 
 @pytest.mark.parametrize("backlog, expected", [(0, False), (1, True)])

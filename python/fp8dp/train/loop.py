@@ -525,16 +525,16 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
     the device until the next step has been launched. Reading them at once (a `.item()`) made the
     host wait for the step's end and the GPU idle while the next step's first kernels were
     launched (2 ms per 342M step on the H100, the profile's zero_grad / data / forward idle).
-    The values and their order in metrics.jsonl are the same; a step's tokens/s is taken from the
-    interval between the host seeing the previous step end and seeing this one end, which is the
-    step's own time while the GPU is busy."""
+    The values and their order in metrics.jsonl are the same. A step's time (tokens/s) is taken
+    where the device runs it (_StepTimer), so it does not depend on when the host reads it."""
     cfg, t = run.cfg, run.cfg.train
     longest = 0.0  # the longest iteration (step + evaluation) so far, for time_budget_s
     done = start
     pending = None  # a plain step launched before the running one, not yet read
-    t_seen = time.perf_counter()  # when the host last saw a step end (or this loop begin)
+    timer = _StepTimer(run.device)
     for step in range(start, t.steps):
         t0 = time.perf_counter()
+        begin = timer.mark()
         lr = lr_at(cfg, step)
         for group in run.opt.param_groups:
             group["lr"] = lr
@@ -542,16 +542,17 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
         if profiled:
             run.profiler.begin(step + 1)
         train_loss, grad_norm = run.step(step)  # launched: device tensors on CUDA
+        values, end = timer.finish(train_loss, grad_norm)
+        rec = {"step": step + 1, "lr": lr, "values": values, "t0": t0, "begin": begin, "end": end}
         if pending is not None:  # the previous step's values: it ran while this one queued
-            t_seen, dt, _ = _record(run, pending, writer, bar, t_seen)
+            dt, _ = _record(run, pending, writer, bar, timer)
             longest = max(longest, dt)
             pending = None
         done = step + 1
-        rec = {"step": done, "lr": lr, "loss": train_loss, "norm": grad_norm, "t0": t0}
         if _reads_late(run, done, save, stop, longest):
             pending = rec
             continue
-        t_seen, dt, val = _record(run, rec, writer, bar, t_seen, profiled=profiled)
+        dt, val = _record(run, rec, writer, bar, timer, profiled=profiled)
         longest = max(longest, dt)
         last_val = val if val is not None else last_val
         if stop(done, longest):
@@ -576,18 +577,65 @@ def _reads_late(run: _Run, done: int, save, stop, longest: float) -> bool:
     return not stop.waits and not stop(done, longest, backlog=1)
 
 
-def _record(run: _Run, rec: dict, writer, bar, t_seen: float, profiled: bool = False) -> tuple:
+class _StepTimer:
+    """A step's values and seconds as the device produces them.
+
+    On CUDA, the loss and the gradient norm go to pinned host memory by a copy queued right after
+    the step, and an event marks its end: reading them waits for that event only. (`.item()`
+    synchronises the whole stream, so after the next step's launch it would wait for that step
+    too, and the GPU would idle again while the host launched the one after.) The step's seconds
+    are between an event recorded before its launch (which the GPU reaches when it starts the
+    step, or at once when it was waiting for the host, which then counts) and its end event. On
+    a CPU the host clock around the launch, which runs the step."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def finish(self, loss, norm) -> tuple:
+        """After a step's launch: (its loss and gradient norm on their way to the host, its end
+        mark). loss: a float64 device tensor of one element, or a float (the pipeline's)."""
+        if not isinstance(loss, torch.Tensor):
+            return (float(loss), None if norm is None else float(norm)), self.mark()
+        vals = loss.reshape(1) if norm is None else torch.cat([loss.reshape(1), norm.reshape(1)])
+        if self.cuda:
+            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            vals = host
+        return vals, self.mark()
+
+    def read(self, values, end) -> tuple:
+        """(loss, gradient norm or None) of a finish(); waits for the step's end only."""
+        if isinstance(values, tuple):
+            return values
+        if self.cuda:
+            end.synchronize()
+        out = values.tolist()
+        return out[0], (out[1] if len(out) > 1 else None)
+
+    def seconds(self, begin, end) -> float:
+        if not self.cuda:
+            return end - begin
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def _record(run: _Run, rec: dict, writer, bar, timer, profiled: bool = False) -> tuple:
     """Reads step rec["step"]'s loss and gradient norm (the wait for its end), writes its record,
-    validates after it when due; returns (the time its end was seen, the iteration's seconds with
-    the validation, the validation loss or None)."""
+    validates after it when due; returns (the iteration's seconds with the validation, the
+    validation loss or None)."""
     cfg, t = run.cfg, run.cfg.train
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
     done = rec["step"]
-    train_loss = float(rec["loss"])  # the wait for the step's end
-    now = time.perf_counter()
-    # A step read at once is timed from its launch; one read late from the end of the step
-    # before it, which is when the GPU began it.
-    dt = now - max(rec["t0"], t_seen) if not profiled else now - rec["t0"]
+    train_loss, grad_norm = timer.read(rec["values"], rec["end"])  # the wait for the step's end
+    # A profiled step is read at once: the profiler's own measure, launch to read, as before.
+    dt = time.perf_counter() - rec["t0"] if profiled else timer.seconds(rec["begin"], rec["end"])
     if profiled:
         res = run.profiler.end(done, dt)
         if res is not None:
@@ -607,8 +655,8 @@ def _record(run: _Run, rec: dict, writer, bar, t_seen: float, profiled: bool = F
         "step_time_s": dt,
         "peak_mem_gib": peak_memory_gib(run.device),
     }
-    if rec["norm"] is not None:
-        out["grad_norm"] = float(rec["norm"])
+    if grad_norm is not None:
+        out["grad_norm"] = grad_norm
     if capture_s is not None:
         out["graph_capture_s"] = capture_s
     if profiled:
@@ -628,4 +676,4 @@ def _record(run: _Run, rec: dict, writer, bar, t_seen: float, profiled: bool = F
             post["val"] = f"{out['val_loss']:.3f}"
         bar.set_postfix(post, refresh=False)
         bar.update(1)
-    return now, it, val
+    return it, val
