@@ -111,6 +111,20 @@ def test_distributed_optimizer_steps_fused_adamw_exactly(group):
         assert torch.equal(m, p)
 
 
+def _reduced_ddp(group, seed: int):
+    """A two-layer model under ZeRO-1 DDP after one backward and finish_grad_sync: each owned
+    shard holds its reduced gradient, as clip_grad_norm finds them in a training step."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(fp8dp.Linear(16, 32), fp8dp.Linear(32, 8))
+    cfg = fp8dp.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=False
+    )
+    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+    ddp(torch.randn(16, 16)).square().sum().backward()
+    ddp.finish_grad_sync()
+    return ddp
+
+
 @pytest.mark.parametrize("max_norm", [1e-3, 1e6])
 def test_clip_grad_norm_against_float64(group, max_norm):
     """loop.clip_grad_norm (one multi-tensor norm over the rank's shards): the norm of all
@@ -119,14 +133,7 @@ def test_clip_grad_norm_against_float64(group, max_norm):
     multiply each, or left bit for bit when the norm is below max_norm."""
     from fp8dp.train.loop import clip_grad_norm
 
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(fp8dp.Linear(16, 32), fp8dp.Linear(32, 8))
-    cfg = fp8dp.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=False
-    )
-    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
-    ddp(torch.randn(16, 16)).square().sum().backward()
-    ddp.finish_grad_sync()
+    ddp = _reduced_ddp(group, seed=3)
     shards = ddp.owned_shards()
     before = [ddp.grad_shard(s).clone() for s in shards]
     ref = math.sqrt(sum(float(g.double().square().sum()) for g in before))
@@ -146,14 +153,7 @@ def test_clip_grad_norm_does_not_wait_for_the_device(group, max_norm):
     reduction before it launches the optimizer, and the GPU idles (4 ms per 342M step)."""
     from fp8dp.train.loop import clip_grad_norm
 
-    torch.manual_seed(4)
-    model = torch.nn.Sequential(fp8dp.Linear(16, 32), fp8dp.Linear(32, 8))
-    cfg = fp8dp.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=False
-    )
-    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
-    ddp(torch.randn(16, 16)).square().sum().backward()
-    ddp.finish_grad_sync()
+    ddp = _reduced_ddp(group, seed=4)
     with _Ops() as seen:
         norm = clip_grad_norm(ddp, max_norm, torch.device("cpu"))
     assert "_foreach_norm" in seen.ops and "_foreach_mul_" in seen.ops
