@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 
 #include "common/check.h"
@@ -99,11 +100,7 @@ Quantized activation_cast(const at::Tensor& da, const at::Tensor& h, Activation 
                       scale.device() == h.device(),
                   fn, ": argument 'scale' must be a float32 tensor with one element on ",
                   h.device());
-  if (scale.is_cpu()) {
-    const float s = scale.item<float>();
-    FP8DP_CHECK_ARG(std::isfinite(s) && s > 0.0f, fn,
-                    ": argument 'scale' must be finite and > 0, got ", s);
-  }
+  check_scale_value(scale, fn);
   FP8DP_CHECK_ARG(!opts.dbias || p.backward, fn,
                   ": a bias gradient (dbias) is a backward output; pass 'da'");
   const at::Tensor sc = scale.contiguous();
@@ -131,7 +128,8 @@ Quantized activation_cast(const at::Tensor& da, const at::Tensor& h, Activation 
   p.dbias_dtype =
       opts.dbias ? to_high_precision_dtype(opts.dbias_dtype, fn, "dbias_dtype") : DType::kFloat32;
   if (rows == 0 || cols == 0) {
-    q.scale_inv.copy_(sc.reciprocal());
+    // scale_inverse's rule (NaN for an invalid scale) without a kernel launch of its own.
+    q.scale_inv.copy_(at::where(sc.gt(0.0) & sc.le(FLT_MAX), sc.reciprocal(), NAN));
     return q;
   }
   run(p, in.h);

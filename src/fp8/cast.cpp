@@ -32,6 +32,13 @@ void check_scalar_float(const at::Tensor& s, const at::Tensor& x, const char* fn
 
 }  // namespace
 
+void check_scale_value(const at::Tensor& scale, const char* fn, const char* arg) {
+  if (!scale.is_cpu()) return;
+  const float s = scale.item<float>();
+  FP8DP_CHECK_ARG(std::isfinite(s) && s > 0.0f, fn, ": argument '", arg,
+                  "' must be finite and > 0, got ", s);
+}
+
 at::ScalarType fp8_dtype(Format f) {
   return f == Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
 }
@@ -45,11 +52,7 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
   check_device_supported(x_in, fn, "argument 'x'");
   const DType dt = to_high_precision_dtype(x_in.scalar_type(), fn, "argument 'x'");
   check_scalar_float(scale, x_in, fn, "scale");
-  if (scale.is_cpu()) {
-    const float s = scale.item<float>();
-    FP8DP_CHECK_ARG(std::isfinite(s) && s > 0.0f, fn,
-                    ": argument 'scale' must be finite and > 0, got ", s);
-  }
+  check_scale_value(scale, fn);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor sc = scale.contiguous();
   // x is viewed as [rows, cols] = [numel / last_dim, last_dim]; a 0-d tensor is [1, 1].

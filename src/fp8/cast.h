@@ -37,12 +37,18 @@ struct QuantizeOptions {
 
 // x: float32 / bfloat16 / float16 of any shape (viewed as [numel / last_dim, last_dim]; a
 // non-contiguous x is copied first). scale: float32 with one element on x's device, finite and > 0
-// (checked on the CPU; on CUDA the check would need a host sync, so the kernel trusts it).
+// (check_scale_value; on a GPU the check would need a host sync, so the cast writes scale_inv =
+// NaN for an invalid scale instead, and every use of the result is NaN, not silently wrong).
 // amax_into: optional float32 [1] on x's device holding a running amax (>= 0 or NaN, e.g. a
 // delayed-scaling history's row 0); the cast max-merges its amax into it in the same kernel and
 // returns it as q.amax.
 Quantized quantize(const at::Tensor& x, const at::Tensor& scale, Format format,
                    QuantizeOptions opts = {}, const at::Tensor& amax_into = {});
+
+// The value check of an FP8 cast's scale argument `arg` of entry point `fn`: a scale held on the
+// CPU must be finite and > 0. One on a GPU is not read back (a host sync per cast); the kernels
+// write scale_inv = NaN for it instead (scale_inverse, fp8/format.h).
+void check_scale_value(const at::Tensor& scale, const char* fn, const char* arg = "scale");
 
 // The check of an amax_into argument (quantize, norm_forward): float32, one element, contiguous,
 // on like's device.

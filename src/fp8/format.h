@@ -1,6 +1,7 @@
 // FP8 formats (C7): E4M3 (max 448, no infinities) and E5M2 (max 57344); float <-> FP8 bit casts.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 #include <cstring>
 
@@ -40,6 +41,15 @@ FP8DP_HD float bits_float(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 #endif
+}
+
+// The scale_inv a cast writes for its scale: 1 / scale for a valid scale (finite and > 0), else
+// NaN. The entry points refuse an invalid scale held on the CPU; one on a GPU is not read back
+// (that would synchronise every cast), so the cast marks its result instead: whatever uses the
+// scale_inv (dequantize, the GEMMs) gives NaN, which the NaN checks report, where 1 / +Inf = 0
+// would have made every output a silent zero and 1 / 0 = +Inf a NaN only where a byte was 0.
+FP8DP_HD float scale_inverse(float scale) {
+  return scale > 0.0f && scale <= FLT_MAX ? 1.0f / scale : bits_float(0x7FC00000u);
 }
 
 // All ones when cond holds, else 0 (for branch-free selects).

@@ -326,7 +326,7 @@ void quantize_cpu(const QuantizeParams& p) {
     // The bits of amaxes (>= 0, NaN above +Inf) order like their values: the CUDA kernels' merge.
     *p.amax = amax_from_bits(p.amax_accumulate ? amax_bits_of(amax, float_bits(*p.amax)) : amax);
   }
-  if (p.scale_inv) *p.scale_inv = 1.0f / scale;
+  if (p.scale_inv) *p.scale_inv = scale_inverse(scale);
 }
 
 void dequantize_cpu(const DequantizeParams& p) {

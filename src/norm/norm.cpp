@@ -61,6 +61,7 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
   if (scale.defined()) {
     check_device(scale, x_in, "scale");
     FP8DP_CHECK_ARG(scale.numel() == 1, "norm: scale must have one element, got ", scale.sizes());
+    check_scale_value(scale, "norm");
   }
   FP8DP_CHECK_ARG(gamma_in.numel() == cols && gamma_in.scalar_type() == x_in.scalar_type(),
                   "norm: gamma must be [", cols, "] of ", x_in.scalar_type(), ", got ",

@@ -104,7 +104,7 @@ void norm_fwd_cpu(const NormFwdParams& p) {
   FP8DP_CHECK(p.out_fp8 == nullptr || p.scale != nullptr, "norm_fwd_cpu: out_fp8 needs a scale");
   FP8DP_CHECK(p.scale_inv == nullptr || p.scale != nullptr,
               "norm_fwd_cpu: scale_inv needs a scale");
-  if (p.scale_inv != nullptr) *p.scale_inv = 1.0f / *p.scale;
+  if (p.scale_inv != nullptr) *p.scale_inv = scale_inverse(*p.scale);
   if (p.format == Format::kE4M3) {
     norm_dispatch_dtype<Format::kE4M3>(p);
   } else {

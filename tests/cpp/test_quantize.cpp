@@ -13,6 +13,7 @@
 
 #include "common/check.h"
 #include "fp8/cast.h"
+#include "fp8/quantize.h"
 #include "fp8_test_util.h"
 
 namespace fp8dp::test {
@@ -378,6 +379,45 @@ TEST(QuantizeArgs, BadInputNamesTheArgument) {
   expect_value_error([&] { quantize(x, at::ones({1}, at::kMeta), f); }, "'scale'");
   expect_value_error([&] { quantize(x, at::Tensor(), f); }, "'scale'");
   expect_value_error([&] { fp8dp::amax(x.to(at::kInt)); }, "fp8dp.amax: argument 'x'");
+}
+
+// scale_inverse (fp8/format.h): the FP32 reciprocal of every valid scale, the largest finite one
+// included; NaN for each invalid one, where 1 / scale gave 0 (for +Inf: every use of the cast a
+// silent zero), +Inf (for 0) or a negative scale_inv.
+TEST(ScaleInverse, ReciprocalOfValidScalesNaNForTheRest) {
+  for (float s : {1.0f, 3.0f, 448.0f, 1e-30f, 1.3e-36f, std::numeric_limits<float>::max()}) {
+    EXPECT_EQ(float_bits(scale_inverse(s)), float_bits(1.0f / s)) << s;
+  }
+  for (float bad :
+       {0.0f, -0.0f, -1.0f, -std::numeric_limits<float>::infinity(),
+        std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    EXPECT_TRUE(std::isnan(scale_inverse(bad))) << bad;
+  }
+}
+
+// An invalid scale that reaches a cast kernel marks its result: scale_inv = NaN, so dequantize
+// (and a GEMM) give NaN. The entry points refuse such a scale on the CPU (above); on a GPU they do
+// not read it back, so the kernels are the guard there. Here the CPU kernel, called past the entry
+// point's check (CUDA: tests/python/test_fp8_scale_invalid.py).
+TEST(QuantizeArgs, InvalidScaleReachingTheKernelWritesNaNScaleInv) {
+  const at::Tensor x = at::randn({4, 8});
+  for (float bad : {0.0f, -2.0f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    at::Tensor out = at::empty({4, 8}, at::kByte), amax = at::empty({1}),
+               scale_inv = at::empty({1});
+    QuantizeParams p;
+    p.input = x.data_ptr();
+    p.rows = 4;
+    p.cols = 8;
+    p.scale = &bad;
+    p.out = out.data_ptr<uint8_t>();
+    p.amax = amax.data_ptr<float>();
+    p.scale_inv = scale_inv.data_ptr<float>();
+    quantize_cpu(p);
+    EXPECT_TRUE(std::isnan(scale_inv.item<float>())) << "scale " << bad;
+    const at::Tensor deq = dequantize(out.view(at::kFloat8_e4m3fn), scale_inv, at::kFloat);
+    EXPECT_TRUE(deq.isnan().all().item<bool>()) << "scale " << bad;
+  }
 }
 
 }  // namespace

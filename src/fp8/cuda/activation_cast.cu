@@ -362,7 +362,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   block_amax_commit<kThreads>(am, amax_bits);
-  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    *scale_inv = scale_inverse(scale);
 }
 
 // dbias[oc] = the chunks' sums added in chunk order, rounded once to D.
@@ -479,7 +480,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the next tile writes tile / vals
   }
   block_amax_commit<kThreads>(am, amax_bits);
-  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    *scale_inv = scale_inverse(scale);
 }
 
 int grid_for(int64_t n) {

@@ -39,7 +39,7 @@ constexpr int kTile = 64;
 constexpr int kStripTiles = 4;
 
 __global__ void write_scale_inv_kernel(const float* scale, float* scale_inv) {
-  *scale_inv = 1.0f / *scale;
+  *scale_inv = scale_inverse(*scale);
 }
 
 // ---------------------------------------------------------------- flat: quantize + amax
@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kWrite) out[i] = quantize_like_cpu<F>(v, scale);
   }
   block_amax_commit<kThreads>(am, amax_bits);
-  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    *scale_inv = scale_inverse(scale);
 }
 
 // ---------------------------------------------------------------- tiled: cast + transpose + dbias
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(co
   }
   block_amax_commit<kThreads>(am, a.amax_bits);
   if (a.scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    *a.scale_inv = 1.0f / scale;
+    *a.scale_inv = scale_inverse(scale);
   }
 }
 

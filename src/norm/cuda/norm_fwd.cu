@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(kMaxBlock, kMinBlocks) norm_fwd_kernel(const F
   const int64_t nvec = ceil_div(a.cols, kV);
   const size_t stage_bytes = static_cast<size_t>(rpb) * a.cols * sizeof(T);
   const float scale = a.out_fp8 != nullptr ? *a.scale : 1.0f;
-  if (a.scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = 1.0f / *a.scale;
+  if (a.scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    *a.scale_inv = scale_inverse(*a.scale);
   const float n = static_cast<float>(a.cols);
   VecAmax<T> am;
   Vec<T> buf[kMaxVec];
