@@ -13,7 +13,8 @@
 // statistics, FP8 ln_outᵀ (fc1 wgrad), h in the activation dtype (the derivative needs it; the
 // unfused path saves it too: torch's GELU saves its input), FP8 aᵀ (fc2 wgrad) and the two cached
 // FP8 transposed weights. Nothing of size tokens × ffn in high precision but h. FP8 off: ln_out,
-// h and a in the activation dtype, as the unfused stack saves them.
+// h and a in the activation dtype, as the unfused stack saves them. Block scaling: the activation
+// and its derivative in the activation dtype (not saved), then block casts (cast_activation).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -136,8 +137,16 @@ at::Tensor route_gemm_wgrad(GemmUse& u, const Routing& r, WgradTask task, const 
 // The FP8 cast of the activation (forward, da undefined) or of its derivative (backward) for
 // `role` of `core`: delayed scaling casts in one pass with the known scale and records the amax
 // in the role's history row; current scaling needs the amax first (one pass that writes nothing).
+// Block scaling has no fused kernel: the activation (or its derivative) in the activation dtype,
+// then the block cast of the role (1x128 tiles, both orientations), as the unfused stack of
+// LayerNormLinear, activation and Linear casts it, so the two give the same bytes.
 Quantized cast_activation(LinearCore& core, Role role, const at::Tensor& da, const at::Tensor& h,
                           Activation act, const AutocastState& ac, QuantizeOptions opts) {
+  if (ac.recipe.kind == RecipeKind::kBlock) {
+    const at::Tensor hp =
+        da.defined() ? activation_backward(da, h, act) : activation_forward(h, act);
+    return core.cast(hp, role, ac, opts);
+  }
   const Format fmt = role == Role::kGradOutput ? ac.recipe.bwd_format : ac.recipe.fwd_format;
   if (ac.recipe.kind == RecipeKind::kCurrent) {
     const at::Tensor s = current_scale(activation_amax(da, h, act), fmt, ac.recipe.margin);
@@ -219,9 +228,9 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
       g1.b = qw.data;
       g1.b_scale_inv = qw.scale_inv;
       saved[kIn1T] = qin1.data_t;
-      saved[kIn1ScaleInv] = qin1.scale_inv;
+      saved[kIn1ScaleInv] = qin1.scale_inv_for_t();
       saved[kW1T] = qw.data_t;
-      saved[kW1ScaleInv] = qw.scale_inv;
+      saved[kW1ScaleInv] = qw.scale_inv_for_t();
     } else {
       g1.a = gemm_in1.contiguous();
       g1.b = w1.detach().contiguous();
@@ -245,9 +254,9 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
       g2.b = qw.data;
       g2.b_scale_inv = qw.scale_inv;
       saved[kIn2T] = qin2.data_t;
-      saved[kIn2ScaleInv] = qin2.scale_inv;
+      saved[kIn2ScaleInv] = qin2.scale_inv_for_t();
       saved[kW2T] = qw.data_t;
-      saved[kW2ScaleInv] = qw.scale_inv;
+      saved[kW2ScaleInv] = qw.scale_inv_for_t();
     } else {
       g2.a = activation_forward(h, cfg.activation);
       g2.b = w2.detach().contiguous();
@@ -321,7 +330,7 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
       }
       if (r2.need_b) db2 = q.dbias;
       t2.a = q.data_t;
-      t2.a_scale_inv = q.scale_inv;
+      t2.a_scale_inv = q.scale_inv_for_t();
       t2.b = saved[kIn2T];
       t2.b_scale_inv = saved[kIn2ScaleInv];
     } else {
@@ -362,7 +371,7 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
         }
         if (r1.need_b) db1 = q.dbias;
         t1.a = q.data_t;
-        t1.a_scale_inv = q.scale_inv;
+        t1.a_scale_inv = q.scale_inv_for_t();
         t1.b = saved[kIn1T];
         t1.b_scale_inv = saved[kIn1ScaleInv];
       } else {

@@ -59,7 +59,7 @@ from fp8dp import _C
 HID, FFN, TOKENS = 32, 48, 32
 ACTS = ["gelu", "swiglu"]
 NORMS = ["LayerNorm", "RMSNorm"]
-FP8_MODES = ["off", "delayed", "current"]
+FP8_MODES = ["off", "delayed", "current", "block"]
 
 
 def recipe_of(mode):
@@ -67,6 +67,8 @@ def recipe_of(mode):
         return fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=4)
     if mode == "current":
         return fp8dp.Float8CurrentScaling(fp8_format=fp8dp.Format.HYBRID)
+    if mode == "block":
+        return fp8dp.Float8BlockScaling()
     return None
 
 

@@ -53,19 +53,24 @@ def test_same_initial_weights():
             assert torch.equal(got[k], v), k
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False, "delayed", "block"])
 def test_fused_model_computes_the_separate_model(fp8):
     """Tolerances. FP8 off (FP32): the two GELUs (torch's and fp8dp's activation_math.h, which
     builds erf from IEEE-rounded operations) differ by a few FP32 ulps, carried through two
     layers: relative 1e-5. FP8 delayed (first step: scales from the current amax): a GELU output
     one ulp apart can round to the neighbouring E4M3 value (a step of up to 2^-3 of it); a few of
-    the 32,768 MLP activations do, which moves the norm-wise result by far less than 1e-3."""
+    the 32,768 MLP activations do, which moves the norm-wise result by far less than 1e-3. Block
+    scaling the same (its tiles' scales come from their own amax, which one ulp rarely moves)."""
     sep, fused = _model(False), _model(True)
     tokens = torch.randint(0, 256, (32, 4), generator=torch.Generator().manual_seed(1))
-    recipe = fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID)
+    recipe = (
+        fp8dp.Float8BlockScaling()
+        if fp8 == "block"
+        else fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID)
+    )
     outs = []
     for m in (sep, fused):
-        with fp8dp.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+        with fp8dp.fp8_autocast(enabled=bool(fp8), fp8_recipe=recipe):
             y = m(tokens)
         y.float().square().mean().backward()
         outs.append((y.detach(), {_renamed(k): p.grad for k, p in m.named_parameters()}))
