@@ -77,9 +77,9 @@ def autocast(mode):
     return fp8dp.fp8_autocast(enabled=r is not None, fp8_recipe=r)
 
 
-def make_mlp(act, norm, dtype=torch.bfloat16, seed=0, **kw):
+def make_mlp(act, norm, dtype=torch.bfloat16, seed=0, hid=HID, ffn=FFN, **kw):
     torch.manual_seed(seed)
-    m = fp8dp.LayerNormMLP(HID, FFN, activation=act, normalization=norm, params_dtype=dtype, **kw)
+    m = fp8dp.LayerNormMLP(hid, ffn, activation=act, normalization=norm, params_dtype=dtype, **kw)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 2 else 0.5))
@@ -482,7 +482,7 @@ def test_c4_backfill_fp8_bias_not_doubled():
         assert p.grad is None, name
 
 
-@pytest.mark.parametrize("fp8", ["off", "delayed"])
+@pytest.mark.parametrize("fp8", FP8_MODES)
 @pytest.mark.parametrize("delayed", [False, True], ids=["immediate", "delayed"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused-wgrad", "fused-wgrad"])
 def test_ddp_delivers_each_weight_once(group, fp8, delayed, fused):
@@ -860,17 +860,21 @@ def test_activation_table_switch_returns_the_previous_setting():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["delayed", "block"])
 @pytest.mark.parametrize("act", ACTS)
-def test_cuda_module_matches_cpu(act):
+def test_cuda_module_matches_cpu(act, mode):
     """The whole module on CUDA against the CPU: the activation bytes are identical (above); the
-    GEMMs differ (cuBLASLt vs FP32 CPU sums), so y agrees to the FP8 accumulation tolerance."""
+    GEMMs differ (cuBLASLt vs FP32 CPU sums), so y agrees to the FP8 accumulation tolerance.
+    Block scaling: the activation in bf16, then the block casts (identical bytes on both), at
+    widths of whole 128-element tiles (cuBLASLt's block modes)."""
     ok, reason = _cuda_reason()
     if not ok:
         pytest.skip(reason)
-    m = make_mlp(act, "RMSNorm")
+    hid, ffn = (128, 256) if mode == "block" else (HID, FFN)
+    m = make_mlp(act, "RMSNorm", hid=hid, ffn=ffn)
     mc = copy.deepcopy(m).cuda()
-    ((x, dy),) = data(torch.bfloat16, n=1)
-    with autocast("delayed"):
+    x = torch.randn(128, hid, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with autocast(mode):
         y = m(x)
         yc = mc(x.cuda())
     rel = float((yc.cpu().float() - y.float()).norm() / y.float().norm())
