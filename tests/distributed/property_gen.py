@@ -187,7 +187,33 @@ def gen_config(case_seed: int, ws: int) -> dict:
     # current scaling or Float8BlockScaling; neither keeps state across casts, so the twin that
     # makes the reference casts the same bytes.
     c["recipe"] = rng.choice(["current", "block"]) if fp8 else "current"
+    _gen_mlp(rng, c)
     return c
+
+
+def _gen_mlp(rng: random.Random, c: dict) -> None:
+    """Some LayerNormLinear slots become a LayerNormMLP (norm -> fc1 -> activation -> fc2, D -> D
+    through an FFN of 2 D; fc1 and fc2 each keep their own queue, route and bucket place). Drawn
+    after everything else, so the fields above keep their values for a seed. Only slots that no
+    tie or frozen entry names: a tie or a freeze addresses one [D, D] weight, and an MLP has two
+    of other shapes."""
+    named = {tuple(s[:2]) for tie in c["ties"] for s in tie} | {(f[0], f[1]) for f in c["frozen"]}
+    for i, m in enumerate(c["fp8_mods"]):
+        if m["kind"] != "LayerNormLinear":
+            continue
+        if rng.random() < 0.6 and ("fp8", i) not in named:
+            m.update(kind="LayerNormMLP", act=rng.choice(["gelu", "swiglu"]), ret_ln=False)
+
+
+def is_mlp(m: dict) -> bool:
+    return m["kind"] == "LayerNormMLP"
+
+
+def fp8_weight(model, i):
+    """The weight that tells whether fp8 slot i queues weight gradients: its own, or fc1's for a
+    LayerNormMLP (whose slots are never frozen, so fc1 and fc2 agree)."""
+    m = model.fp8[i]
+    return m.fc1.weight if hasattr(m, "fc1") else m.weight
 
 
 def runs(c, j, k):
@@ -207,7 +233,7 @@ def queued_per_microbatch(c, model, k=None):
             continue
         if k is not None and not runs(c, j, k):
             continue
-        if kind == "fp8" and c["fp8_mods"][i]["delay"] and model.fp8[i].weight.requires_grad:
+        if kind == "fp8" and c["fp8_mods"][i]["delay"] and fp8_weight(model, i).requires_grad:
             out[i] = out.get(i, 0) + 1
     return out
 
@@ -263,7 +289,7 @@ def weight_users(c, model):
             m = c["fp8_mods"][i]
             route = "fp8_delay" if m["delay"] else "fp8"
             route += "_fused" if m["fuse"] else ""
-            p = model.fp8[i].weight
+            p = fp8_weight(model, i)
         elif kind == "tl":
             route, p = "torch", model.tl[i].weight
         else:

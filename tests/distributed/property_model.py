@@ -7,7 +7,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from property_gen import EPS, U32, T, runs
+from property_gen import EPS, U32, T, is_mlp, runs
 from torch import nn
 
 import fp8dp
@@ -32,6 +32,18 @@ class GenModel(nn.Module):
             )
             if m["kind"] == "Linear":
                 mods.append(fp8dp.Linear(D, D, **kw))
+            elif is_mlp(m):
+                mods.append(
+                    fp8dp.LayerNormMLP(
+                        D,
+                        2 * D,
+                        activation=m["act"],
+                        normalization=m["norm"],
+                        eps=EPS,
+                        zero_centered_gamma=m.get("zcg", False),
+                        **kw,
+                    )
+                )
             else:
                 mods.append(
                     fp8dp.LayerNormLinear(
@@ -55,11 +67,13 @@ class GenModel(nn.Module):
             p = self.plain[i] if kind == "plain" else getattr(self._module(kind, i), name)
             p.requires_grad_(False)
         for m, spec in zip(self.fp8, c["fp8_mods"]):
+            gemms = (m.fc1, m.fc2) if is_mlp(spec) else (m,)
             if spec.get("zero_out_wgrad"):
-                m.weight.zero_out_wgrad = True
+                for g in gemms:
+                    g.weight.zero_out_wgrad = True
             if spec.get("zcg"):  # a non-trivial scale (1 + gamma, gamma initialised to 0)
                 with torch.no_grad():
-                    m.layer_norm_weight.normal_(0, 0.3)
+                    gemms[0].layer_norm_weight.normal_(0, 0.3)
 
     def _module(self, kind, i):
         return self.fp8[i] if kind == "fp8" else self.tl[i]
@@ -107,17 +121,13 @@ def ref_forward64(model: GenModel, R: dict, ids, x, k):
     for j, ((kind, i), res) in enumerate(zip(c["ops"], c["residual"])):
         if not runs(c, j, k):
             continue
-        if kind == "fp8":
+        if kind == "fp8" and isinstance(model.fp8[i], fp8dp.LayerNormMLP):
+            z = _mlp_forward64(model.fp8[i], R, h)
+        elif kind == "fp8":
             m = model.fp8[i]
             inp = h
             if isinstance(m, fp8dp.LayerNormLinear):
-                g = R[id(m.layer_norm_weight)]
-                if m.zero_centered_gamma:
-                    g = 1 + g
-                if m.normalization == "LayerNorm":
-                    inp = F.layer_norm(h, (h.shape[-1],), g, R[id(m.layer_norm_bias)], m.eps)
-                else:
-                    inp = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + m.eps) * g
+                inp = _norm64(m, R, h)
             z = F.linear(inp, R[id(m.weight)], R[id(m.bias)] if m.bias is not None else None)
             if isinstance(m, fp8dp.LayerNormLinear) and m.return_layernorm_output:
                 z = z + 0.5 * inp
@@ -133,6 +143,29 @@ def ref_forward64(model: GenModel, R: dict, ids, x, k):
         z = torch.tanh(z)
         h = h + z if res else z
     return h
+
+
+def _norm64(m, R, h):
+    """A LayerNormLinear's (or an MLP's fc1's) norm in float64."""
+    g = R[id(m.layer_norm_weight)]
+    if m.zero_centered_gamma:
+        g = 1 + g
+    if m.normalization == "LayerNorm":
+        return F.layer_norm(h, (h.shape[-1],), g, R[id(m.layer_norm_bias)], m.eps)
+    return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + m.eps) * g
+
+
+def _mlp_forward64(mlp, R, h):
+    """LayerNormMLP in float64: norm -> fc1 -> GELU (erf form) or SwiGLU ([gate | up]) -> fc2."""
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    b = lambda m: R[id(m.bias)] if m.bias is not None else None  # noqa: E731
+    a = F.linear(_norm64(fc1, R, h), R[id(fc1.weight)], b(fc1))
+    if mlp.activation == "gelu":
+        a = F.gelu(a)
+    else:
+        gate, up = a.chunk(2, -1)
+        a = F.silu(gate) * up
+    return F.linear(a, R[id(fc2.weight)], b(fc2))
 
 
 def mse(out, y):
@@ -212,6 +245,12 @@ def reference(c, model, step_data):
     return total, mag
 
 
+def mlp_acts(c) -> list:
+    """The activation of every LayerNormMLP op of configuration c, one entry per op."""
+    mods = c["fp8_mods"]
+    return [mods[i]["act"] for kind, i in c["ops"] if kind == "fp8" and is_mlp(mods[i])]
+
+
 def grad_tolerance(c, mag: torch.Tensor) -> float:
     """Absolute tolerance for one parameter's reduced FP32 gradient against the float64 reference.
 
@@ -231,8 +270,11 @@ def grad_tolerance(c, mag: torch.Tensor) -> float:
     differ and the same bound holds. Against what the test looks for this is tight: a lost or
     doubled use moves the gradient by ~max(A) / n_terms, more than 100x the tolerance."""
     n_terms = c["ws"] * c["n_mb"] * len(c["ops"])
-    depth = len(c["ops"]) + 1
-    K = max(c["D"], T)
+    # A LayerNormMLP op is two GEMMs deep, with inner sizes up to its fc1 width (2 D, or 4 D for
+    # SwiGLU's [gate | up]) and an activation between them whose derivative is at most ~1.13.
+    acts = c["mlp_acts"] if "mlp_acts" in c else mlp_acts(c)
+    depth = len(c["ops"]) + 1 + len(acts)
+    K = max([c["D"], T] + [(4 if a == "swiglu" else 2) * c["D"] for a in acts])
     return 8 * ((n_terms + 2) + depth * K) * U32 * float(mag.max()) + 1e-30
 
 

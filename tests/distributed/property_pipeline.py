@@ -128,9 +128,10 @@ def gen_pipeline_config(case_seed: int, ws: int, torch_version: str = torch.__ve
 
 
 def _slots(cb) -> list:
-    """A block's [D, D] weight slots (GenModel._weight): fp8 and torch Linear weights, plain."""
+    """A block's [D, D] weight slots (GenModel._weight): fp8 and torch Linear weights, plain (a
+    LayerNormMLP has none)."""
     return (
-        [["fp8", i] for i in range(len(cb["fp8_mods"]))]
+        [["fp8", i] for i, m in enumerate(cb["fp8_mods"]) if not property_gen.is_mlp(m)]
         + [["tl", i] for i in range(len(cb["tl_mods"]))]
         + [["plain", i] for i in range(cb["n_plain"])]
     )
@@ -274,7 +275,11 @@ def run_case(c, found, timeout_s: float) -> int:
     for ddp in pp.modules:
         ddp._sync.communicator().set_timeout(timeout_s)
     tol_case = dict(
-        ws=dp, n_mb=c["n_mb"], D=c["D"], ops=[o for cb in c["blocks"] for o in cb["ops"]]
+        ws=dp,
+        n_mb=c["n_mb"],
+        D=c["D"],
+        ops=[o for cb in c["blocks"] for o in cb["ops"]],
+        mlp_acts=[a for cb in c["blocks"] for a in property_model.mlp_acts(cb)],
     )
     name_of = {}
     for ddp in pp.modules:

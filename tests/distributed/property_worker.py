@@ -1,7 +1,8 @@
 """torchrun worker of the randomized gradient-accounting property test.
 
 Each case is a random configuration drawn from one integer seed: a model graph of fp8dp.Linear /
-fp8dp.LayerNormLinear, torch.nn.Linear and plain parameters (used through F.linear, matmul and
+fp8dp.LayerNormLinear / fp8dp.LayerNormMLP (GELU or SwiGLU; since 2026-12-05), torch.nn.Linear
+and plain parameters (used through F.linear, matmul and
 indexing), with tied weights across both kinds, parameters used twice in one forward, unused and
 frozen parameters, bias on/off, fused / delayed weight gradients per module; 1-4 micro-batches (all
 but the last under no_sync(), is_first_microbatch=(k == 0)), a backward_dw() schedule that FIFO

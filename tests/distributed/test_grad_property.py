@@ -43,7 +43,7 @@ def _brief(c: dict) -> str:
         )
     mods = []
     for m in c["fp8_mods"]:
-        flags = [k for k in ("bias", "fuse", "delay") if m[k]]
+        flags = [k for k in ("bias", "fuse", "delay") if m[k]] + ([m["act"]] if "act" in m else [])
         mods.append(f"{m['kind']}({','.join(flags)})")
     keep = {
         k: c.get(k)
