@@ -236,9 +236,19 @@ def test_resume_on_the_corpus_is_bit_exact_through_stop_at_and_time_budget(tmp_p
     """Full 10 steps, against: --stop-at 4, then --resume with a budget that ends it after one
     more step (5), then --resume to the end. Losses, validation and checkpoints bit-identical.
 
-    Mutation tried: the early stop's checkpoint labelled with train.steps instead of the step
+    The two resumed launches also profile (--profile: rank 0 alone holds the profiler) and run
+    under a time budget, the last one a budget that does not run out. The budget's stop decision
+    is rank 0's, broadcast on a gloo group (loop._Stopper) so that steps are still read late
+    (since 2026-12-05; before, every step of a multi-rank budgeted run was read at once), and
+    every rank must join it for the same steps: the profiled ones are known on every rank
+    (_reads_late asks run.profiles, not rank 0's profiler).
+
+    Mutations tried: the early stop's checkpoint labelled with train.steps instead of the step
     reached (loop.train's final save as it was before --stop-at): failed, the second launch found
-    the checkpoint "at step 10 = train.steps, nothing to train" instead of stopping after step 5."""
+    the checkpoint "at step 10 = train.steps, nothing to train" instead of stopping after step 5.
+    _reads_late asking `run.profiler` again: the second launch hangs until the launcher's 300 s
+    timeout (rank 0 skips the decision at the profiled step 5 and stops; rank 1 decides there,
+    learns to stop, and waits in one more broadcast that rank 0 never joins)."""
     cache = ["--set", f"data.cache_dir={tmp_path / 'corpus'}"]
     full, part = tmp_path / "full", tmp_path / "part"
     _train(full, *cache, "--save", str(full / "ckpt"))
@@ -253,9 +263,22 @@ def test_resume_on_the_corpus_is_bit_exact_through_stop_at_and_time_budget(tmp_p
         str(part / "ckpt"),
         "--time-budget",
         "0.001",
+        "--profile",
+        "5:1",
     )
     assert "stopped after step 5 of 10" in log
-    _train(part, *cache, "--resume", str(part / "ckpt"), "--save", str(part / "ckpt"))
+    _train(
+        part,
+        *cache,
+        "--resume",
+        str(part / "ckpt"),
+        "--save",
+        str(part / "ckpt"),
+        "--time-budget",
+        "3600",
+        "--profile",
+        "7:2",
+    )
     a = [json.loads(x) for x in open(full / "fp8" / "metrics.jsonl")]
     b = [json.loads(x) for x in open(part / "fp8" / "metrics.jsonl")]
     keys = ("step", "train_loss", "val_loss", "grad_norm", "lr")

@@ -119,3 +119,17 @@ def test_the_stop_margin_grows_with_the_steps_in_flight(backlog, expected):
     stop = loop._Stopper(cfg, None, 2.5, t_enter, torch.device("cpu"), world_size=1)
     assert not stop.waits
     assert stop(10, 1.0 - 1e-3, backlog) is expected
+
+
+def test_several_ranks_with_a_time_budget_decide_on_the_host(group):
+    """With several ranks and a time budget, rank 0's stop decision reaches the others through a
+    gloo group (here the default group is gloo: that one), so it waits for no device work and
+    steps can still be read late; before 2026-12-05 it was a broadcast from the device, `waits`,
+    and every such run read each step at once. One rank alone never broadcasts."""
+    cfg = load_config(CONFIG, ["train.steps=100"])
+    t_enter = loop.time.perf_counter()
+    stop = loop._Stopper(cfg, None, 3600.0, t_enter, torch.device("cpu"), world_size=2)
+    assert stop.group is torch.distributed.group.WORLD and not stop.waits
+    assert stop(10, 1.0, backlog=1) is False  # the broadcast runs (a world of one here)
+    alone = loop._Stopper(cfg, None, 3600.0, t_enter, torch.device("cpu"), world_size=1)
+    assert alone.group is None and not alone.waits

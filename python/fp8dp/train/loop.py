@@ -196,13 +196,20 @@ class _Stopper:
     """Whether to stop after step `done` (before train.steps): at stop_at, or when 2 + backlog more
     of the longest iterations so far (step + evaluation) would not fit in time_budget_s from
     train()'s start (the margin leaves the final checkpoint time; backlog counts steps launched but
-    not yet finished). Rank 0 decides for all (clocks differ): with several ranks and a time budget
-    that is a broadcast whose value the host waits for (`waits`)."""
+    not yet finished). Rank 0 decides for all (clocks differ): with several ranks and a time budget,
+    a broadcast on a gloo group of a CPU tensor, which waits for no device work, so that steps are
+    still read late (_reads_late). Every rank must then make the same calls in the same order
+    (_reads_late's conditions are the same on every rank). Where no gloo group can be made, the
+    broadcast goes over the default group from the device, and its value waits for the device
+    (`waits`: every step is then read at once)."""
 
     def __init__(self, cfg, stop_at, time_budget_s, t_enter, device, world_size: int):
         self.cfg, self.stop_at, self.budget = cfg, stop_at, time_budget_s
         self.t_enter, self.device = t_enter, device
-        self.waits = time_budget_s is not None and world_size > 1
+        self.group, self.waits = None, False
+        if time_budget_s is not None and world_size > 1:
+            self.group = _host_group()
+            self.waits = self.group is None
 
     def __call__(self, done: int, longest: float, backlog: int = 0) -> bool:
         if done >= self.cfg.train.steps or (self.stop_at is None and self.budget is None):
@@ -211,11 +218,24 @@ class _Stopper:
         if self.budget is not None:
             elapsed = time.perf_counter() - self.t_enter
             stop = stop or elapsed + (2 + backlog) * longest > self.budget
-            if self.waits:
-                flag = torch.tensor([int(stop)], device=self.device)
-                dist.broadcast(flag, 0)
+            if self.group is not None or self.waits:
+                on_host = self.group is not None
+                flag = torch.tensor([int(stop)], device="cpu" if on_host else self.device)
+                dist.broadcast(flag, 0, group=self.group)
                 stop = bool(flag.item())
         return stop
+
+
+def _host_group():
+    """A process group whose collectives run on the host (gloo): the default group when it is
+    gloo, else a new gloo group of every rank (a collective call: every rank makes it here, in the
+    same place); None when gloo is not available."""
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    try:
+        return dist.new_group(backend="gloo")
+    except (RuntimeError, ValueError):
+        return None
 
 
 def train(
@@ -259,6 +279,7 @@ def train(
 
         path = os.path.join(run_dir, "fp8_stats.jsonl")
         run.probe = FP8Probe(run.model, run.recipe, path, cfg.fp8.exclude, start if resume else -1)
+    run.profile_range = profile
     if rank == 0 and profile:
         from .step_profile import StepProfiler
 
@@ -361,6 +382,7 @@ class _Run:
     config_dict: dict
     probe: Any = None  # fp8_stats.FP8Probe on rank 0 with train.fp8_stats_every; else None
     profiler: Any = None  # step_profile.StepProfiler on rank 0 with --profile; else None
+    profile_range: Any = None  # --profile's (first, count) on every rank; else None
     graphed: bool = False  # train.cuda_graphs: captured (after this launch's first step)
 
     @classmethod
@@ -457,6 +479,13 @@ class _Run:
             self.device,
             self.probe if due else None,
         )
+
+    def profiles(self, step: int) -> bool:
+        """Whether --profile covers step `step` (1-based; the same answer on every rank)."""
+        if self.profile_range is None:
+            return False
+        first, count = self.profile_range
+        return first <= step < first + count
 
     def capture_due(self, step: int) -> bool:
         """train.cuda_graphs: whether to capture after step `step` (this launch's first eager
@@ -570,10 +599,13 @@ def _reads_late(run: _Run, done: int, save, stop, longest: float) -> bool:
         return False
     if run.capture_due(done - 1) or (save and t.save_every and done % t.save_every == 0):
         return False
-    if run.profiler is not None and (run.profiler.wants(done) or run.profiler.wants(nxt)):
+    # The profiled steps, from --profile (every rank has it; rank 0 alone holds the profiler):
+    # each condition here must be the same on every rank, since the stop decision below is a
+    # broadcast that every rank joins, or none.
+    if run.profiles(done) or run.profiles(nxt):
         return False
-    # The stop decision is made now, before the step's end: one more step of margin. Across
-    # ranks it is a broadcast that waits for the device, so there every step is read at once.
+    # The stop decision is made now, before the step's end: one more step of margin. Where its
+    # broadcast waits for the device (no gloo group), every step is read at once.
     return not stop.waits and not stop(done, longest, backlog=1)
 
 
