@@ -145,6 +145,95 @@ def bench_block(rows, cols, dtype):
     return shape_result(x, ops, ms, matches)
 
 
+def _lut(on: bool, fn):
+    """fn with the activation tables switched on or off around it (host-side flag)."""
+
+    def run():
+        prev = _C._set_activation_lut(on)
+        try:
+            return fn()
+        finally:
+            _C._set_activation_lut(prev)
+
+    return run
+
+
+def check_act_against_cpu(h, da, scale, rows=2048):
+    """The timed launch's bytes (the tiled kernel at the full shape: many tiles per block with the
+    tables) against the CPU kernels on its first `rows` rows: an output element depends on its
+    own input only, so rows [0, rows) of data, and columns [0, rows) of data_t, are the CPU's
+    bytes of that slice."""
+    same = True
+    for d, fmt in ((None, E4M3), (da, _C.Format.E5M2)):
+        gpu = _C.activation_cast(d, h, "gelu", scale, fmt, True, True, False)
+        cpu = _C.activation_cast(
+            None if d is None else d[:rows].cpu(),
+            h[:rows].cpu(),
+            "gelu",
+            scale.cpu(),
+            fmt,
+            True,
+            True,
+            False,
+        )
+        same &= torch.equal(gpu.data[:rows].view(torch.uint8).cpu(), cpu.data.view(torch.uint8))
+        same &= torch.equal(
+            gpu.data_t[:, :rows].view(torch.uint8).cpu(), cpu.data_t.view(torch.uint8)
+        )
+    if not same:
+        print("MISMATCH between the CUDA and CPU activation casts", file=sys.stderr)
+    return bool(same)
+
+
+def bench_act(rows, ffn, dtype):
+    """GELU fused with its FP8 casts (fp8dp.LayerNormMLP's kernels) against torch's GELU followed
+    by fp8dp's cast, at one micro-batch of an MLP (h [rows, ffn]): the forward (fc2's input: E4M3
+    bytes, and their transpose for fc2's wgrad) and the backward (fc1's output gradient: E5M2
+    bytes, transpose and fc1's bias gradient). The fused variants that leave a stage out (no
+    transpose, no dbias, no tables) time each stage by difference. Bytes: what the fused op must
+    move (h, and da backward, read once; every output written once); the separate path moves
+    more (torch's GELU writes and the cast reads the activation), which its share shows."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(rows, ffn, device="cuda", generator=g) * 2).to(dtype)
+    da = torch.randn(rows, ffn, device="cuda", generator=g).to(dtype)
+    scale = torch.tensor([2.0], device="cuda")
+    copy_dst = torch.empty_like(h)
+    n, es = h.numel(), h.element_size()
+    E5M2 = _C.Format.E5M2
+    gelu, gelu_bwd = torch.nn.functional.gelu, torch.ops.aten.gelu_backward
+
+    def act(d, fmt, data, trans, dbias):
+        return lambda: _C.activation_cast(d, h, "gelu", scale, fmt, data, trans, dbias)
+
+    ops = {
+        "copy": (lambda: copy_dst.copy_(h), 2 * n * es),
+        "fwd_fused": (act(None, E4M3, True, True, False), n * es + 2 * n),
+        "fwd_fused_no_transpose": (act(None, E4M3, True, False, False), n * es + n),
+        "fwd_fused_no_tables": (_lut(False, act(None, E4M3, True, True, False)), n * es + 2 * n),
+        "fwd_torch_gelu+cast": (
+            lambda: _C.quantize(gelu(h), scale, E4M3, True, True, False),
+            n * es + 2 * n,
+        ),
+        "torch_gelu": (lambda: gelu(h), 2 * n * es),
+        "bwd_fused": (act(da, E5M2, True, True, True), 2 * n * es + 2 * n + 4 * ffn),
+        "bwd_fused_no_dbias": (act(da, E5M2, True, True, False), 2 * n * es + 2 * n),
+        "bwd_fused_no_transpose": (act(da, E5M2, True, False, True), 2 * n * es + n + 4 * ffn),
+        "bwd_fused_no_tables": (
+            _lut(False, act(da, E5M2, True, True, True)),
+            2 * n * es + 2 * n + 4 * ffn,
+        ),
+        "bwd_torch_gelu+cast": (
+            lambda: _C.quantize(gelu_bwd(da, h), scale, E5M2, True, True, True),
+            2 * n * es + 2 * n + 4 * ffn,
+        ),
+        "torch_gelu_bwd": (lambda: gelu_bwd(da, h), 3 * n * es),
+    }
+    ms = time_interleaved({k: v[0] for k, v in ops.items()})
+    matches = check_act_against_cpu(h, da, scale)
+    separate = {"fwd_fused": "fwd_torch_gelu+cast", "bwd_fused": "bwd_torch_gelu+cast"}
+    return shape_result(h, ops, ms, matches, separate, key="speedup_vs_separate")
+
+
 def bench_norm(rows, cols, dtype, rms):
     """LayerNorm / RMSNorm (+ FP8 cast) forward and backward against torch's own kernels (and the
     naive quantize after them). Bytes: the forward reads x (gamma / beta are negligible) and
@@ -223,13 +312,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument(
-        "--only", choices=("all", "block"), default="all", help="block: the block casts alone"
+        "--only",
+        choices=("all", "block", "act"),
+        default="all",
+        help="block: the block casts alone; act: the fused GELU casts alone",
     )
     args = ap.parse_args()
-    results = [
-        bench_block(8192, 8192, torch.bfloat16),  # the Linear 8192^3 step's x, dy and weight
-        bench_block(16384, 1536, torch.bfloat16),  # the 342M model's activations (width 1536)
-    ]
+    results = []
+    if args.only in ("all", "act"):
+        # One micro-batch of the 342M model's MLP (16 x 1024 tokens, ffn 6144), the shape
+        # whose GELU and casts its training step spends 8.6 + 8.2 ms on (BENCHMARKS.md).
+        results.append(bench_act(16384, 6144, torch.bfloat16))
+    if args.only in ("all", "block"):
+        results += [
+            bench_block(8192, 8192, torch.bfloat16),  # the Linear 8192^3 step's x, dy and weight
+            bench_block(16384, 1536, torch.bfloat16),  # the 342M model's activations (width 1536)
+        ]
     if args.only == "all":
         results += [
             bench_one(16384, 8192, torch.bfloat16),  # 256 MiB input
@@ -240,7 +338,7 @@ def main():
     for r in results:
         rows = []
         for o in r["ops"]:
-            sp = o.get("speedup_vs_naive", o.get("speedup_vs_torch"))
+            sp = o.get("speedup_vs_naive", o.get("speedup_vs_torch", o.get("speedup_vs_separate")))
             rows.append(
                 [
                     o["op"],
@@ -253,7 +351,7 @@ def main():
         print_table(
             f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB), "
             f"matches CPU: {r['matches_cpu']}",
-            ["op", "us", "TB/s", "of copy", "vs naive/torch"],
+            ["op", "us", "TB/s", "of copy", "vs naive/torch/separate"],
             rows,
         )
     write_json(

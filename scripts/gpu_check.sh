@@ -14,7 +14,8 @@
 # and without train.cuda_graphs: demo_graphs/). The experiments of
 # dev/ run only when STEPS names them: dev_ct_variants, dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
-# (profile.log, profile_gpt_SHAPE.json), dev_block_casts (dev_block_casts.json),
+# (profile.log, profile_gpt_SHAPE.json), dev_block_casts (dev_block_casts.json), dev_act_casts
+# (dev_act_casts.json),
 # dev_profile_modules (profile_modules.json), dev_ncu (ncu.log: Nsight Compute on the casts),
 # dev_host_profile (dev_host_profile.json), dev_graph_ceiling (dev_graph_ceiling.json),
 # dev_profile_train (the 342M training step by category: profile_train_{delayed,current,off}.json). The 2-GPU parts
@@ -150,6 +151,10 @@ fi
 # The block casts alone against the copy bandwidth (8192 x 8192 and the 342M width).
 want dev_block_casts && run_step dev_block_casts "$OUT/bench.log" 120 "$PY" bench/kernels_cuda.py \
   --only block --json "$OUT/dev_block_casts.json"
+# The fused GELU casts alone at the 342M MLP's micro-batch (16384 x 6144), each stage timed by
+# leaving it out, against torch's GELU + fp8dp's cast and the copy bandwidth (no counters needed).
+want dev_act_casts && run_step dev_act_casts "$OUT/bench.log" 120 "$PY" bench/kernels_cuda.py \
+  --only act --json "$OUT/dev_act_casts.json"
 # Kernel time per step of single modules: the block-scaled Linear, LayerNormMLP vs separate modules
 # (PROFILE_MODULES_ARGS adds arguments, e.g. --mlp-shape 1536x8192 for the 342M MLP).
 want dev_profile_modules && run_step dev_profile_modules "$OUT/profile.log" 200 "$PY" \
