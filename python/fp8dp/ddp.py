@@ -414,12 +414,15 @@ class DistributedDataParallel(torch.nn.Module):
         # first may never run). A container without a forward of its own (nn.ParameterList,
         # nn.ParameterDict) never runs one: its parent's forward, which reads its parameters,
         # waits instead. A parameter read directly by code outside its modules' forwards
-        # needs ddp.finish_param_sync() first (README).
+        # needs ddp.finish_param_sync() first (README). Nor does a child whose parent's forward
+        # reads the child's parameters itself (fp8dp.LayerNormMLP calls no forward of its fc1
+        # and fc2): a parent that says so (_reads_child_parameters) waits for them too.
         module, index = self.module, self._index
         parents = {}
         for m in module.modules():
             for c in m.children():
-                if type(c).forward is torch.nn.Module.forward:
+                reads = getattr(m, "_reads_child_parameters", False)
+                if reads or type(c).forward is torch.nn.Module.forward:
                     parents.setdefault(id(c), []).append(m)
         groups_of = {}
         for m in module.modules():

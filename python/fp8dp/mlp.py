@@ -79,6 +79,11 @@ class LayerNormMLP(torch.nn.Module):
         init_method); None: torch.nn.Linear's default.
     """
 
+    # forward reads fc1's and fc2's parameters without running their forwards, so
+    # DistributedDataParallel's wait for their all-gather (overlap_param_gather) must run before
+    # this module's forward too (ddp.py, _install_param_gather_waits).
+    _reads_child_parameters = True
+
     def __init__(
         self,
         hidden_size: int,

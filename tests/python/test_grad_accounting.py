@@ -262,6 +262,18 @@ class _ContainerUser(torch.nn.Module):
         return self.used(x @ self.plain[0])
 
 
+def _waited_groups(module) -> set:
+    """The bucket groups whose parameter all-gather `module`'s forward waits for."""
+    from fp8dp.ddp import _ParamGatherWait
+
+    return {
+        g
+        for h in module._forward_pre_hooks.values()
+        if isinstance(h, _ParamGatherWait)
+        for g in h._groups
+    }
+
+
 def test_param_gather_waits_where_the_parameters_are_read(group):
     """overlap_param_gather: the forward that reads a parameter waits for its all-gather first.
     The race is timing-dependent (the property test saw it only under load), so this checks the
@@ -270,8 +282,6 @@ def test_param_gather_waits_where_the_parameters_are_read(group):
     registering waits on the first registering module only (the former rule): the first assert
     fails (the parent waits for nothing); with the parent rule kept and only the first-owner rule
     restored, the second fails (the nn.Linear that runs waits for nothing)."""
-    from fp8dp.ddp import _ParamGatherWait
-
     model = _ContainerUser()
     cfg = fp8dp.DistributedDataParallelConfig(
         use_distributed_optimizer=True,
@@ -283,13 +293,37 @@ def test_param_gather_waits_where_the_parameters_are_read(group):
     sync = ddp._sync
     group_of = {id(p): sync.group_of_param(i) for i, p in enumerate(ddp._params)}
 
-    def waited(module):
-        return {
-            g
-            for h in module._forward_pre_hooks.values()
-            if isinstance(h, _ParamGatherWait)
-            for g in h._groups
-        }
-
+    waited = _waited_groups
     assert group_of[id(model.plain[0])] in waited(model), "the container's parent must wait"
     assert group_of[id(model.used.weight)] in waited(model.used), "the running owner must wait"
+
+
+def test_layernorm_mlp_waits_for_its_childrens_parameters(group):
+    """fp8dp.LayerNormMLP's forward reads fc1's and fc2's parameters without running their
+    forwards, so the waits on fc1 and fc2 never run: the MLP itself must wait for every group
+    holding them. Found by the property test (case 1302649579, a LayerNormMLP with
+    overlap_param_gather, under load in CI: a downstream bias gradient 0.85% off, the MLP having
+    read weights whose all-gather was still in flight); the race is timing-dependent, so this
+    checks the wait. Without LayerNormMLP._reads_child_parameters the MLP waits for nothing."""
+    model = torch.nn.Sequential(fp8dp.LayerNormMLP(D, 2 * D))
+    cfg = fp8dp.DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        overlap_param_gather=True,
+        overlap_grad_reduce=True,
+        bucket_size=D * D,  # about one parameter per bucket group
+    )
+    ddp = fp8dp.DistributedDataParallel(model, cfg, process_group=group)
+    sync = ddp._sync
+    mlp = model[0]
+    groups = {sync.group_of_param(i) for i in range(len(ddp._params))}
+    assert len(groups) > 1
+    assert groups <= _waited_groups(mlp), (groups, _waited_groups(mlp))
+    # and the waits work: after a step, the MLP's own forward (not DDP's, which waits for
+    # everything after its module ran) leaves no all-gather in flight
+    opt = fp8dp.DistributedOptimizer(torch.optim.SGD, ddp, lr=0.1)
+    ddp(torch.randn(16, D)).square().sum().backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    assert sync.param_sync_pending
+    mlp(torch.randn(16, D))
+    assert not sync.param_sync_pending

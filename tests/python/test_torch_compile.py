@@ -116,7 +116,10 @@ def test_compiled_module_matches_eager(recipe, delay, autocast_inside):
 def _train_ddp(wrap, base, batches, delay, group):
     model = copy.deepcopy(base)
     cfg = fp8dp.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20000
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,  # the forwards' waits for the all-gathers run compiled too
+        bucket_size=20000,
     )
     ddp, call = wrap(model, cfg, group)
     opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2)
@@ -159,8 +162,8 @@ def _compile_inside(model, cfg, group):
     "wrap", [_compile_outside, _compile_inside], ids=["compile(ddp)", "ddp(compile(model))"]
 )
 def test_compiled_ddp_zero1_matches_eager(group, wrap, delay):
-    """fp8dp DDP with ZeRO-1, overlapped reduce, two micro-batches (the first under no_sync) and
-    fused main_grad accumulation: main_grads and AdamW's updates bit-identical to eager, with
+    """fp8dp DDP with ZeRO-1, overlapped reduce and parameter all-gather, two micro-batches (the
+    first under no_sync) and fused main_grad accumulation: main_grads and AdamW's updates bit-identical to eager, with
     torch.compile around the DDP module or around the model inside it."""
     torch._dynamo.reset()
     torch.manual_seed(1)
