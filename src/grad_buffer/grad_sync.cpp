@@ -223,9 +223,14 @@ GradSink::Token GradSync::expect(int64_t p, int64_t microbatch, const std::strin
   check_accepting_locked(p, Route::kDelayed, "a weight gradient queued for backward_dw()", false);
   ++undelivered_[{p, module}];
   // Counted exactly (readiness.h): the queue of the last micro-batch, whose backward runs outside
-  // no_sync(), is what completes the bucket; earlier micro-batches' queues only accumulate.
+  // no_sync(), is what completes the bucket; earlier micro-batches' queues only accumulate, but a
+  // bucket still waits for them (one may be delivered after the last backward).
   const bool counted = sync_enabled_;
-  if (counted) readiness_->expect_delivery(p);
+  if (counted) {
+    readiness_->expect_delivery(p);
+  } else {
+    readiness_->expect_uncounted(p);
+  }
   return Token{microbatch, iteration_, module, counted};
 }
 
@@ -321,7 +326,10 @@ void GradSync::accept_locked(int64_t p, const at::Tensor& grad, Route route, int
   // delayed gradient counts by its token (readiness.h), a learned report only outside no_sync().
   bool complete = false;
   if (route == Route::kDelayed) {
-    if (delivery) complete = readiness_->mark_delivery(p);
+    // An earlier micro-batch's gradient completes its group only outside no_sync(): inside it
+    // the last micro-batch has not run yet (a group of queued gradients alone would launch early).
+    complete = delivery ? readiness_->mark_delivery(p)
+                        : readiness_->mark_uncounted_delivery(p) && sync_enabled_;
   } else if (sync_enabled_) {
     complete = readiness_->mark(p);
   }

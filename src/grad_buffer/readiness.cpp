@@ -12,6 +12,7 @@ Readiness::Readiness(std::vector<int64_t> group_of_param, std::vector<std::strin
       count_(group_of_param_.size(), 0),
       golden_(group_of_param_.size(), 0),
       outstanding_(group_of_param_.size(), 0),
+      uncounted_(group_of_param_.size(), 0),
       pending_(num_groups, 0) {
   FP8DP_CHECK_ARG(names_.size() == group_of_param_.size(), "names: expected ",
                   group_of_param_.size(), " names, got ", names_.size());
@@ -77,6 +78,25 @@ bool Readiness::mark_delivery(int64_t p) {
   return update(p, was);
 }
 
+void Readiness::expect_uncounted(int64_t p) {
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(count_.size()),
+                  "param index: expected in [0, ", count_.size(), "), got ", p);
+  const bool was = done(p);
+  ++uncounted_[p];
+  update(p, was);
+}
+
+bool Readiness::mark_uncounted_delivery(int64_t p) {
+  FP8DP_CHECK_ARG(p >= 0 && p < static_cast<int64_t>(count_.size()),
+                  "param index: expected in [0, ", count_.size(), "), got ", p);
+  FP8DP_CHECK(uncounted_[p] > 0, "parameter '", names_[p],
+              "': backward_dw() delivered a gradient that no backward of this iteration queued "
+              "(is backward_dw() called more often than backward?)");
+  const bool was = done(p);
+  --uncounted_[p];
+  return update(p, was);
+}
+
 std::vector<std::string> Readiness::incomplete(int64_t g) const {
   std::vector<std::string> out;
   if (!golden_known_) return out;
@@ -84,8 +104,9 @@ std::vector<std::string> Readiness::incomplete(int64_t g) const {
     if (done(p)) continue;
     std::string s = "'" + names_[p] + "' (ready " + std::to_string(count_[p]) + " of " +
                     std::to_string(golden_[p]);
-    if (outstanding_[p] > 0)
-      s += ", " + std::to_string(outstanding_[p]) + " queued for backward_dw() not delivered";
+    if (outstanding_[p] + uncounted_[p] > 0)
+      s += ", " + std::to_string(outstanding_[p] + uncounted_[p]) +
+           " queued for backward_dw() not delivered";
     out.push_back(s + ")");
   }
   return out;
@@ -113,6 +134,7 @@ void Readiness::end_iteration() {
 void Readiness::reset() {
   std::fill(count_.begin(), count_.end(), 0);
   std::fill(outstanding_.begin(), outstanding_.end(), 0);
+  std::fill(uncounted_.begin(), uncounted_.end(), 0);
   any_reported_ = false;
   for (size_t g = 0; g < params_of_group_.size(); ++g) {
     pending_[g] = 0;

@@ -10,7 +10,11 @@
 //   on FP8 (C4), so these are counted exactly, per micro-batch, never learned: FP8 switched on or
 //   off between iterations changes nothing that was learned.
 // A parameter is done when its learned count is golden and nothing expected is outstanding; a
-// group completes when all of its parameters are.
+// group completes when all of its parameters are. A queued gradient of an earlier micro-batch
+// (queued under no_sync(), so not counted) that backward_dw() delivers only after the last
+// micro-batch's backward blocks completion too (expect_uncounted): otherwise the last
+// micro-batch's other reports (another use of a tied weight, or another module's delivery) could
+// complete and launch the group, and the late delivery would find it being reduced.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +42,11 @@ class Readiness {
   // The queued gradient of p announced by expect_delivery() arrived. Returns true when this
   // completed p's group (as mark()). Throws fp8dp::Error when none was outstanding.
   bool mark_delivery(int64_t p);
+  // The same for a gradient queued under no_sync() (an earlier micro-batch's): it is not counted
+  // (nothing is learned from it) but p is not done until it is delivered. Returns true when the
+  // delivery completed p's group; the caller launches it only outside no_sync().
+  void expect_uncounted(int64_t p);
+  bool mark_uncounted_delivery(int64_t p);
 
   bool golden_known() const { return golden_known_; }
   // Some report was counted in this iteration (mark() or expect_delivery(): outside no_sync()).
@@ -60,7 +69,9 @@ class Readiness {
   int64_t outstanding(int64_t p) const { return outstanding_[p]; }
 
  private:
-  bool done(int64_t p) const { return count_[p] == golden_[p] && outstanding_[p] == 0; }
+  bool done(int64_t p) const {
+    return count_[p] == golden_[p] && outstanding_[p] == 0 && uncounted_[p] == 0;
+  }
   // p's done-ness changed from `was`: keeps pending_ of its group in step; true when the group
   // just completed.
   bool update(int64_t p, bool was);
@@ -68,7 +79,7 @@ class Readiness {
   std::vector<int64_t> group_of_param_;
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> params_of_group_;
-  std::vector<int64_t> count_, golden_, outstanding_;
+  std::vector<int64_t> count_, golden_, outstanding_, uncounted_;
   std::vector<int64_t> pending_;  // per group: parameters (with golden > 0) not done
   bool golden_known_ = false;
   bool any_reported_ = false;

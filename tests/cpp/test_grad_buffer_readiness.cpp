@@ -93,6 +93,25 @@ TEST(Readiness, DeliveryWithoutAnExpectationIsAnError) {
   EXPECT_EQ(fresh.golden(0), 1);
 }
 
+// A gradient an earlier micro-batch queued (under no_sync(): not counted) and backward_dw()
+// delivers only after the last micro-batch's backward: the group must wait for it. Before
+// 2026-12-05 the last micro-batch's report of another use of the parameter (a tied weight whose
+// delayed module runs in earlier micro-batches only) completed the group, which launched, and the
+// late delivery was refused as arriving in a bucket being reduced (property test, seeds 71 and 72).
+TEST(Readiness, AnEarlierMicrobatchsQueuedGradientHoldsItsGroup) {
+  Readiness r = learned();
+  r.expect_uncounted(0);    // micro-batch 0 queued a gradient of a (not counted)
+  EXPECT_FALSE(r.mark(0));  // the last micro-batch's report of a: golden, but queued
+  EXPECT_FALSE(r.mark(1));
+  EXPECT_FALSE(r.mark(1));  // b golden too: the group still waits for a's queue
+  ASSERT_EQ(r.incomplete(0).size(), 1u);
+  EXPECT_EQ(r.incomplete(0)[0], "'a' (ready 1 of 1, 1 queued for backward_dw() not delivered)");
+  EXPECT_TRUE(r.mark_uncounted_delivery(0));  // delivered: now the group completes
+  r.end_iteration();
+  EXPECT_EQ(r.golden(0), 1);  // nothing learned from the queued gradient
+  EXPECT_THROW(r.mark_uncounted_delivery(0), fp8dp::Error);  // none queued in this iteration
+}
+
 TEST(Readiness, NothingLearnedFromAnIterationWithoutReports) {
   Readiness r({0}, {"a"}, 1);
   r.end_iteration();

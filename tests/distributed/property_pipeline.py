@@ -201,6 +201,8 @@ def reference(c, blocks, x, y, dp):
                 for b in blocks:
                     h = property_model.ref_forward64(b.g, R, None, h, k)
                 loss = property_model.mse(h, y[d, k * T : (k + 1) * T].double()) / n_mb
+                if not loss.requires_grad:  # no trainable parameter on its path: nothing to add
+                    continue
                 grads = torch.autograd.grad(loss, [R[id(p)] for p in train], allow_unused=True)
                 for p, g in zip(train, grads):
                     if g is not None:
