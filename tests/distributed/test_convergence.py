@@ -254,31 +254,10 @@ def test_resume_on_the_corpus_is_bit_exact_through_stop_at_and_time_budget(tmp_p
     _train(full, *cache, "--save", str(full / "ckpt"))
     log = _train(part, *cache, "--save", str(part / "ckpt"), "--stop-at", "4")
     assert "stopped after step 4 of 10" in log
-    log = _train(
-        part,
-        *cache,
-        "--resume",
-        str(part / "ckpt"),
-        "--save",
-        str(part / "ckpt"),
-        "--time-budget",
-        "0.001",
-        "--profile",
-        "5:1",
-    )
+    resume = [*cache, "--resume", str(part / "ckpt"), "--save", str(part / "ckpt")]
+    log = _train(part, *resume, "--time-budget", "0.001", "--profile", "5:1")
     assert "stopped after step 5 of 10" in log
-    _train(
-        part,
-        *cache,
-        "--resume",
-        str(part / "ckpt"),
-        "--save",
-        str(part / "ckpt"),
-        "--time-budget",
-        "3600",
-        "--profile",
-        "7:2",
-    )
+    _train(part, *resume, "--time-budget", "3600", "--profile", "7:2")
     a = [json.loads(x) for x in open(full / "fp8" / "metrics.jsonl")]
     b = [json.loads(x) for x in open(part / "fp8" / "metrics.jsonl")]
     keys = ("step", "train_loss", "val_loss", "grad_norm", "lr")
