@@ -101,9 +101,14 @@ struct CastArgs {
 };
 
 // kBlocks: one scale per 128x128 block (weights); else 1x128 tiles in each direction.
-template <Format F, typename T, bool kBlocks>
+// kBatch: how many of the region's 8 row passes each thread loads before it uses any of them.
+// Every load of a batch is in flight at once; one pass at a time left each thread one 16-byte
+// load per memory round trip, too few bytes in flight per SM to reach the copy's bandwidth
+// (dev/block_cast_variants.cu compares 1, 4 and 8). The arithmetic and its order do not change.
+template <Format F, typename T, bool kBlocks, int kBatch = 8>
 __global__ void __launch_bounds__(kThreads)
     block_cast_kernel(const T* __restrict__ in, const CastArgs a) {
+  static_assert(kPasses % kBatch == 0, "kBatch must divide the region's passes");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int S = staged_row<T>();
   T* tile = reinterpret_cast<T*>(smem);
@@ -117,45 +122,65 @@ __global__ void __launch_bounds__(kThreads)
   const int cb = tc * kVec;  // this thread's first column in the region
   const int live = nc - cb >= kVec ? kVec : (nc > cb ? nc - cb : 0);
   const bool stage = kBlocks || a.out_t != nullptr;
+  // A whole region on the vector path (uniform across the block): its loads need no guards, so
+  // the compiler can issue a batch's loads back to back.
+  const bool whole = a.vec_in && nr == kDim && nc == kDim;
   uint32_t block_m = 0;
-#pragma unroll 2
-  for (int p = 0; p < kPasses; ++p) {
-    const int lr = tr + p * kRowsPerPass;
-    const bool row_in = lr < nr;
-    const T* src = in + (r0 + lr) * a.cols + c0 + cb;
-    Eight<T> x;
-    if (row_in && a.vec_in && live == kVec) {
+  for (int p0 = 0; p0 < kPasses; p0 += kBatch) {
+    Eight<T> x[kBatch];
+    if (whole) {
 #pragma unroll
-      for (int k = 0; k < static_cast<int>(kVec * sizeof(T) / 16); ++k)
-        x.u[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
+      for (int i = 0; i < kBatch; ++i) {
+        const T* src = in + (r0 + tr + (p0 + i) * kRowsPerPass) * a.cols + c0 + cb;
+#pragma unroll
+        for (int k = 0; k < static_cast<int>(kVec * sizeof(T) / 16); ++k)
+          x[i].u[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
+      }
     } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) x.t[j] = row_in && j < live ? src[j] : T(0.0f);
-    }
-    uint32_t m = 0;
-    float v[kVec];
+      for (int i = 0; i < kBatch; ++i) {
+        const int lr = tr + (p0 + i) * kRowsPerPass;
+        const bool row_in = lr < nr;
+        const T* src = in + (r0 + lr) * a.cols + c0 + cb;
+        if (row_in && a.vec_in && live == kVec) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      v[j] = to_float(x.t[j]);  // zero outside the matrix: no effect on any amax
-      m = max(m, abs_bits(v[j]));
-    }
-    if (stage) {
+          for (int k = 0; k < static_cast<int>(kVec * sizeof(T) / 16); ++k)
+            x[i].u[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
+        } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) tile[lr * S + cb + j] = x.t[j];
+          for (int j = 0; j < kVec; ++j) x[i].t[j] = row_in && j < live ? src[j] : T(0.0f);
+        }
+      }
     }
-    if constexpr (kBlocks) {
-      block_m = max(block_m, m);
-    } else if (a.out != nullptr) {
-      // The row's tile amax across its 16 threads (xor offsets < 16 stay in the half-warp).
 #pragma unroll
-      for (int o = kThreadsPerRow / 2; o > 0; o /= 2)
-        m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-      const float s = block_scale(amax_from_bits(m), fp8_max(F), a.p2, a.eps);
-      if (row_in) {
-        uint8_t q[kVec];
-        quantize_scaled<F, kVec>(v, s, m == kQuietNaNBits, q);
-        if (live > 0) store_bytes8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
-        if (tc == 0) a.scale_inv[(r0 + lr) * kb + t] = 1.0f / s;
+    for (int i = 0; i < kBatch; ++i) {
+      const int lr = tr + (p0 + i) * kRowsPerPass;
+      const bool row_in = lr < nr;
+      uint32_t m = 0;
+      float v[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        v[j] = to_float(x[i].t[j]);  // zero outside the matrix: no effect on any amax
+        m = max(m, abs_bits(v[j]));
+      }
+      if (stage) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) tile[lr * S + cb + j] = x[i].t[j];
+      }
+      if constexpr (kBlocks) {
+        block_m = max(block_m, m);
+      } else if (a.out != nullptr) {
+        // The row's tile amax across its 16 threads (xor offsets < 16 stay in the half-warp).
+#pragma unroll
+        for (int o = kThreadsPerRow / 2; o > 0; o /= 2)
+          m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        const float s = block_scale(amax_from_bits(m), fp8_max(F), a.p2, a.eps);
+        if (row_in) {
+          uint8_t q[kVec];
+          quantize_scaled<F, kVec>(v, s, m == kQuietNaNBits, q);
+          if (live > 0) store_bytes8(a.out + (r0 + lr) * a.cols + c0 + cb, q, a.vec_out, live);
+          if (tc == 0) a.scale_inv[(r0 + lr) * kb + t] = 1.0f / s;
+        }
       }
     }
   }
@@ -228,12 +253,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <Format F, typename T, bool kBlocks>
+template <Format F, typename T, bool kBlocks, int kBatch>
 void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t st) {
   static SmemAllowed smem_done;
   const int64_t grid = ceil_blocks(p.rows) * ceil_blocks(p.cols);
   FP8DP_CHECK(grid < (int64_t{1} << 31), "block_quantize_cuda: too many 128x128 regions: ", grid);
-  auto kernel = block_cast_kernel<F, T, kBlocks>;
+  auto kernel = block_cast_kernel<F, T, kBlocks, kBatch>;
   // Row tiles alone need no staging (and so no shared memory beyond the reductions').
   const size_t smem = (kBlocks || p.out_t != nullptr) ? smem_bytes<T>() : 0;
   if (smem > 48 * 1024) allow_smem(kernel, smem, smem_done);
@@ -241,7 +266,7 @@ void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t s
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-template <Format F, typename T>
+template <Format F, typename T, int kBatch = 8>
 void launch(const BlockQuantizeParams& p, cudaStream_t st) {
   const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
   CastArgs a{p.rows,
@@ -260,9 +285,9 @@ void launch(const BlockQuantizeParams& p, cudaStream_t st) {
   if (p.dbias != nullptr)
     a.dbias_partial = scratch_alloc<float>(static_cast<size_t>(regions * p.cols), st);
   if (p.shape == BlockShape::k1x128) {
-    launch_cast<F, T, false>(p, a, st);
+    launch_cast<F, T, false, kBatch>(p, a, st);
   } else {
-    launch_cast<F, T, true>(p, a, st);
+    launch_cast<F, T, true, kBatch>(p, a, st);
   }
   if (p.dbias != nullptr) {
     launch_column_sums<float>(
