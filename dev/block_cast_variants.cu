@@ -1,6 +1,6 @@
 // Tuning benchmark of the block-scaled cast (Float8BlockScaling): how many of the kernel's 8 row
 // passes over a 128x128 region each thread loads before it uses them (kBatch in
-// block_quantize.cu: 1, as the kernel was until 12-06, against 4 and 8), so how many 16-byte
+// block_quantize.cu: 1, as the kernel was until 12-06, against 4, the default, and 8), so how many 16-byte
 // loads each thread has in flight, for the layouts the
 // Linear step casts: 1x128 tiles alone, with the transpose (x; dy also with dbias), and the
 // weight's 128x128 blocks, next to a device-to-device copy of the input, interleaved. Every

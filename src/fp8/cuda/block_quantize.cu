@@ -101,11 +101,13 @@ struct CastArgs {
 };
 
 // kBlocks: one scale per 128x128 block (weights); else 1x128 tiles in each direction.
-// kBatch: how many of the region's 8 row passes each thread loads before it uses any of them.
-// Every load of a batch is in flight at once; one pass at a time left each thread one 16-byte
-// load per memory round trip, too few bytes in flight per SM to reach the copy's bandwidth
-// (dev/block_cast_variants.cu compares 1, 4 and 8). The arithmetic and its order do not change.
-template <Format F, typename T, bool kBlocks, int kBatch = 8>
+// kBatch: how many of the region's 8 row passes each thread loads before it uses any of them;
+// a batch's loads are in flight at once. One pass at a time left each thread one 16-byte load per
+// memory round trip. Measured (dev/block_cast_variants.cu, one H100, 2026-12-06, bf16 8192 x
+// 8192): 4 takes the 1x128 cast with its transpose from 172 to 155 us and the 128x128 blocks from
+// 124 to 110 us; 8 gains less (164, 115 us: 60 registers, fewer resident warps). The arithmetic
+// and its order do not change with kBatch.
+template <Format F, typename T, bool kBlocks, int kBatch = 4>
 __global__ void __launch_bounds__(kThreads)
     block_cast_kernel(const T* __restrict__ in, const CastArgs a) {
   static_assert(kPasses % kBatch == 0, "kBatch must divide the region's passes");
@@ -266,7 +268,7 @@ void launch_cast(const BlockQuantizeParams& p, const CastArgs& a, cudaStream_t s
   FP8DP_CHECK_CUDA(cudaGetLastError());
 }
 
-template <Format F, typename T, int kBatch = 8>
+template <Format F, typename T, int kBatch = 4>
 void launch(const BlockQuantizeParams& p, cudaStream_t st) {
   const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
   CastArgs a{p.rows,
