@@ -12,7 +12,8 @@
 # matrix_nccl.json), "demo" (configs/gpu.yaml on every GPU: demo.log, demo/), "bench_gpt_graphs"
 # (the stack in CUDA graphs: bench_gpt_graphs.json) and "demo_graphs" (the demo on one GPU with
 # and without train.cuda_graphs: demo_graphs/). The experiments of
-# dev/ run only when STEPS names them: dev_ct_variants, dev_block_variants, dev_norm_variants (bench.log),
+# dev/ run only when STEPS names them: dev_ct_variants, dev_block_variants, dev_act_variants,
+# dev_norm_variants (bench.log),
 # dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
 # (profile.log, profile_gpt_SHAPE.json), dev_block_casts (dev_block_casts.json), dev_act_casts
 # (dev_act_casts.json),
@@ -115,6 +116,13 @@ if want dev_block_variants; then
   run_step dev_block_variants "$OUT/bench.log" 300 bash -c "nvcc -std=c++17 -O3 \
     -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
     -o $BUILD/block_variants dev/block_cast_variants.cu src/fp8/cuda/quantize.cu && $BUILD/block_variants"
+fi
+if want dev_act_variants; then
+  # The fused activation casts' load-ahead (kAhead: 0, 1, 2; torch-free; bytes, amax and dbias
+  # compared exactly, exit 1 on a mismatch).
+  run_step dev_act_variants "$OUT/bench.log" 400 bash -c "nvcc -std=c++17 -O3 \
+    -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \
+    -o $BUILD/act_variants dev/act_cast_variants.cu src/fp8/cuda/quantize.cu && $BUILD/act_variants"
 fi
 if want dev_norm_variants; then
   # LayerNorm forward / backward launch choices against a copy (torch-free).
@@ -252,7 +260,7 @@ fi
 {
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
-           bench_gpt bench_gpt_best bench_gpt_graphs bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_block_variants dev_norm_variants \
+           bench_gpt bench_gpt_best bench_gpt_graphs bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_block_variants dev_act_variants dev_norm_variants \
            dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_block_casts dev_profile_modules dev_ncu dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done

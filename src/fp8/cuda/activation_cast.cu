@@ -264,24 +264,63 @@ __device__ __forceinline__ void factors(const float* __restrict__ lut, bool gate
   }
 }
 
-// The kVec outputs (r, oc0 .. oc0 + kVec) of element(), all inside the matrix, with 16-byte loads
-// (a.vec_in): one load instruction per operand instead of one per element and operand, and no
-// bounds check per element. The same operations as element() (act::swiglu = silu(g) up;
-// act::dswiglu's d gate = (da up) silu'(g), d up = da silu(g)), so the same bits. A group lies in
-// one half of SwiGLU's backward output (cols % kVec == 0), so it needs one of the two.
-template <typename T, Activation A, bool kBackward, bool kLut>
-__device__ __forceinline__ void elements_vec(const Args& a, int64_t r, int64_t oc0,
-                                             float (&v)[kVec], const float* __restrict__ lut) {
+// kVec neighbouring inputs as they lie in memory: one 16-byte word for 16-bit dtypes, two for
+// FP32.
+template <typename T>
+union Raw {
+  uint4 u[kVec * sizeof(T) / 16];
+  T t[kVec];
+};
+
+// The inputs of one group of kVec outputs (load_group): h's, SwiGLU's up half's, and the
+// backward's da; a member the activation does not read is never loaded (and compiled away).
+template <typename T>
+struct GroupIn {
+  Raw<T> x, up, g;
+};
+
+template <typename T>
+__device__ __forceinline__ void load_raw(const T* p, Raw<T>& r) {
+#pragma unroll
+  for (int j = 0; j < static_cast<int>(kVec * sizeof(T) / 16); ++j)
+    r.u[j] = reinterpret_cast<const uint4*>(p)[j];
+}
+
+template <typename T>
+__device__ __forceinline__ void widen(const Raw<T>& r, float (&f)[kVec]) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) f[j] = to_float(r.t[j]);
+}
+
+// Whether the group of outputs starting at oc0 reads SwiGLU's gate half (its backward writes
+// both halves: the gate's gradient in [0, cols), the up half's in [cols, 2 cols)).
+template <Activation A, bool kBackward>
+__device__ __forceinline__ bool gate_group(const Args& a, int64_t oc0) {
+  return !(A == Activation::kSwiglu && kBackward) || oc0 < a.cols;
+}
+
+// The loads of elements_vec for the group (r, oc0 .. oc0 + kVec), all inside the matrix, 16-byte
+// aligned (a.vec_in): one load instruction per operand instead of one per element and operand.
+template <typename T, Activation A, bool kBackward>
+__device__ __forceinline__ void load_group(const Args& a, int64_t r, int64_t oc0, GroupIn<T>& in) {
   const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
-  const bool gate = !(A == Activation::kSwiglu && kBackward) || oc0 < a.cols;
+  const bool gate = gate_group<A, kBackward>(a, oc0);
   const int64_t c0 = gate ? oc0 : oc0 - a.cols;  // the input column of the group
-  float x[kVec], f[kVec], up[kVec], g[kVec];
-  load_vec(h + c0, x);
-  factors<T, A, kBackward, kLut>(lut, gate, x, f);
+  load_raw(h + c0, in.x);
   if constexpr (A == Activation::kSwiglu) {
-    if (!kBackward || gate) load_vec(h + a.cols + c0, up);
+    if (!kBackward || gate) load_raw(h + a.cols + c0, in.up);
   }
-  if constexpr (kBackward) load_vec(static_cast<const T*>(a.da) + r * a.cols + c0, g);
+  if constexpr (kBackward) load_raw(static_cast<const T*>(a.da) + r * a.cols + c0, in.g);
+}
+
+// The kVec outputs of element() from the activation's factors f (factors()) and, as the
+// activation needs them, SwiGLU's up values and the backward's da values g. The same operations
+// as element() (act::swiglu = silu(g) up; act::dswiglu's d gate = (da up) silu'(g), d up = da
+// silu(g)), so the same bits. A group lies in one half of SwiGLU's backward output (cols % kVec
+// == 0), so it needs one of the two (`gate`).
+template <typename T, Activation A, bool kBackward, bool kLut>
+__device__ __forceinline__ void combine(bool gate, const float (&f)[kVec], const float (&up)[kVec],
+                                        const float (&g)[kVec], float (&v)[kVec]) {
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     if constexpr (!kBackward) {
@@ -297,6 +336,39 @@ __device__ __forceinline__ void elements_vec(const Args& a, int64_t r, int64_t o
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = rounded<T>(v[j]);
   }
+}
+
+// The kVec outputs of element() from load_group's inputs.
+template <typename T, Activation A, bool kBackward, bool kLut>
+__device__ __forceinline__ void compute_group(const Args& a, int64_t oc0, const GroupIn<T>& in,
+                                              float (&v)[kVec], const float* __restrict__ lut) {
+  const bool gate = gate_group<A, kBackward>(a, oc0);
+  float x[kVec], f[kVec], up[kVec], g[kVec];
+  widen(in.x, x);
+  factors<T, A, kBackward, kLut>(lut, gate, x, f);
+  if constexpr (A == Activation::kSwiglu) {
+    if (!kBackward || gate) widen(in.up, up);
+  }
+  if constexpr (kBackward) widen(in.g, g);
+  combine<T, A, kBackward, kLut>(gate, f, up, g, v);
+}
+
+// The kVec outputs (r, oc0 .. oc0 + kVec) of element(), all inside the matrix, with 16-byte loads
+// (a.vec_in), each load followed by its use (load_group + compute_group load all first).
+template <typename T, Activation A, bool kBackward, bool kLut>
+__device__ __forceinline__ void elements_vec(const Args& a, int64_t r, int64_t oc0,
+                                             float (&v)[kVec], const float* __restrict__ lut) {
+  const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
+  const bool gate = gate_group<A, kBackward>(a, oc0);
+  const int64_t c0 = gate ? oc0 : oc0 - a.cols;  // the input column of the group
+  float x[kVec], f[kVec], up[kVec], g[kVec];
+  load_vec(h + c0, x);
+  factors<T, A, kBackward, kLut>(lut, gate, x, f);
+  if constexpr (A == Activation::kSwiglu) {
+    if (!kBackward || gate) load_vec(h + a.cols + c0, up);
+  }
+  if constexpr (kBackward) load_vec(static_cast<const T*>(a.da) + r * a.cols + c0, g);
+  combine<T, A, kBackward, kLut>(gate, f, up, g, v);
 }
 
 // kVec high-precision results, one 16-byte store per 16 bytes (p 16-byte aligned).
@@ -401,7 +473,14 @@ struct TileOut {
 // Tiles t = blockIdx.x, blockIdx.x + gridDim.x, ... of the (row band, column band) grid, row
 // bands outer: one tile per block (grid = tiles) when computing, a loop over tiles (grid = the
 // resident blocks) with the tables, so that each block copies them once.
-template <typename T, Activation A, bool kBackward, Format F, bool kDbias, bool kLut>
+// kAhead, for a tile wholly inside the matrix on the vector path ("whole"): 0, each pass's loads
+// are followed by their use (one group's loads per memory round trip, the kernel until 12-06);
+// 1, the tile's kPasses groups are loaded before any is used; 2, also the block's next whole
+// tile's groups, before this tile's results are computed. More loads in flight, more registers
+// (fewer resident blocks): dev/act_cast_variants.cu times the three. The arithmetic and its order
+// are the same in all three.
+template <typename T, Activation A, bool kBackward, Format F, bool kDbias, bool kLut,
+          int kAhead = 0>
 __global__ void __launch_bounds__(kThreads)
     act_tile_kernel(const Args a, const TileOut o, const float* __restrict__ scale_ptr,
                     unsigned int* __restrict__ amax_bits, float* __restrict__ scale_inv,
@@ -415,26 +494,43 @@ __global__ void __launch_bounds__(kThreads)
   const float scale = scale_ptr != nullptr ? *scale_ptr : 1.0f;
   const int tc = threadIdx.x % kTpr, tr = threadIdx.x / kTpr;
   uint32_t am = 0;
+  // Tile t's first row and column; whether it lies wholly inside the matrix on the vector path
+  // (the same answer in every thread of the block).
+  const auto origin = [&](int64_t t, int64_t& r0, int64_t& c0) {
+    const int64_t band = t / col_tiles;
+    r0 = band * kTileRows;
+    c0 = (t - band * col_tiles) * kTileCols;
+  };
+  const auto whole = [&](int64_t t) {
+    int64_t r0, c0;
+    origin(t, r0, c0);
+    return a.vec_in && r0 + kTileRows <= a.rows && c0 + kTileCols <= a.out_cols;
+  };
+  const auto load_tile = [&](int64_t t, GroupIn<T>(&in)[kPasses]) {
+    int64_t r0, c0;
+    origin(t, r0, c0);
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p)
+      load_group<T, A, kBackward>(a, r0 + tr + p * kRpp, c0 + tc * kVec, in[p]);
+  };
+  GroupIn<T> next[kPasses];  // kAhead 2: the inputs of the block's next tile, when it is whole
+  bool next_loaded = false;
+  if (kAhead == 2 && blockIdx.x < tiles && whole(blockIdx.x)) {
+    load_tile(blockIdx.x, next);
+    next_loaded = true;
+  }
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {  // the same count in every thread
-    const int64_t band = t / col_tiles;                      // the dbias chunk
-    const int64_t c0 = (t - band * col_tiles) * kTileCols;
-    const int64_t r0 = band * kTileRows;
+    int64_t r0, c0;
+    origin(t, r0, c0);
+    const int64_t band = r0 / kTileRows;  // the dbias chunk
     const int64_t oc0 = c0 + tc * kVec;
     const int live = static_cast<int>(
         a.out_cols - oc0 >= kVec ? kVec : (a.out_cols > oc0 ? a.out_cols - oc0 : 0));
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
+    // Pass p's kVec results v: amax, bytes, the staged tile (and dbias values).
+    const auto finish = [&](int p, float (&v)[kVec]) {
       const int lr = tr + p * kRpp;
       const int64_t r = r0 + lr;
       const bool row_in = r < a.rows;
-      float v[kVec];
-      if (a.vec_in && row_in && live == kVec) {
-        elements_vec<T, A, kBackward, kLut>(a, r, oc0, v, lut);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)  // zero outside the matrix: no effect on amax; never stored
-          v[j] = (row_in && j < live) ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
-      }
 #pragma unroll
       for (int j = 0; j < kVec; ++j) am = max(am, abs_bits(v[j]));
       uint8_t q[kVec];
@@ -446,6 +542,49 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (o.out != nullptr && row_in && live > 0)
         store_bytes8(o.out + r * a.out_cols + oc0, q, o.vec, live);  // o.vec: live == kVec
+    };
+    if (kAhead == 2 && next_loaded) {  // this tile is whole and its inputs are in registers
+      GroupIn<T> in[kPasses];
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) in[p] = next[p];
+      const int64_t tn = t + gridDim.x;
+      next_loaded = tn < tiles && whole(tn);
+      if (next_loaded) load_tile(tn, next);
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        float v[kVec];
+        compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
+        finish(p, v);
+      }
+    } else if (kAhead == 1 && whole(t)) {
+      GroupIn<T> in[kPasses];
+      load_tile(t, in);
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        float v[kVec];
+        compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
+        finish(p, v);
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        const int64_t r = r0 + tr + p * kRpp;
+        const bool row_in = r < a.rows;
+        float v[kVec];
+        if (a.vec_in && row_in && live == kVec) {
+          elements_vec<T, A, kBackward, kLut>(a, r, oc0, v, lut);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)  // zero outside the matrix: no effect on amax; not stored
+            v[j] = (row_in && j < live) ? element<T, A, kBackward>(a, r, oc0 + j) : 0.0f;
+        }
+        finish(p, v);
+      }
+      if (kAhead == 2) {  // the next tile's inputs, if it is whole (this one was not)
+        const int64_t tn = t + gridDim.x;
+        next_loaded = tn < tiles && whole(tn);
+        if (next_loaded) load_tile(tn, next);
+      }
     }
     __syncthreads();
     if (o.out_t != nullptr) {
@@ -512,7 +651,7 @@ void launch_tile_kernel(const Args& a, const TileOut& o, const ActParams& p, con
                                          p.scale_inv, lut, col_tiles, tiles);
 }
 
-template <typename T, Activation A, bool kBackward, bool kDbias>
+template <typename T, Activation A, bool kBackward, bool kDbias, int kAhead>
 void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStream_t st) {
   const int64_t chunks = (p.rows + kTileRows - 1) / kTileRows;
   const int64_t col_tiles = (a.out_cols + kTileCols - 1) / kTileCols;
@@ -525,20 +664,20 @@ void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStrea
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (lut != nullptr) {
       if (p.format == Format::kE4M3) {
-        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, true>, A,
+        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, true, kAhead>, A,
                            kBackward>(a, o, p, lut, col_tiles, tiles, st);
       } else {
-        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, true>, A,
+        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, true, kAhead>, A,
                            kBackward>(a, o, p, lut, col_tiles, tiles, st);
       }
     }
   }
   if (lut == nullptr) {
     if (p.format == Format::kE4M3) {
-      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, false>, A,
+      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, false, kAhead>, A,
                          kBackward>(a, o, p, nullptr, col_tiles, tiles, st);
     } else {
-      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, false>, A,
+      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, false, kAhead>, A,
                          kBackward>(a, o, p, nullptr, col_tiles, tiles, st);
     }
   }
@@ -566,7 +705,8 @@ void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStrea
   scratch_free(o.dbias_partial, st);
 }
 
-template <typename T, Activation A, bool kBackward>
+// kAhead: act_tile_kernel's (0 in the library until dev/act_cast_variants.cu has timed 1 and 2).
+template <typename T, Activation A, bool kBackward, int kAhead = 0>
 void launch(const ActParams& p, cudaStream_t st) {
   // kVec elements of any input dtype (2 or 4 bytes) are a whole number of 16-byte words, so
   // cols % kVec == 0 keeps every row start (and SwiGLU's up half) as aligned as the base.
@@ -589,8 +729,8 @@ void launch(const ActParams& p, cudaStream_t st) {
     FP8DP_CHECK(p.out_hp == nullptr,
                 "activation_cuda: the high-precision result is not written with the transposed "
                 "bytes or dbias");
-    return p.dbias != nullptr ? launch_tiled<T, A, kBackward, true>(p, a, lut, st)
-                              : launch_tiled<T, A, kBackward, false>(p, a, lut, st);
+    return p.dbias != nullptr ? launch_tiled<T, A, kBackward, true, kAhead>(p, a, lut, st)
+                              : launch_tiled<T, A, kBackward, false, kAhead>(p, a, lut, st);
   }
   auto* amax_bits = reinterpret_cast<unsigned int*>(p.amax);
   T* out_hp = static_cast<T*>(p.out_hp);
