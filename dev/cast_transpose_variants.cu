@@ -6,6 +6,7 @@
 //        -o build/ct_variants dev/cast_transpose_variants.cu
 // Run: build/ct_variants   (prints one table per shape; the library launches the winner)
 #include "fp8/cuda/quantize.cu"
+#include "variant_timing.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -18,15 +19,7 @@ namespace {
 
 #define CK(x) FP8DP_CHECK_CUDA(x)
 
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-struct Variant {
-  std::string name;
-  std::function<void()> run;
-};
+using dev::Variant;
 
 template <typename T>
 void bench_shape(int64_t rows, int64_t cols, const char* dtype) {
@@ -86,41 +79,14 @@ void bench_shape(int64_t rows, int64_t cols, const char* dtype) {
   add([](const QuantizeParams& q, cudaStream_t s, int k) { launch_tiled<E::value, T, 6, true>(q, s, k); }, "mb6 pf");
   add([](const QuantizeParams& q, cudaStream_t s, int k) { launch_tiled<E::value, T, 8, false>(q, s, k); }, "mb8");
 
-  for (auto& v : vs) for (int w = 0; w < 3; ++w) v.run();
-  CK(cudaDeviceSynchronize());
-  const int kRounds = 15;
-  std::vector<std::vector<std::pair<cudaEvent_t, cudaEvent_t>>> ev(vs.size());
-  for (int r = 0; r < kRounds; ++r) {
-    for (size_t i = 0; i < vs.size(); ++i) {
-      cudaEvent_t a, b;
-      CK(cudaEventCreate(&a));
-      CK(cudaEventCreate(&b));
-      CK(cudaEventRecord(a, st));
-      vs[i].run();
-      CK(cudaEventRecord(b, st));
-      ev[i].push_back({a, b});
-    }
-  }
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ms(vs.size());
-  for (size_t i = 0; i < vs.size(); ++i) {
-    std::vector<float> t;
-    for (auto& [a, b] : ev[i]) {
-      float x;
-      CK(cudaEventElapsedTime(&x, a, b));
-      t.push_back(x);
-    }
-    ms[i] = median(t);
-  }
+  const std::vector<float> ms = dev::time_variants(vs, st);
   const double copy_bw = 2.0 * n * sizeof(T) / ms[0] / 1e9;
   std::printf("\n%s %lldx%lld (%.0f MiB), copy %.2f TB/s\n", dtype, (long long)rows, (long long)cols,
               n * sizeof(T) / 1048576.0, copy_bw);
   for (size_t i = 1; i < vs.size(); ++i) {
     const bool db = vs[i].name.find("dbias") != std::string::npos;
-    const double bytes = n * sizeof(T) + 2.0 * n + (db ? 4.0 * cols : 0.0);
-    const double bw = bytes / ms[i] / 1e9;
-    std::printf("  %-26s %8.1f us %6.2f TB/s %5.1f%%\n", vs[i].name.c_str(), ms[i] * 1e3, bw,
-                100.0 * bw / copy_bw);
+    dev::print_row(vs[i].name, ms[i], n * sizeof(T) + 2.0 * n + (db ? 4.0 * cols : 0.0), copy_bw,
+                   26);
   }
   cudaFree(in);
   cudaFree(copy_dst);
