@@ -1,10 +1,12 @@
 """FP8 cast kernels on the GPU vs the device copy bandwidth and a naive torch quantize; the fused
 LayerNorm / RMSNorm (+ FP8 cast) forward and backward vs torch's layer_norm / rms_norm.
 
-Usage: python3 bench/kernels_cuda.py [--json out.json]
+Usage: python3 bench/kernels_cuda.py [--json out.json] [--only {all,block,act,parts}]
 Bandwidth counts the fewest bytes each op must move: the input read once plus every output written
 once (FP8 data, transposed data, dbias). Targets: >= 80% of the copy bandwidth measured in
 the same run, >= 8x the naive torch quantize (amax, scale, cast as separate torch ops).
+`--only parts` times the QKV projection's gradient cast read from the three attention gradients
+in place (quantize_parts) against stacking them first and casting the stack (what autograd did).
 The launch choices of the cast + transpose (+ dbias) kernel are timed against each other by
 dev/cast_transpose_variants.cu (build and run commands in its header); this script times the
 library's defaults.
@@ -23,6 +25,10 @@ import fp8dp  # noqa: E402
 
 _C = fp8dp._C
 E4M3 = _C.Format.E4M3
+
+
+# The ratio each table's last column shows: an op's baseline time over its own (shape_result).
+SPEEDUP_KEYS = ("speedup_vs_naive", "speedup_vs_torch", "speedup_vs_separate", "speedup_vs_stack")
 
 
 def naive_quantize(x, transpose):
@@ -301,6 +307,62 @@ def bench_norm(rows, cols, dtype, rms):
     return shape_result(x, ops, ms, matches, torch_ops, key="speedup_vs_torch")
 
 
+def bench_parts(b, s, h, hd, dtype):
+    """The QKV projection's grad_output cast: SDPA leaves dq, dk, dv as three contiguous
+    [b, h, s, hd] buffers, which the projection sees as [s, b, h, hd] views. Without
+    quantize_parts autograd stacks them into one [s * b, 3 * h * hd] tensor and the cast reads
+    that (E5M2, transpose + dbias, as a grad_output); quantize_parts reads them where they lie.
+    Also timed: the stack alone, and the dense cast of the already stacked tensor (what the
+    strided loads cost over it). Bytes: the fewest each op must move (the parts read once, every
+    output written once; the stack reads and writes the input once)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    parts = [
+        torch.randn(b, h, s, hd, device="cuda", generator=g).to(dtype).permute(2, 0, 1, 3)
+        for _ in range(3)
+    ]
+    scale = torch.tensor([2.0], device="cuda")
+    E5M2 = _C.Format.E5M2
+    rows, cols = s * b, 3 * h * hd
+
+    def stacked():
+        return torch.stack(parts, dim=2).view(rows, cols)
+
+    x = stacked()
+    copy_dst = torch.empty_like(x)
+    n, es = x.numel(), x.element_size()
+    cast_bytes = n * es + 2 * n + 4 * cols
+    ops = {
+        "copy": (lambda: copy_dst.copy_(x), 2 * n * es),
+        "stack": (stacked, 2 * n * es),
+        "quantize(stacked)": (lambda: _C.quantize(x, scale, E5M2, True, True, True), cast_bytes),
+        "stack+quantize": (
+            lambda: _C.quantize(stacked(), scale, E5M2, True, True, True),
+            cast_bytes,
+        ),
+        "quantize_parts": (
+            lambda: _C.quantize_parts(parts, scale, E5M2, True, True, True),
+            cast_bytes,
+        ),
+    }
+    ms = time_interleaved({k: v[0] for k, v in ops.items()})
+    # The timed launch against the cast of the stacked tensor: same bytes, amax and dbias bits.
+    strided = _C.quantize_parts_strided(parts)
+    got = _C.quantize_parts(parts, scale, E5M2, True, True, True)
+    want = _C.quantize(x, scale, E5M2, True, True, True)
+    matches = strided and all(
+        torch.equal(getattr(got, k).view(torch.uint8), getattr(want, k).view(torch.uint8))
+        for k in ("data", "data_t")
+    )
+    matches &= all(
+        torch.equal(getattr(got, k).view(torch.int32), getattr(want, k).view(torch.int32))
+        for k in ("amax", "scale_inv", "dbias")
+    )
+    if not matches:
+        print(f"MISMATCH of quantize_parts (strided kernel taken: {strided})", file=sys.stderr)
+    baselines = {"quantize_parts": "stack+quantize", "quantize(stacked)": "stack+quantize"}
+    return shape_result(x, ops, ms, matches, baselines, key="speedup_vs_stack")
+
+
 def norm_results():
     return [
         bench_norm(16384, 8192, torch.bfloat16, rms=False),  # 256 MiB input
@@ -313,9 +375,10 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument(
         "--only",
-        choices=("all", "block", "act"),
+        choices=("all", "block", "act", "parts"),
         default="all",
-        help="block: the block casts alone; act: the fused GELU casts alone",
+        help="block: the block casts alone; act: the fused GELU casts alone; parts: the QKV "
+        "gradient cast from the three attention gradients (quantize_parts) alone",
     )
     args = ap.parse_args()
     results = []
@@ -323,6 +386,10 @@ def main():
         # One micro-batch of the 342M model's MLP (16 x 1024 tokens, ffn 6144), the shape
         # whose GELU and casts its training step spends 8.6 + 8.2 ms on (BENCHMARKS.md).
         results.append(bench_act(16384, 6144, torch.bfloat16))
+    if args.only in ("all", "parts"):
+        # One micro-batch of the 342M model's attention (16 x 1024 tokens, 12 heads of 128): the
+        # stack this replaces cost ~100 us per call, 2.4 ms per step of that model on an H100.
+        results.append(bench_parts(16, 1024, 12, 128, torch.bfloat16))
     if args.only in ("all", "block"):
         results += [
             bench_block(8192, 8192, torch.bfloat16),  # the Linear 8192^3 step's x, dy and weight
@@ -338,7 +405,7 @@ def main():
     for r in results:
         rows = []
         for o in r["ops"]:
-            sp = o.get("speedup_vs_naive", o.get("speedup_vs_torch", o.get("speedup_vs_separate")))
+            sp = next((o[k] for k in SPEEDUP_KEYS if k in o), None)
             rows.append(
                 [
                     o["op"],
@@ -351,7 +418,7 @@ def main():
         print_table(
             f"{r['dtype']} {r['shape'][0]}x{r['shape'][1]} ({r['input_MiB']:.0f} MiB), "
             f"matches CPU: {r['matches_cpu']}",
-            ["op", "us", "TB/s", "of copy", "vs naive/torch/separate"],
+            ["op", "us", "TB/s", "of copy", "vs naive/torch/separate/stack"],
             rows,
         )
     write_json(

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <vector>
 
 #include "common/check.h"
 #include "common/dispatch.h"
@@ -45,6 +46,32 @@ at::ScalarType fp8_dtype(Format f) {
 
 namespace {
 
+// The outputs of a cast of a [p.rows, p.cols] input on like's device (data shaped data_shape),
+// allocated, with p's output fields pointing at them.
+Quantized alloc_outputs(const at::Tensor& like, at::IntArrayRef data_shape, QuantizeOptions opts,
+                        const at::Tensor& amax_into, const char* fn, QuantizeParams& p) {
+  auto f32 = like.options().dtype(at::kFloat);
+  auto f8 = like.options().dtype(fp8_dtype(p.format));
+  Quantized q;
+  if (amax_into.defined()) check_amax_into(amax_into, like, fn);
+  q.amax = amax_into.defined() ? amax_into : at::empty({1}, f32);
+  q.scale_inv = at::empty({1}, f32);
+  if (opts.data) q.data = at::empty(data_shape, f8);
+  if (opts.transpose) q.data_t = at::empty({p.cols, p.rows}, f8);
+  const DType dbias_dt =
+      opts.dbias ? to_high_precision_dtype(opts.dbias_dtype, fn, "dbias_dtype") : DType::kFloat32;
+  if (opts.dbias) q.dbias = at::empty({p.cols}, like.options().dtype(opts.dbias_dtype));
+
+  p.out = opts.data ? static_cast<uint8_t*>(q.data.data_ptr()) : nullptr;
+  p.out_t = opts.transpose ? static_cast<uint8_t*>(q.data_t.data_ptr()) : nullptr;
+  p.amax = q.amax.data_ptr<float>();
+  p.amax_accumulate = amax_into.defined();
+  p.scale_inv = q.scale_inv.data_ptr<float>();
+  p.dbias = opts.dbias ? q.dbias.data_ptr() : nullptr;
+  p.dbias_dtype = dbias_dt;
+  return q;
+}
+
 // quantize() and amax() share the checks and the kernel; fn names the public entry point in errors.
 Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format format,
                         QuantizeOptions opts, const at::Tensor& amax_into, const char* fn) {
@@ -59,18 +86,6 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
   const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);
   int64_t rows = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
-  auto f32 = x.options().dtype(at::kFloat);
-  auto f8 = x.options().dtype(fp8_dtype(format));
-
-  Quantized q;
-  if (amax_into.defined()) check_amax_into(amax_into, x, fn);
-  q.amax = amax_into.defined() ? amax_into : at::empty({1}, f32);
-  q.scale_inv = at::empty({1}, f32);
-  if (opts.data) q.data = at::empty(x.sizes(), f8);
-  if (opts.transpose) q.data_t = at::empty({cols, rows}, f8);
-  const DType dbias_dt =
-      opts.dbias ? to_high_precision_dtype(opts.dbias_dtype, fn, "dbias_dtype") : DType::kFloat32;
-  if (opts.dbias) q.dbias = at::empty({cols}, x.options().dtype(opts.dbias_dtype));
 
   QuantizeParams p;
   p.input = x.data_ptr();
@@ -79,14 +94,94 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
   p.cols = cols;
   p.scale = sc.data_ptr<float>();
   p.format = format;
-  p.out = opts.data ? static_cast<uint8_t*>(q.data.data_ptr()) : nullptr;
-  p.out_t = opts.transpose ? static_cast<uint8_t*>(q.data_t.data_ptr()) : nullptr;
-  p.amax = q.amax.data_ptr<float>();
-  p.amax_accumulate = amax_into.defined();
-  p.scale_inv = q.scale_inv.data_ptr<float>();
-  p.dbias = opts.dbias ? q.dbias.data_ptr() : nullptr;
-  p.dbias_dtype = dbias_dt;
+  Quantized q = alloc_outputs(x, x.sizes(), opts, amax_into, fn, p);
   dispatch_kernel(x.device(), quantize_cpu, FP8DP_CUDA_KERNEL(quantize_cuda), p);
+  return q;
+}
+
+// ---------------------------------------------------------------- column blocks of 4-d parts
+
+constexpr size_t kMaxParts = 4;  // StridedParts::ptr
+
+// The checks of a `parts` argument (quantize_parts): 1 to 4 defined 4-d tensors of one shape,
+// dtype and device, a high-precision dtype on a supported device. Returns that dtype.
+DType check_parts(at::TensorList parts, const char* fn) {
+  FP8DP_CHECK_ARG(!parts.empty() && parts.size() <= kMaxParts, fn,
+                  ": argument 'parts' must hold 1 to ", kMaxParts, " tensors, got ", parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    FP8DP_CHECK_ARG(parts[i].defined(), fn, ": argument 'parts[", i, "]' is undefined");
+  }
+  const at::Tensor& p0 = parts[0];
+  FP8DP_CHECK_ARG(p0.dim() == 4, fn, ": argument 'parts[0]' must be 4-D [d0, d1, d2, d3], got ",
+                  p0.dim(), "-D of shape ", p0.sizes());
+  check_device_supported(p0, fn, "argument 'parts[0]'");
+  const DType dt = to_high_precision_dtype(p0.scalar_type(), fn, "argument 'parts[0]'");
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const at::Tensor& t = parts[i];
+    FP8DP_CHECK_ARG(t.sizes() == p0.sizes(), fn, ": argument 'parts[", i,
+                    "]' must have the shape of parts[0], ", p0.sizes(), ", got ", t.sizes());
+    FP8DP_CHECK_ARG(t.scalar_type() == p0.scalar_type(), fn, ": argument 'parts[", i,
+                    "]' must have the dtype of parts[0], ", p0.scalar_type(), ", got ",
+                    t.scalar_type());
+    FP8DP_CHECK_ARG(t.device() == p0.device(), fn, ": argument 'parts[", i,
+                    "]' must be on the device of parts[0], ", p0.device(), ", got ", t.device());
+  }
+  return dt;
+}
+
+// x = cat([p.reshape(d0 * d1, d2 * d3) for p in parts], dim=1): the definition of what
+// quantize_parts casts, and its path wherever the strided kernel does not apply.
+at::Tensor materialize_parts(at::TensorList parts) {
+  std::vector<at::Tensor> blocks;
+  blocks.reserve(parts.size());
+  for (const at::Tensor& t : parts) {
+    blocks.push_back(t.reshape({t.size(0) * t.size(1), t.size(2) * t.size(3)}));
+  }
+  return at::cat(blocks, 1);
+}
+
+// Fills p's input fields (strided, input_dtype, rows, cols) from checked parts and says whether
+// the strided CUDA kernel reads them: CUDA tensors, one set of strides with dim 3 contiguous, a
+// layout quantize_cuda_strided_supported accepts (asked with out unset: the outputs are fresh
+// allocations, aligned as it needs), and something to read (an empty x goes the materializing
+// way, which costs nothing).
+bool strided_input(at::TensorList parts, DType dt, QuantizeParams& p) {
+  const at::Tensor& p0 = parts[0];
+  p.input_dtype = dt;
+  p.rows = p0.size(0) * p0.size(1);
+  p.cols = static_cast<int64_t>(parts.size()) * p0.size(2) * p0.size(3);
+#if defined(FP8DP_WITH_CUDA)
+  if (!p0.is_cuda() || p.rows * p.cols == 0 || p0.stride(3) != 1) return false;
+  for (const at::Tensor& t : parts) {
+    if (t.strides() != p0.strides()) return false;
+  }
+  StridedParts& s = p.strided;
+  s.n = static_cast<int>(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) s.ptr[i] = parts[i].const_data_ptr();
+  s.d1 = p0.size(1);
+  s.d2 = p0.size(2);
+  s.d3 = p0.size(3);
+  for (int d = 0; d < 3; ++d) s.stride[d] = p0.stride(d);
+  if (quantize_cuda_strided_supported(p)) return true;
+  p.strided = StridedParts{};
+#endif
+  return false;
+}
+
+Quantized quantize_parts_impl(at::TensorList parts, const at::Tensor& scale, Format format,
+                              QuantizeOptions opts, const at::Tensor& amax_into, const char* fn) {
+  const DType dt = check_parts(parts, fn);
+  check_scalar_float(scale, parts[0], fn, "scale");
+  check_scale_value(scale, fn);
+  QuantizeParams p;
+  if (!strided_input(parts, dt, p)) {
+    return quantize_impl(materialize_parts(parts), scale, format, opts, amax_into, fn);
+  }
+  const at::Tensor sc = scale.contiguous();
+  p.scale = sc.data_ptr<float>();
+  p.format = format;
+  Quantized q = alloc_outputs(parts[0], {p.rows, p.cols}, opts, amax_into, fn, p);
+  dispatch_kernel(parts[0].device(), quantize_cpu, FP8DP_CUDA_KERNEL(quantize_cuda), p);
   return q;
 }
 
@@ -95,6 +190,33 @@ Quantized quantize_impl(const at::Tensor& x_in, const at::Tensor& scale, Format 
 Quantized quantize(const at::Tensor& x, const at::Tensor& scale, Format format,
                    QuantizeOptions opts, const at::Tensor& amax_into) {
   return quantize_impl(x, scale, format, opts, amax_into, "fp8dp.quantize");
+}
+
+Quantized quantize_parts(at::TensorList parts, const at::Tensor& scale, Format format,
+                         QuantizeOptions opts, const at::Tensor& amax_into) {
+  return quantize_parts_impl(parts, scale, format, opts, amax_into, "fp8dp.quantize_parts");
+}
+
+at::Tensor join_parts(at::TensorList parts) {
+  check_parts(parts, "fp8dp.join_parts");
+  return materialize_parts(parts);
+}
+
+bool quantize_parts_strided(at::TensorList parts) {
+  QuantizeParams p;
+  return strided_input(parts, check_parts(parts, "fp8dp.quantize_parts_strided"), p);
+}
+
+at::Tensor amax_parts(at::TensorList parts) {
+  constexpr const char* fn = "fp8dp.amax_parts";
+  FP8DP_CHECK_ARG(!parts.empty(), fn, ": argument 'parts' must hold 1 to ", kMaxParts,
+                  " tensors, got 0");
+  FP8DP_CHECK_ARG(parts[0].defined(), fn, ": argument 'parts[0]' is undefined");
+  // As amax(): the cast's kernel with no output but the amax.
+  auto one = at::ones({1}, parts[0].options().dtype(at::kFloat));
+  return quantize_parts_impl(parts, one, Format::kE4M3, QuantizeOptions{false, false, false}, {},
+                             fn)
+      .amax;
 }
 
 void check_amax_into(const at::Tensor& a, const at::Tensor& like, const char* fn) {

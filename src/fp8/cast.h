@@ -45,6 +45,33 @@ struct QuantizeOptions {
 Quantized quantize(const at::Tensor& x, const at::Tensor& scale, Format format,
                    QuantizeOptions opts = {}, const at::Tensor& amax_into = {});
 
+// quantize() of the matrix x = cat([p.reshape(d0 * d1, d2 * d3) for p in parts], dim=1) without
+// building it: parts are 1 to 4 tensors of one 4-d shape [d0, d1, d2, d3], one dtype (float32 /
+// bfloat16 / float16) and one device, with any strides. The result is exactly quantize(x, ...)'s
+// (data [d0 * d1, n * d2 * d3], data_t, amax, scale_inv, dbias: the same bytes and bits). On CUDA
+// the cast reads the parts where they lie when quantize_parts_strided() says so (SDPA's dq, dk,
+// dv: the QKV projection's backward then skips autograd's stack of them, a copy as large as the
+// cast's own read); otherwise, and on the CPU, it builds x with at::cat and calls quantize.
+// Arguments are checked as quantize checks them; errors name 'parts' and what differs.
+Quantized quantize_parts(at::TensorList parts, const at::Tensor& scale, Format format,
+                         QuantizeOptions opts = {}, const at::Tensor& amax_into = {});
+
+// x itself, materialized: cat([p.reshape(d0 * d1, d2 * d3) for p in parts], dim=1), with the
+// checks of quantize_parts. What quantize_parts casts wherever it does not read the parts in place,
+// and for casts that need a plain matrix (current scaling's amax pass, block scaling's tiles).
+at::Tensor join_parts(at::TensorList parts);
+
+// Whether quantize_parts(parts, ...) reads the parts in place (the strided CUDA kernel) rather than
+// materializing x: CUDA tensors whose common layout quantize_cuda_strided_supported accepts (the
+// same strides in every part, the last dimension contiguous, 16-byte aligned vectors). The same
+// checks as quantize_parts; false on the CPU and in builds without CUDA.
+bool quantize_parts_strided(at::TensorList parts);
+
+// float32 [1] tensor: max |x| of quantize_parts' x, with the NaN / Inf rules of amax: for a scale
+// computed from the input's own amax before the cast (the first step of a delayed-scaling cast),
+// read where the parts lie as quantize_parts reads them.
+at::Tensor amax_parts(at::TensorList parts);
+
 // The value check of an FP8 cast's scale argument `arg` of entry point `fn`: a scale held on the
 // CPU must be finite and > 0. One on a GPU is not read back (a host sync per cast); the kernels
 // write scale_inv = NaN for it instead (scale_inverse, fp8/format.h).

@@ -23,6 +23,29 @@ namespace fp8dp {
 //                           stored as dbias_dtype (rounded once, to nearest even: a bf16 bias's
 //                           gradient needs no conversion launch of its own)
 // scale points to one float (host memory for the CPU version, device memory for CUDA).
+//
+// The input is either `input`, row-major [rows, cols], or (strided.n > 0) the column blocks of
+// strided 4-d tensors described by StridedParts below; rows and cols are the logical shape in
+// both cases, and the outputs are the same bytes either way.
+//
+// StridedParts: n tensors p_0 .. p_{n-1} (1 <= n <= 4) of one shape [d0, d1, d2, d3] and one set
+// of element strides [stride[0], stride[1], stride[2], 1], read as the matrix
+//   x = cat([p.reshape(d0 * d1, d2 * d3) for p in parts], dim=1)    # rows = d0*d1, cols = n*d2*d3
+// without materializing it: element (r, c) is ptr[c / (d2*d3)][i0*stride[0] + i1*stride[1] +
+// i2*stride[2] + i3] with (i0, i1) = divmod(r, d1) and (i2, i3) = divmod(c % (d2*d3), d3). It
+// exists for SDPA's dq, dk, dv: the QKV projection's backward casts them where they lie (each a
+// [s, b, h, hd] view of a [b, h, s, hd] buffer) instead of autograd stacking them into one
+// [tokens, 3 * hidden] tensor first, a copy as large as the cast's own read. d0 is implied by
+// rows / d1. Only the CUDA kernel reads it, and only for the layouts that
+// quantize_cuda_strided_supported() accepts; quantize_cpu refuses it (the tensor layer,
+// quantize_parts in cast.h, materializes x instead).
+struct StridedParts {
+  int n = 0;  // 0: the input is `input`
+  const void* ptr[4] = {nullptr, nullptr, nullptr, nullptr};
+  int64_t d1 = 1, d2 = 1, d3 = 1;
+  int64_t stride[3] = {0, 0, 0};  // elements; dim 3 is contiguous
+};
+
 struct QuantizeParams {
   const void* input = nullptr;
   DType input_dtype = DType::kFloat32;
@@ -37,6 +60,7 @@ struct QuantizeParams {
   float* scale_inv = nullptr;
   void* dbias = nullptr;
   DType dbias_dtype = DType::kFloat32;  // float32, bfloat16 or float16
+  StridedParts strided;                 // n > 0: read the input from here instead of `input`
 };
 
 void quantize_cpu(const QuantizeParams& p);
@@ -56,6 +80,12 @@ void dequantize_cpu(const DequantizeParams& p);
 #if defined(FP8DP_WITH_CUDA)
 // stream is a cudaStream_t; kept as void* so this header stays free of CUDA headers.
 void quantize_cuda(const QuantizeParams& p, void* stream);
+// Whether quantize_cuda reads p.strided in place: the tiled kernel's 16-byte loads must apply to
+// every part (each pointer 16-byte aligned, d3 and the strides multiples of 16 bytes' worth of
+// elements, so one load never leaves a row of d3 elements), rows within the tiled grid's limit,
+// and out 16-byte aligned. quantize_cuda refuses (Error) a strided request this rejects; the
+// caller materializes the input instead.
+bool quantize_cuda_strided_supported(const QuantizeParams& p);
 void dequantize_cuda(const DequantizeParams& p, void* stream);
 // out [cols, rows] <- in [rows, cols], FP8 bytes (src/fp8/cuda/transpose.cu). Only for shapes and
 // pointers that transpose_bytes_cuda_supported() accepts (rows and cols multiples of 16, 16-byte

@@ -317,6 +317,10 @@ const char* format_name(Format f) { return f == Format::kE4M3 ? "E4M3" : "E5M2";
 void quantize_cpu(const QuantizeParams& p) {
   FP8DP_CHECK(p.rows >= 0 && p.cols >= 0, "quantize_cpu: bad shape [", p.rows, ", ", p.cols, "]");
   FP8DP_CHECK(p.scale != nullptr, "quantize_cpu: scale pointer is null");
+  FP8DP_CHECK(p.strided.n == 0,
+              "quantize_cpu: strided parts input (QuantizeParams::strided) is read by the CUDA "
+              "kernel only; on the CPU pass the materialized row-major input (quantize_parts in "
+              "fp8/cast.h does)");
   FP8DP_CHECK(p.rows * p.cols == 0 || p.input != nullptr, "quantize_cpu: input pointer is null");
   const float scale = *p.scale;
   const uint32_t amax = p.format == Format::kE4M3

@@ -1,6 +1,8 @@
 // Binds src/fp8: formats, recipes, the autocast stack and the tensor-level casts.
 #include <torch/csrc/utils/pybind.h>
 
+#include <vector>
+
 #include "fp8/block_cast.h"
 #include "fp8/cast.h"
 #include "fp8/recipe.h"
@@ -70,6 +72,25 @@ void bind_fp8(py::module_& m) {
       py::arg("x"), py::arg("scale"), py::arg("format"), py::arg("data") = true,
       py::arg("transpose") = false, py::arg("dbias") = false, py::arg("amax_into") = py::none(),
       py::arg("dbias_dtype") = at::kFloat);
+  m.def(
+      "quantize_parts",
+      [](const std::vector<at::Tensor>& parts, const at::Tensor& scale, Format format, bool data,
+         bool transpose, bool dbias, const std::optional<at::Tensor>& amax_into,
+         at::ScalarType dbias_dtype) {
+        return quantize_parts(parts, scale, format,
+                              QuantizeOptions{data, transpose, dbias, dbias_dtype},
+                              amax_into.value_or(at::Tensor()));
+      },
+      py::arg("parts"), py::arg("scale"), py::arg("format"), py::arg("data") = true,
+      py::arg("transpose") = false, py::arg("dbias") = false, py::arg("amax_into") = py::none(),
+      py::arg("dbias_dtype") = at::kFloat);
+  m.def(
+      "quantize_parts_strided",
+      [](const std::vector<at::Tensor>& parts) { return quantize_parts_strided(parts); },
+      py::arg("parts"));
+  m.def(
+      "amax_parts", [](const std::vector<at::Tensor>& parts) { return amax_parts(parts); },
+      py::arg("parts"));
   m.def(
       "block_quantize",
       [](const at::Tensor& x, Format format, BlockShape shape, bool power_2_scale,

@@ -420,5 +420,44 @@ TEST(QuantizeArgs, InvalidScaleReachingTheKernelWritesNaNScaleInv) {
   }
 }
 
+// Strided parts (QuantizeParams::strided) are read by the CUDA kernel only: the CPU kernel refuses
+// them instead of reading `input` (null) or guessing, and quantize_parts materializes x on the CPU.
+TEST(QuantizeParts, CpuKernelRefusesStridedInput) {
+  const at::Tensor part = at::randn({2, 3, 2, 8});
+  at::Tensor out = at::empty({6, 16}, at::kByte);
+  const float scale = 1.0f;
+  QuantizeParams p;
+  p.rows = 6;
+  p.cols = 16;
+  p.scale = &scale;
+  p.out = out.data_ptr<uint8_t>();
+  p.strided.n = 1;
+  p.strided.ptr[0] = part.data_ptr();
+  p.strided.d1 = 3;
+  p.strided.d2 = 2;
+  p.strided.d3 = 8;
+  p.strided.stride[0] = 48;
+  p.strided.stride[1] = 16;
+  p.strided.stride[2] = 8;
+  try {
+    quantize_cpu(p);
+    ADD_FAILURE() << "quantize_cpu accepted strided input";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("strided parts input"), std::string::npos) << e.what();
+  }
+}
+
+// The checks Python cannot reach (its binding refuses None before C++ sees it): an undefined part
+// is named by its index.
+TEST(QuantizeParts, UndefinedPartNamesItsIndex) {
+  const at::Tensor part = at::randn({2, 3, 2, 8});
+  expect_value_error(
+      [&] { quantize_parts({part, at::Tensor()}, scalar_scale(1.0f), Format::kE4M3); },
+      "fp8dp.quantize_parts: argument 'parts[1]' is undefined");
+  expect_value_error([&] { amax_parts({at::Tensor()}); },
+                     "fp8dp.amax_parts: argument 'parts[0]' is undefined");
+  expect_value_error([&] { join_parts({}); }, "fp8dp.join_parts: argument 'parts' must hold");
+}
+
 }  // namespace
 }  // namespace fp8dp::test

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/cuda_scratch.h"
@@ -108,6 +109,16 @@ struct TileArgs {
   int strip_tiles;       // tiles a block walks down its column strip
 };
 
+// The kStrided kernels' arguments: where the input lies (`in` is unused). A type of its own, so
+// that the dense kernels' parameter block stays as small as it was: at twice the size, nvcc
+// addressed it through a generic pointer and the dense kernel spilled.
+struct StridedTileArgs : TileArgs {
+  StridedParts strided;
+};
+
+template <bool kStrided>
+using TileArgsOf = std::conditional_t<kStrided, StridedTileArgs, TileArgs>;
+
 // Rows of a tile: four 16-byte loads per thread for every input dtype (64 rows of fp32, 128 of
 // bf16 / fp16), so each thread keeps as many bytes in flight whatever the element size.
 template <typename T>
@@ -115,13 +126,32 @@ __host__ __device__ constexpr int tile_rows() {
   return 4 * kThreads / (kTile / (16 / static_cast<int>(sizeof(T))));
 }
 
+// The first of the thread's kV columns c in part a.strided: the part's pointer plus c's (i2, i3)
+// offset. Fixed for the whole kernel (a thread's columns do not change from tile to tile), so the
+// strided loads add only a row offset per pass. d3 is a multiple of kV, so the thread's kV
+// elements share one (i2, i3 .. i3 + kV - 1) row segment. Each thread finds its own part, so a
+// tile may straddle two parts (d2 * d3 need not be a multiple of the tile width: the GPT test
+// shapes' 2 heads of 16 are 32 columns a part).
+template <typename T>
+__device__ __forceinline__ const T* strided_column_base(const StridedParts& s, int64_t c) {
+  const int64_t part_cols = s.d2 * s.d3;
+  const int64_t part = c / part_cols, k = c - part * part_cols;
+  const int64_t i2 = k / s.d3;
+  return static_cast<const T*>(s.ptr[part]) + i2 * s.stride[2] + (k - i2 * s.d3);
+}
+
 // kVec: input and out are 16-byte aligned and cols is a multiple of the vector width, so each
 // thread's kV elements of a row are either all inside the matrix or all outside.
 // kMinBlocks (resident blocks per SM the register budget must allow) and kPrefetch (issue the next
 // tile's loads before converting this one) are tuning choices; the library launches the one that
 // was fastest (see launch_tiled and kCtMinBlocks).
-template <Format F, typename T, bool kVec, int kMinBlocks, bool kPrefetch>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(const TileArgs a) {
+// kStrided: the input is a.strided (quantize.h's StridedParts) instead of the row-major a.in. Only
+// the load addresses differ, so the bytes, amax and dbias (same grid, same summation order) are
+// those of the materialized matrix; the dense kernels (kStrided = false) compile as before.
+template <Format F, typename T, bool kVec, int kMinBlocks, bool kPrefetch, bool kStrided = false>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    cast_transpose_kernel(const TileArgsOf<kStrided> a) {
+  static_assert(!kStrided || kVec, "strided parts are read with 16-byte loads only");
   constexpr int kV = 16 / sizeof(T);     // elements per thread and row (one 16-byte load)
   constexpr int kTpr = kTile / kV;       // threads per tile row
   constexpr int kRpp = kThreads / kTpr;  // tile rows per pass
@@ -139,6 +169,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(co
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t col = c0 + tc * kV;
   const int64_t strip0 = static_cast<int64_t>(blockIdx.y) * a.strip_tiles * kRows;
+  // kStrided: this thread's column base (null past the last column; never read there).
+  [[maybe_unused]] const T* scol = nullptr;
+  if constexpr (kStrided) {
+    if (col < a.cols) scol = strided_column_base<T>(a.strided, col);
+  }
   float csum[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) csum[j] = 0.0f;
@@ -153,7 +188,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_transpose_kernel(co
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int64_t r = r0 + tr + p * kRpp;
-      if constexpr (kVec) {
+      if constexpr (kStrided) {
+        // (i0, i1) = divmod(r, d1) in 32 bits: rows < 2^31 on this path (at most 65535 strips of
+        // at most 512 rows, launch_tiled), and a 64-bit division is a long subroutine.
+        if (r < a.rows && col < a.cols) {
+          const uint32_t d1 = static_cast<uint32_t>(a.strided.d1);
+          const uint32_t i0 = static_cast<uint32_t>(r) / d1;
+          const uint32_t i1 = static_cast<uint32_t>(r) - i0 * d1;
+          x[p].u = __ldcs(reinterpret_cast<const uint4*>(scol + i0 * a.strided.stride[0] +
+                                                         i1 * a.strided.stride[1]));
+        } else {
+          x[p].u = make_uint4(0, 0, 0, 0);
+        }
+      } else if constexpr (kVec) {
         x[p].u = (r < a.rows && col < a.cols)
                      ? __ldcs(reinterpret_cast<const uint4*>(in + r * a.cols + col))
                      : make_uint4(0, 0, 0, 0);
@@ -368,7 +415,12 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(p.cols, kTile)), static_cast<unsigned>(strips));
   const bool vec = aligned16(p.input) && (p.out == nullptr || aligned16(p.out)) && p.cols % kV == 0;
-  if (vec) {
+  if (p.strided.n > 0) {  // quantize_cuda checked quantize_cuda_strided_supported
+    StridedTileArgs sa;
+    static_cast<TileArgs&>(sa) = a;
+    sa.strided = p.strided;
+    cast_transpose_kernel<F, T, true, kMinBlocks, kPrefetch, true><<<grid, kThreads, 0, st>>>(sa);
+  } else if (vec) {
     cast_transpose_kernel<F, T, true, kMinBlocks, kPrefetch><<<grid, kThreads, 0, st>>>(a);
   } else {
     // The element-wise fallback needs more registers; a residency target would make it spill.
@@ -383,9 +435,10 @@ void launch_tiled(const QuantizeParams& p, cudaStream_t st, int strip_tiles = 0)
   }
 }
 
+// Strided parts always take the tiled kernel: the flat one walks the input as one flat array.
 template <Format F, typename T>
 void launch(const QuantizeParams& p, cudaStream_t st) {
-  if (p.out_t != nullptr || p.dbias != nullptr) {
+  if (p.out_t != nullptr || p.dbias != nullptr || p.strided.n > 0) {
     launch_tiled<F, T>(p, st);
   } else {
     launch_flat<F, T>(p, st);
@@ -410,13 +463,45 @@ void dispatch_dtype(const QuantizeParams& p, cudaStream_t st) {
 }  // namespace
 }  // namespace cuda
 
+bool quantize_cuda_strided_supported(const QuantizeParams& p) {
+  const StridedParts& s = p.strided;
+  if (s.n < 1 || s.n > 4) return false;
+  if (p.input_dtype != DType::kFloat32 && p.input_dtype != DType::kBFloat16 &&
+      p.input_dtype != DType::kFloat16) {
+    return false;
+  }
+  const int64_t kv = 16 / static_cast<int64_t>(dtype_size(p.input_dtype));  // elements per load
+  if (s.d1 < 1 || s.d2 < 1 || s.d3 < 1) return false;
+  if (p.rows % s.d1 != 0 || p.cols != s.n * s.d2 * s.d3) return false;  // not the logical shape
+  // Every 16-byte load inside one part's (i2, i3 .. i3 + kv - 1) row segment, and aligned.
+  if (s.d3 % kv != 0) return false;
+  for (int64_t st : s.stride) {
+    if (st < 0 || st % kv != 0) return false;
+  }
+  for (int i = 0; i < s.n; ++i) {
+    if (!cuda::aligned16(s.ptr[i])) return false;
+  }
+  if (p.out != nullptr && !cuda::aligned16(p.out)) return false;
+  // launch_tiled's grid: at most 65535 strips of at least one tile. This also keeps rows below
+  // 2^31, which the kernel's 32-bit row divmod needs.
+  const int64_t tile_rows = 4 * cuda::kThreads / (cuda::kTile / kv);
+  return p.rows <= 65535 * tile_rows;
+}
+
 void quantize_cuda(const QuantizeParams& p, void* stream) {
   FP8DP_CHECK(p.rows >= 0 && p.cols >= 0, "quantize_cuda: bad shape [", p.rows, ", ", p.cols, "]");
   FP8DP_CHECK(p.dbias == nullptr || p.dbias_dtype == DType::kFloat32 ||
                   p.dbias_dtype == DType::kBFloat16 || p.dbias_dtype == DType::kFloat16,
               "quantize_cuda: no dbias output of dtype ", dtype_name(p.dbias_dtype));
   FP8DP_CHECK(p.scale != nullptr, "quantize_cuda: scale pointer is null");
-  FP8DP_CHECK(p.rows * p.cols == 0 || p.input != nullptr, "quantize_cuda: input pointer is null");
+  FP8DP_CHECK(p.rows * p.cols == 0 || p.input != nullptr || p.strided.n > 0,
+              "quantize_cuda: input pointer is null");
+  FP8DP_CHECK(p.strided.n == 0 || quantize_cuda_strided_supported(p),
+              "quantize_cuda: strided parts input not supported for this layout (n=", p.strided.n,
+              ", d1=", p.strided.d1, ", d2=", p.strided.d2, ", d3=", p.strided.d3, ", strides=[",
+              p.strided.stride[0], ", ", p.strided.stride[1], ", ", p.strided.stride[2],
+              ", 1], rows=", p.rows, ", cols=", p.cols, ", ", dtype_name(p.input_dtype),
+              "); materialize the input instead");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   // The kernels merge block results with atomicMax on the bits (a valid max for amaxes >= 0, NaN
   // above all), so a written amax starts at 0 (= amax of an empty input); an accumulated one keeps
