@@ -130,7 +130,11 @@ class Block(torch.nn.Module):
         kw = dict(params_dtype=torch.bfloat16, device=DEVICE, bias=bias)
         if self.llama:
             kw["normalization"] = "RMSNorm"
-        self.qkv = mod.LayerNormLinear(hidden, 3 * hidden, **kw)
+        # fp8dp's QKV projection returns q, k, v itself (qkv_heads), so that its FP8 backward
+        # casts their gradients in place instead of autograd stacking them (the split setting
+        # below then applies to the torch and TE blocks).
+        qkv_kw = {"qkv_heads": self.heads} if lib == "fp8dp" else {}
+        self.qkv = mod.LayerNormLinear(hidden, 3 * hidden, **kw, **qkv_kw)
         kw.pop("normalization", None)
         self.proj = mod.Linear(hidden, hidden, **kw)
         self.mlp = None
@@ -150,10 +154,11 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         s, b, h = x.shape
-        if self.split == "split_qkv":
-            q, k, v = split_qkv(self.qkv(x), self.heads)
+        out = self.qkv(x)
+        if self.split == "split_qkv" or isinstance(out, tuple):  # tuple: fp8dp's q, k, v
+            q, k, v = split_qkv(out, self.heads)
         else:
-            qkv = self.qkv(x).view(s, b, 3, self.heads, HEAD_DIM).permute(2, 1, 3, 0, 4)
+            qkv = out.view(s, b, 3, self.heads, HEAD_DIM).permute(2, 1, 3, 0, 4)
             q, k, v = qkv.unbind(0) if self.split == "unbind" else (qkv[0], qkv[1], qkv[2])
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))

@@ -27,7 +27,11 @@ def probe(backend, s=1024, b=16, h=12, hd=128):
 
 
 if __name__ == "__main__":
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+    for backend in (
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+    ):
         try:
             print(backend, probe(backend), flush=True)
         except RuntimeError as e:

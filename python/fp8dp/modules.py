@@ -290,6 +290,12 @@ class LayerNormLinear(_FP8LinearBase):
     zero_centered_gamma: the norm multiplies by 1 + layer_norm_weight (initialised to 0), so weight
         decay pulls the scale towards 1.
     return_layernorm_output: forward returns (y, normalized input).
+    qkv_heads: a fused QKV projection with this many heads: out_features = 3 x qkv_heads x
+        head_dim, laid out [q | k | v], and forward returns q, k, v, each [..., qkv_heads,
+        head_dim] (views of one output; then the normalized input with return_layernorm_output).
+        Their gradients reach backward as attention left them: under delayed scaling the FP8
+        cast of grad_output reads them in place, where an unbind after the call would have
+        stacked them into one tensor first. Do not modify them in place.
     Other arguments as in fp8dp.Linear.
     """
 
@@ -307,6 +313,7 @@ class LayerNormLinear(_FP8LinearBase):
         eps: float = 1e-5,
         zero_centered_gamma: bool = False,
         return_layernorm_output: bool = False,
+        qkv_heads: Optional[int] = None,
     ):
         super().__init__(
             in_features,
@@ -331,6 +338,17 @@ class LayerNormLinear(_FP8LinearBase):
             raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
         _check_bool("zero_centered_gamma", zero_centered_gamma)
         _check_bool("return_layernorm_output", return_layernorm_output)
+        if qkv_heads is not None and (
+            not isinstance(qkv_heads, int)
+            or isinstance(qkv_heads, bool)
+            or qkv_heads <= 0
+            or out_features % (3 * qkv_heads) != 0
+        ):
+            raise ValueError(
+                f"qkv_heads: expected None or an int > 0 with out_features ({out_features}) "
+                f"divisible by 3 * qkv_heads, got {qkv_heads!r}"
+            )
+        self.qkv_heads = qkv_heads
         self.normalization = normalization
         self.eps = float(eps)
         self.zero_centered_gamma = zero_centered_gamma
@@ -349,9 +367,13 @@ class LayerNormLinear(_FP8LinearBase):
             eps=self.eps,
             zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output,
+            qkv_heads=qkv_heads or 0,
         )
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        """x: [..., in_features]; returns y, or (y, ln_out) with return_layernorm_output."""
+        """x: [..., in_features]; returns y, or (y, ln_out) with return_layernorm_output; with
+        qkv_heads (q, k, v) in place of y."""
         out = self._forward(x, is_first_microbatch, self.layer_norm_weight, self.layer_norm_bias)
+        if self.qkv_heads:
+            return tuple(out)
         return (out[0], out[1]) if self.return_layernorm_output else out[0]

@@ -201,6 +201,16 @@ Quantized ScalingState::cast(const at::Tensor& x, Role role, const Recipe& recip
   return quantize(x, s, role_format(role, recipe), opts, amax_slot(role, x.numel()));
 }
 
+Quantized ScalingState::cast_parts(at::TensorList parts, Role role, const Recipe& recipe,
+                                   QuantizeOptions opts) {
+  FP8DP_CHECK_ARG(!parts.empty(), identity_, ": cast_parts needs at least one part");
+  // The parts share one shape (quantize_parts checks it), so parts[0] stands for the device and
+  // for whether the cast is empty.
+  const int64_t numel = parts[0].numel() * static_cast<int64_t>(parts.size());
+  at::Tensor s = prepare_scale(role, recipe, parts[0], [&] { return amax_parts(parts); });
+  return quantize_parts(parts, s, role_format(role, recipe), opts, amax_slot(role, numel));
+}
+
 at::Tensor ScalingState::current_amax() const { return amax_history_.select(0, 0); }
 
 ScalingSlot ScalingState::update_slot(const float* row0) {

@@ -44,6 +44,8 @@ class ScalingState {
 
   // Casts x for `role` with the recipe's delayed scaling and records the amax in row 0.
   Quantized cast(const at::Tensor& x, Role role, const Recipe& recipe, QuantizeOptions opts);
+  // The same for x given as column blocks (quantize_parts, fp8/cast.h), read where they lie.
+  Quantized cast_parts(at::TensorList parts, Role role, const Recipe& recipe, QuantizeOptions opts);
   // For casts done elsewhere (the fused norm kernel): the scale to use (a [1] tensor, the
   // first-cast rule applied with `first_amax` when it is needed) and where the cast records its
   // amax: amax_slot(role, numel) is the [1] view of row 0 that the kernel max-merges into (its

@@ -62,6 +62,13 @@ struct LinearCtx : torch::CustomClassHolder, SinkUse {
   // ln_weight, ln_bias), or -1 when that input was absent.
   std::array<int, 5> edge{};
 
+  // Tokens: x's rows as [tokens, in_features].
+  int64_t rows() const {
+    int64_t r = 1;
+    for (size_t i = 0; i + 1 < x_shape.size(); ++i) r *= x_shape[i];
+    return r;
+  }
+
   bool needs_grad(AutogradContext* ctx, int input) const {
     return edge[input] >= 0 && ctx->needs_input_grad(static_cast<size_t>(edge[input]));
   }
@@ -285,6 +292,60 @@ BackwardPlan plan_backward(AutogradContext* ctx, const LinearCtx& c, const Linea
   return p;
 }
 
+// How many of forward's outputs are y: q, k, v with qkv_heads, else y itself.
+size_t num_y_outputs(const LinearConfig& cfg) { return cfg.qkv_heads > 0 ? 3 : 1; }
+
+// y [..., out] as forward returns it: itself, or with qkv_heads its q, k, v blocks, each a view
+// [..., qkv_heads, head_dim] (unbind of the [..., 3, heads, head_dim] view).
+variable_list split_output(const at::Tensor& y, const LinearConfig& cfg) {
+  if (cfg.qkv_heads == 0) return {y};
+  std::vector<int64_t> shape(y.sizes().begin(), y.sizes().end() - 1);
+  shape.insert(shape.end(), {3, cfg.qkv_heads, cfg.out_features / (3 * cfg.qkv_heads)});
+  const std::vector<at::Tensor> qkv = y.view(shape).unbind(-3);
+  return variable_list(qkv.begin(), qkv.end());
+}
+
+// grad_output as backward reads it: dy [tokens, out] (contiguous), or with qkv_heads, where only
+// the delayed recipe's FP8 cast reads it, the gradients of q, k and v where attention left them
+// (parts, each [tokens..., heads, head_dim] viewed as 4-d; dy undefined). Every other route joins
+// them into dy first, which is what autograd's unbind backward did (undefined ones as zeros).
+struct GradOutput {
+  at::Tensor dy;
+  std::vector<at::Tensor> parts;
+};
+
+GradOutput grad_output(const LinearCtx& c, const BackwardPlan& p, const variable_list& grads) {
+  const LinearConfig& cfg = c.core->config();
+  GradOutput go;
+  if (cfg.qkv_heads == 0) {
+    go.dy = grads[0].reshape({-1, cfg.out_features}).contiguous();
+    return go;
+  }
+  const int64_t cols = cfg.out_features / 3;
+  const HighPrecision hp = high_precision(c.ac, p.need_w);
+  const bool cast_reads_parts = c.ac.enabled && !hp.dgrad && !hp.wgrad && grads[0].defined() &&
+                                grads[1].defined() && grads[2].defined();
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < 3; ++i) {
+    const at::Tensor& g = grads[i];
+    if (cast_reads_parts) {
+      // [tokens..., heads, head_dim] as 4-d: two token dimensions as they are (a transformer's
+      // [seq, batch], whose attention gradient is a permuted view), else [1, tokens].
+      parts.push_back(g.dim() == 4 ? g : g.reshape({1, -1, g.size(-2), g.size(-1)}));
+    } else {
+      parts.push_back(g.defined()
+                          ? g.reshape({-1, cols})
+                          : at::zeros({c.rows(), cols}, c.weight.options().dtype(c.act_dtype)));
+    }
+  }
+  if (cast_reads_parts) {
+    go.parts = std::move(parts);
+  } else {
+    go.dy = at::cat(parts, 1);
+  }
+  return go;
+}
+
 // The data gradient (before the norm's backward) and the bias gradient when it is computed
 // eagerly.
 struct DgradResult {
@@ -294,8 +355,9 @@ struct DgradResult {
 // grad_output's pass: the dgrad GEMM, the eager bias gradient, and the weight-gradient GEMM's
 // operands written into task (run now or later by the next step).
 DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const BackwardPlan& p,
-                                     const variable_list& saved, const at::Tensor& dy,
+                                     const variable_list& saved, const GradOutput& go,
                                      WgradTask& task) {
+  const at::Tensor& dy = go.dy;  // undefined where only the FP8 cast reads grad_output (parts)
   DgradResult r;
   GemmArgs g;
   g.out_dtype = c.act_dtype;
@@ -311,10 +373,10 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
     const HighPrecision hp = high_precision(c.ac, p.need_w);
     const bool cast_data = p.need_dgrad && !hp.dgrad;
     const bool cast_t = p.need_w && !hp.wgrad;
-    const Quantized q =
-        core.cast(dy, Role::kGradOutput, c.ac,
-                  QuantizeOptions{cast_data || !(cast_t || p.need_b), cast_t, p.need_b,
-                                  p.need_b ? c.bias.scalar_type() : at::ScalarType::Float});
+    const QuantizeOptions opts{cast_data || !(cast_t || p.need_b), cast_t, p.need_b,
+                               p.need_b ? c.bias.scalar_type() : at::ScalarType::Float};
+    const Quantized q = go.parts.empty() ? core.cast(dy, Role::kGradOutput, c.ac, opts)
+                                         : core.cast_parts(go.parts, Role::kGradOutput, c.ac, opts);
     if (p.need_dgrad && hp.dgrad) {  // a transpose view, as without FP8 (below)
       g.a = dy;
       g.b = saved[kWHp].t();
@@ -368,7 +430,8 @@ InputGrads input_grads(const LinearCtx& c, const BackwardPlan& p, const variable
   InputGrads r;
   if (cfg.layernorm && p.need_dgrad) {
     at::Tensor dz = dgrad;
-    if (cfg.return_layernorm_output) dz = dz + grads[1].reshape({-1, cfg.in_features});
+    if (cfg.return_layernorm_output)
+      dz = dz + grads[num_y_outputs(cfg)].reshape({-1, cfg.in_features});
     const NormGrads ng = norm_backward(dz, saved[kX2d], saved[kMu], saved[kRsigma],
                                        saved[kLnWeight], c.has_ln_bias, cfg.norm);
     r.dx = ng.dx.view(c.x_shape);
@@ -401,8 +464,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     if (need_wgrad) bind_weight_gradient(*c, weight);
     ctx->save_for_backward(std::move(saved));
     ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
-    if (cfg.return_layernorm_output) return {y, gin.ln_out.view(x.sizes())};
-    return {y};
+    variable_list outs = split_output(y, cfg);
+    if (cfg.return_layernorm_output) outs.push_back(gin.ln_out.view(x.sizes()));
+    return outs;
   }
 
   // refuse what cannot be done → plan the routes → unpack the saved tensors → grad_output cast,
@@ -420,7 +484,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // Unpacking runs the saved-tensor hooks: a non-reentrant checkpoint recomputes its region
     // here, with the grad mode it chooses.
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor dy = grads[0].reshape({-1, cfg.out_features}).contiguous();
+    const GradOutput dy = grad_output(*c, p, grads);
 
     WgradTask task;
     task.weight = c->weight;

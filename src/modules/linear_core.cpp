@@ -47,6 +47,11 @@ LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)), scaling_(cfg_.n
   FP8DP_CHECK_ARG(cfg_.out_features > 0, cfg_.name, ": out_features must be > 0, got ",
                   cfg_.out_features);
   FP8DP_CHECK_ARG(cfg_.norm.eps > 0.0f, cfg_.name, ": eps must be > 0, got ", cfg_.norm.eps);
+  FP8DP_CHECK_ARG(cfg_.qkv_heads >= 0, cfg_.name, ": qkv_heads must be >= 0, got ", cfg_.qkv_heads);
+  FP8DP_CHECK_ARG(cfg_.qkv_heads == 0 || cfg_.out_features % (3 * cfg_.qkv_heads) == 0, cfg_.name,
+                  ": qkv_heads=", cfg_.qkv_heads,
+                  " needs out_features divisible by 3 * qkv_heads = ", 3 * cfg_.qkv_heads,
+                  ", got out_features=", cfg_.out_features);
   set_weight_attrs({});
 }
 
@@ -64,6 +69,13 @@ Quantized LinearCore::cast(const at::Tensor& x, Role role, const AutocastState& 
   if (ac.recipe.kind == RecipeKind::kCurrent) return cast_current(x, f, ac.recipe.margin, opts);
   if (ac.recipe.kind == RecipeKind::kBlock) return cast_block(x, role, ac.recipe, opts);
   return scaling_.cast(x, role, ac.recipe, opts);
+}
+
+Quantized LinearCore::cast_parts(at::TensorList parts, Role role, const AutocastState& ac,
+                                 QuantizeOptions opts) {
+  if (ac.recipe.kind == RecipeKind::kDelayed)
+    return scaling_.cast_parts(parts, role, ac.recipe, opts);
+  return cast(join_parts(parts), role, ac, opts);
 }
 
 Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& ac,

@@ -28,6 +28,12 @@ struct LinearConfig {
   bool layernorm = false;  // LayerNormLinear: normalize the input first
   NormConfig norm;
   bool return_layernorm_output = false;
+  // > 0: the output is a fused QKV projection, [q | k | v] along out_features, each [qkv_heads,
+  // head_dim]; forward returns q, k, v as views ([..., qkv_heads, head_dim]) instead of y, so that
+  // autograd hands backward their three gradients as attention produced them (an unbind after
+  // the call would stack them into one tensor first: a copy the size of y, which the FP8 cast
+  // of grad_output can read in place instead, cast_parts).
+  int64_t qkv_heads = 0;
 };
 
 // Attributes that live on the Python weight Parameter: the bindings fill these with callables so
@@ -89,6 +95,11 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
 
   // Used by the autograd function (linear_autograd.cpp).
   Quantized cast(const at::Tensor& x, Role role, const AutocastState& ac, QuantizeOptions opts);
+  // The same cast of x given as column blocks (quantize_parts, fp8/cast.h: x = the parts' 2-D
+  // views side by side): delayed scaling reads them where they lie; current and block scaling
+  // cast the joined matrix (their amax pass and tiles read a plain one).
+  Quantized cast_parts(at::TensorList parts, Role role, const AutocastState& ac,
+                       QuantizeOptions opts);
   Quantized weight_fp8(const at::Tensor& weight, const AutocastState& ac,
                        std::optional<bool> is_first_microbatch);
   at::Tensor main_grad_for(const at::Tensor& weight);

@@ -109,27 +109,28 @@ void set_extra_state(LinearCore& core, const py::object& state, const std::strin
 
 void bind_modules(py::module_& m) {
   py::class_<LinearCore, std::shared_ptr<LinearCore>>(m, "LinearCore")
-      .def(
-          py::init([](std::string name, int64_t in_features, int64_t out_features,
-                      bool fuse_wgrad_accumulation, bool delay_wgrad_compute, bool layernorm,
-                      bool rms, float eps, bool zero_centered_gamma, bool return_layernorm_output) {
-            LinearConfig c;
-            c.name = std::move(name);
-            c.in_features = in_features;
-            c.out_features = out_features;
-            c.fuse_wgrad_accumulation = fuse_wgrad_accumulation;
-            c.delay_wgrad_compute = delay_wgrad_compute;
-            c.layernorm = layernorm;
-            c.norm.rms = rms;
-            c.norm.eps = eps;
-            c.norm.zero_centered_gamma = zero_centered_gamma;
-            c.return_layernorm_output = return_layernorm_output;
-            return std::make_shared<LinearCore>(std::move(c));
-          }),
-          py::arg("name"), py::arg("in_features"), py::arg("out_features"),
-          py::arg("fuse_wgrad_accumulation"), py::arg("delay_wgrad_compute"), py::arg("layernorm"),
-          py::arg("rms"), py::arg("eps"), py::arg("zero_centered_gamma"),
-          py::arg("return_layernorm_output"))
+      .def(py::init([](std::string name, int64_t in_features, int64_t out_features,
+                       bool fuse_wgrad_accumulation, bool delay_wgrad_compute, bool layernorm,
+                       bool rms, float eps, bool zero_centered_gamma, bool return_layernorm_output,
+                       int64_t qkv_heads) {
+             LinearConfig c;
+             c.name = std::move(name);
+             c.in_features = in_features;
+             c.out_features = out_features;
+             c.fuse_wgrad_accumulation = fuse_wgrad_accumulation;
+             c.delay_wgrad_compute = delay_wgrad_compute;
+             c.layernorm = layernorm;
+             c.norm.rms = rms;
+             c.norm.eps = eps;
+             c.norm.zero_centered_gamma = zero_centered_gamma;
+             c.return_layernorm_output = return_layernorm_output;
+             c.qkv_heads = qkv_heads;
+             return std::make_shared<LinearCore>(std::move(c));
+           }),
+           py::arg("name"), py::arg("in_features"), py::arg("out_features"),
+           py::arg("fuse_wgrad_accumulation"), py::arg("delay_wgrad_compute"), py::arg("layernorm"),
+           py::arg("rms"), py::arg("eps"), py::arg("zero_centered_gamma"),
+           py::arg("return_layernorm_output"), py::arg("qkv_heads") = 0)
       .def(
           "set_weight_attrs",
           [](LinearCore& core, py::object main_grad, py::object zero_out_wgrad,

@@ -180,6 +180,22 @@ def _gemm_input(m, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _join(parts, like=None) -> torch.Tensor:
+    """q, k, v ([..., heads, head_dim] each; None: zeros of `like` = (shape, dtype, device)) as
+    the [tokens, 3 * hidden] matrix the projection's output is."""
+    shape, dtype, device = like if like is not None else (parts[0].shape, None, None)
+    cols = shape[-2] * shape[-1]
+    return torch.cat(
+        [
+            (t if t is not None else torch.zeros(shape, dtype=dtype, device=device)).reshape(
+                -1, cols
+            )
+            for t in parts
+        ],
+        dim=1,
+    )
+
+
 class FP8Probe:
     """capture(step) wraps one micro-batch's forward and backward; the records are appended to
     `path` (a fresh file, or with truncate_after >= 0 the records of steps up to it kept, as
@@ -285,14 +301,28 @@ class FP8Probe:
     def _post_hook(self, name: str):
         @torch.no_grad()
         def hook(m, args, out):
-            y = out[0] if isinstance(out, tuple) else out
+            if getattr(
+                m, "qkv_heads", None
+            ):  # q, k, v: the output matrix is the three side by side
+                y = _join(out[:3])
+            else:
+                y = out[0] if isinstance(out, tuple) else out
             p = self._pending[name]
             emulated = p.pop("y", None)
             if emulated is not None:  # fp8dp's forward against the emulated one
                 p["rec"]["fprop_kernel"] = _rel(
                     y.detach().float().reshape(emulated.shape), emulated
                 )
-            if y.requires_grad:
+            if getattr(m, "qkv_heads", None):
+                # All three gradients at once (None for an output that got none), before the
+                # projection's backward runs: a pre-hook on the node q, k and v share.
+                # (The hook holds the outputs' shape, not the outputs: the node holds the hook.)
+                like = (out[0].shape, out[0].dtype, out[0].device)
+                if out[0].requires_grad:
+                    out[0].grad_fn.register_prehook(
+                        lambda gs: self._output_grad(name, m, _join(gs[:3], like=like))
+                    )
+            elif y.requires_grad:
                 y.register_hook(lambda g: self._output_grad(name, m, g))
 
         return hook

@@ -34,17 +34,23 @@ def embed(tok: torch.nn.Embedding, pos: torch.nn.Embedding, tokens: torch.Tensor
     return tok(tokens) + pos(torch.arange(s, device=tokens.device))[:, None, :]
 
 
-def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple:
-    """qkv [seq, batch, 3 * hidden] -> q, k, v, each [batch, head, seq, head_dim], as views.
+def split_qkv(qkv, n_head: int) -> tuple:
+    """qkv [seq, batch, 3 * hidden], or the (q, k, v) that a LayerNormLinear with qkv_heads
+    returns (each [seq, batch, head, head_dim]) -> q, k, v, each [batch, head, seq, head_dim], as
+    views.
 
     The unbind is on the q/k/v axis of the [s, b, 3, h, hd] view, before the permute: its backward
     stacks the three gradients straight into qkv's layout. Unbinding after a permute to
     [3, b, h, s, hd] (the same views) stacked them in that order instead and needed one more full
     copy back to [s, b, 3 * hidden] in every backward (5.8 ms of the 342M step's 126 ms of
-    kernels on an H100, 12-05)."""
-    s, b, three_d = qkv.shape
-    d = three_d // 3
-    parts = qkv.view(s, b, 3, n_head, d // n_head).unbind(2)
+    kernels on an H100, 12-05). With qkv_heads the projection itself returns the three views, so
+    no stack at all runs where its FP8 cast reads the three gradients in place."""
+    if isinstance(qkv, tuple):
+        parts = qkv
+    else:
+        s, b, three_d = qkv.shape
+        d = three_d // 3
+        parts = qkv.view(s, b, 3, n_head, d // n_head).unbind(2)
     return tuple(t.permute(1, 2, 0, 3) for t in parts)
 
 
@@ -62,7 +68,9 @@ class Block(torch.nn.Module):
         std = 0.02
         out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled down
         ln = dict(normalization=cfg.normalization)
-        self.qkv = fp8dp.LayerNormLinear(d, 3 * d, init_method=partial(_normal, std), **ln, **proj)
+        self.qkv = fp8dp.LayerNormLinear(
+            d, 3 * d, init_method=partial(_normal, std), qkv_heads=cfg.n_head, **ln, **proj
+        )
         self.out = fp8dp.Linear(d, d, init_method=partial(_normal, out_std), **proj)
         if cfg.fused_mlp:  # the same two projections, built in the same order (same weights)
             self.mlp = fp8dp.LayerNormMLP(
