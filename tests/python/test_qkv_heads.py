@@ -186,3 +186,26 @@ def test_no_stack_in_backward_cuda():
     split = lambda y: y.view(y.shape[0], y.shape[1], 3, HEADS, HD).unbind(2)  # noqa: E731
     assert copies(ref, split), "the reference backward should stack the three gradients"
     assert copies(qkv, lambda t: t) == []
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed"])
+def test_qkv_heads_under_activation_checkpointing(recipe_name, device):
+    """C14: the views are recomputed by a non-reentrant checkpoint like any output; the
+    gradients equal those of the same module run plainly."""
+    recipe = make_recipe(recipe_name)
+    plain, ckpt = modules(device)[1], modules(device)[1]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(S, B, IN, generator=g).to(device)
+    gs = grads("attention", 8, device, torch.float32)
+    for m, checkpointed in ((plain, False), (ckpt, True)):
+        xi = x.clone().requires_grad_(True)
+        with autocast(recipe):
+            if checkpointed:
+                parts = torch.utils.checkpoint.checkpoint(m, xi, use_reentrant=False)
+            else:
+                parts = m(xi)
+        torch.autograd.backward(list(parts), gs)
+        m.dx = xi.grad
+    assert_same(plain.dx, ckpt.dx, "input grad")
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        assert_same(a.grad, b.grad, f"{name}.grad")
