@@ -77,7 +77,8 @@ Buffers make(const Case& c) {
     std::memcpy(&bits, &f, 4);
     v = static_cast<uint16_t>(bits >> 16);
   }
-  CK(cudaMalloc(&b.h, in_elems * sizeof(T)));
+  // in_bytes, not in_elems: the copy baseline moves the backward's second input too (from here).
+  CK(cudaMalloc(&b.h, b.in_bytes));
   CK(cudaMemcpy(b.h, host.data(), in_elems * sizeof(T), cudaMemcpyHostToDevice));
   p.input = b.h;
   if (c.backward) {
