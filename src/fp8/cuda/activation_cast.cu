@@ -705,7 +705,8 @@ void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStrea
   scratch_free(o.dbias_partial, st);
 }
 
-// kAhead: act_tile_kernel's; 1 in the library, the fastest of dev/act_cast_variants.cu on an H100 (12-06).
+// kAhead: act_tile_kernel's; 1 in the library, the fastest of dev/act_cast_variants.cu on an
+// H100 (12-06).
 template <typename T, Activation A, bool kBackward, int kAhead = 1>
 void launch(const ActParams& p, cudaStream_t st) {
   // kVec elements of any input dtype (2 or 4 bytes) are a whole number of 16-byte words, so
