@@ -11,7 +11,9 @@ Three architectures (--arch), each against its own torch BF16 stack:
 - llama: RMSNorm, SwiGLU (ffn = 8/3 hidden rounded up to 256), no bias; LayerNormLinear(QKV),
   Linear(proj), LayerNormMLP(swiglu) in fp8dp and TE.
 Activations [seq, batch, hidden], BF16 parameters, head dim 128; q, k and v are taken from the QKV output with `split_qkv` (`--compare-qkv unbind`
-or `index` also times the baseline and FP8 delayed with an earlier split; QKV_SPLITS). One step = forward, backward with a fixed grad_output, gradients dropped, and for
+or `index` also times the baseline and FP8 delayed with an earlier split; QKV_SPLITS). fp8dp's QKV
+projection returns q, k and v itself (`qkv_heads`, since 2026-12-06), so its FP8 backward casts
+their gradients where SDPA left them; the split then applies to the torch and TE blocks. One step = forward, backward with a fixed grad_output, gradients dropped, and for
 delayed scaling the per-step scale update (fp8dp.update_fp8_scales(); TE updates at the end of
 its autocast). Reported per variant: ms per step (median of CUDA-event samples), tokens/s, the
 ratio over torch BF16, peak memory of one step, and host enqueue time per step (CPU time from the
