@@ -62,13 +62,6 @@ struct LinearCtx : torch::CustomClassHolder, SinkUse {
   // ln_weight, ln_bias), or -1 when that input was absent.
   std::array<int, 5> edge{};
 
-  // Tokens: x's rows as [tokens, in_features].
-  int64_t rows() const {
-    int64_t r = 1;
-    for (size_t i = 0; i + 1 < x_shape.size(); ++i) r *= x_shape[i];
-    return r;
-  }
-
   bool needs_grad(AutogradContext* ctx, int input) const {
     return edge[input] >= 0 && ctx->needs_input_grad(static_cast<size_t>(edge[input]));
   }
@@ -308,7 +301,8 @@ variable_list split_output(const at::Tensor& y, const LinearConfig& cfg) {
 // grad_output as backward reads it: dy [tokens, out] (contiguous), or with qkv_heads, where only
 // the delayed recipe's FP8 cast reads it, the gradients of q, k and v where attention left them
 // (parts, each [tokens..., heads, head_dim] viewed as 4-d; dy undefined). Every other route joins
-// them into dy first, which is what autograd's unbind backward did (undefined ones as zeros).
+// them into dy first, which is what autograd's unbind backward did. (Autograd hands an output
+// that got no gradient over as zeros: the function materializes grads, the default.)
 struct GradOutput {
   at::Tensor dy;
   std::vector<at::Tensor> parts;
@@ -323,8 +317,7 @@ GradOutput grad_output(const LinearCtx& c, const BackwardPlan& p, const variable
   }
   const int64_t cols = cfg.out_features / 3;
   const HighPrecision hp = high_precision(c.ac, p.need_w);
-  const bool cast_reads_parts = c.ac.enabled && !hp.dgrad && !hp.wgrad && grads[0].defined() &&
-                                grads[1].defined() && grads[2].defined();
+  const bool cast_reads_parts = c.ac.enabled && !hp.dgrad && !hp.wgrad;
   std::vector<at::Tensor> parts;
   for (size_t i = 0; i < 3; ++i) {
     const at::Tensor& g = grads[i];
@@ -333,9 +326,7 @@ GradOutput grad_output(const LinearCtx& c, const BackwardPlan& p, const variable
       // [seq, batch], whose attention gradient is a permuted view), else [1, tokens].
       parts.push_back(g.dim() == 4 ? g : g.reshape({1, -1, g.size(-2), g.size(-1)}));
     } else {
-      parts.push_back(g.defined()
-                          ? g.reshape({-1, cols})
-                          : at::zeros({c.rows(), cols}, c.weight.options().dtype(c.act_dtype)));
+      parts.push_back(g.reshape({-1, cols}));
     }
   }
   if (cast_reads_parts) {
