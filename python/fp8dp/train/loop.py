@@ -23,7 +23,7 @@ import fp8dp
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import RunSection, TrainConfig
-from .data import VOCAB_SIZE, load_corpus
+from .data import VOCAB_SIZE, load_corpus, to_device
 from .device import choose_device, local_world_size
 from .flops import mfu
 from .metrics import MetricsWriter
@@ -102,8 +102,9 @@ def evaluate(model, corpus, cfg: TrainConfig, rank: int, device) -> float:
     total = 0.0
     for i in range(cfg.train.eval_batches):
         x, y = corpus.batch("val", cfg.train.seed, 0, rank, i, cfg.train.micro_batch_size)
-        logits = model(x.to(device))
-        total += F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.to(device).view(-1)).item()
+        logits = model(to_device(x, device))
+        y = to_device(y, device)
+        total += F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), y.view(-1)).item()
     return _all_mean(total / cfg.train.eval_batches, device)
 
 
@@ -155,7 +156,7 @@ def _dp_step(
     for i in range(n_micro):
         with phase("data"):
             x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
         # Only the last micro-batch may launch collectives; the others just accumulate.
         sync = ddp.no_sync() if i < n_micro - 1 else contextlib.nullcontext()
         watch = probe.capture(step + 1) if probe and i == 0 else contextlib.nullcontext()

@@ -35,7 +35,7 @@ import fp8dp
 from fp8dp.pipeline import Pipeline, make_groups, stage_ranks
 
 from .config import TrainConfig
-from .data import VOCAB_SIZE, ByteCorpus
+from .data import VOCAB_SIZE, ByteCorpus, to_device
 from .model import GPT, embed
 
 
@@ -204,7 +204,7 @@ class PipelineRun:
                 x, y = self.corpus.batch(split, t.seed, step, r, i, t.micro_batch_size)
                 xs.append(x.t())
                 ys.append(y.t())
-        return torch.cat(xs).to(self.device), torch.cat(ys).to(self.device)
+        return to_device(torch.cat(xs), self.device), to_device(torch.cat(ys), self.device)
 
     def _mean_over_pipelines(self, value: float) -> float:
         """The mean of the last stages' values over the data-parallel ranks, on every rank (the

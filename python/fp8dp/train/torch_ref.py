@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import ModelConfig, TrainConfig, load_config
-from .data import VOCAB_SIZE, load_corpus
+from .data import VOCAB_SIZE, load_corpus, to_device
 from .loop import _all_mean, evaluate, lr_at, peak_memory_gib, setup_distributed
 from .metrics import MetricsWriter
 from .model import split_qkv
@@ -152,7 +152,7 @@ def train_torch(cfg: TrainConfig, run_dir: str, *, rank, world_size, device, ste
         loss_sum = 0.0
         for i in range(n_micro):
             x, y = corpus.batch("train", t.seed, step, rank, i, t.micro_batch_size)
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
             sync = ddp.no_sync() if i < n_micro - 1 else contextlib.nullcontext()
             with sync:
                 with autocast():
