@@ -358,6 +358,7 @@ class DistributedDataParallel(torch.nn.Module):
         opts.bucket_size = config.resolved_bucket_size(self.process_group.size())
         opts.average_in_collective = config.average_in_collective
         opts.check_for_nan_in_grad = config.check_for_nan_in_grad
+        opts.defer_nan_check = config.defer_nan_check
         opts.pad_buckets_for_high_nccl_busbw = config.pad_buckets_for_high_nccl_busbw
         opts.grad_ledger = config.grad_ledger
         opts.grad_reduce_wire = config.grad_reduce_wire
@@ -580,6 +581,13 @@ class DistributedDataParallel(torch.nn.Module):
     def finish_grad_sync(self) -> None:
         """Launch what is left, wait for all collectives; idempotent until zero_grad_buffer()."""
         self._sync.finish_grad_sync()
+
+    def check_deferred(self) -> None:
+        """defer_nan_check: raise now (naming the rank and the parameters) if the last finished
+        iteration's gradients held NaN or Inf, instead of at the next finish_grad_sync(); waits for
+        that iteration's end. Call it after the last step and before saving a checkpoint. A no-op
+        when nothing is pending (or without defer_nan_check)."""
+        self._sync.check_deferred()
 
     def zero_grad_buffer(self) -> None:
         """Zero every main_grad, clear every parameter's .grad and reset grad_added_to_main_grad:

@@ -40,6 +40,7 @@ class DistributedOptimizer:
                 f"optimizer_cls: expected a torch.optim.Optimizer class, got {optimizer_cls!r}"
             )
         self._ddp = ddp_model
+        self._defer = ddp_model.config.defer_nan_check
         self._shards = ddp_model.owned_shards()
         self._masters = [
             torch.nn.Parameter(ddp_model.param_shard(s).detach().float().clone())
@@ -51,6 +52,12 @@ class DistributedOptimizer:
         self._device = ddp_model._params[0].device if ddp_model._params else torch.device("cpu")
         params = self._masters or [torch.nn.Parameter(torch.zeros(0, device=self._device))]
         self.optimizer = optimizer_cls(params, **kwargs)
+        if self._defer and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(
+                "optimizer_cls: defer_nan_check needs an optimizer that skips its step on the "
+                "device when told (found_inf): torch.optim.Adam, AdamW or SGD with fused=True; got "
+                f"{optimizer_cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+            )
         self._optimizer_kwargs = dict(kwargs)  # for load_state_dict's probe (_probe_state)
         # C13: the parameters that this rank's masters stand for, and their version counters
         # right after the optimizer's own last write (see _refresh_moved_masters).
@@ -78,7 +85,19 @@ class DistributedOptimizer:
         for m, s in zip(self._masters, self._shards):
             g = self._ddp.grad_shard(s)
             m.grad = g if g.dtype == torch.float32 else g.float()
-        self.optimizer.step()
+        if self._defer:
+            # The agreed NaN flags of this iteration, still on the device: a fused torch optimizer
+            # reads found_inf (as GradScaler sets it) and leaves masters, moments and step counts
+            # as they were when it is nonzero, so the copy and all-gather below rewrite the same
+            # values. The next finish_grad_sync() raises (DistributedDataParallelConfig).
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = self._ddp._sync.found_nonfinite()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+        else:
+            self.optimizer.step()
         self._ddp.copy_shards(self._masters)
         self._ddp.start_param_sync()
         if not self._ddp.overlap_param_gather:

@@ -24,15 +24,20 @@ void BucketGroup::flag_local_nonfinite() {
   nonfinite_ = at::isfinite(at::stack(at::_foreach_norm(views, 1))).logical_not();
 }
 
+std::vector<int64_t> BucketGroup::flag_params() const {
+  std::vector<int64_t> out;
+  for (const Bucket* b : buckets_) out.insert(out.end(), b->params.begin(), b->params.end());
+  return out;
+}
+
 std::vector<std::string> BucketGroup::nonfinite_names() const {
   std::vector<std::string> out;
   if (!nonfinite_.defined()) return out;
   const at::Tensor flags = nonfinite_.cpu();
   const bool* f = flags.const_data_ptr<bool>();
-  int64_t i = 0;
-  for (const Bucket* b : buckets_)
-    for (int64_t p : b->params)
-      if (f[i++]) out.push_back((*names_)[p]);
+  const std::vector<int64_t> params = flag_params();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (f[i]) out.push_back((*names_)[params[i]]);
   return out;
 }
 

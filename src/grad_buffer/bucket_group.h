@@ -55,6 +55,8 @@ class BucketGroup {
   const at::Tensor& nonfinite_flags() const { return nonfinite_; }
   // Names of the flagged parameters (copies the flags to the host: the error path only).
   std::vector<std::string> nonfinite_names() const;
+  // The parameter of each entry of nonfinite_flags(), in order.
+  std::vector<int64_t> flag_params() const;
   const std::vector<const Bucket*>& buckets() const { return buckets_; }
   void reset();
 

@@ -48,6 +48,10 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
                   " names, got ", names_.size());
   FP8DP_CHECK_ARG(opts_.bucket_size > 0, "bucket_size: expected > 0 elements, got ",
                   opts_.bucket_size);
+  FP8DP_CHECK_ARG(!opts_.defer_nan_check || (opts_.check_for_nan_in_grad && !opts_.grad_ledger),
+                  "defer_nan_check: True needs check_for_nan_in_grad=True and grad_ledger=False, "
+                  "got check_for_nan_in_grad=",
+                  opts_.check_for_nan_in_grad, ", grad_ledger=", opts_.grad_ledger);
   const auto dev = params_[0].device();
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto dt = params_[i].scalar_type();
@@ -106,6 +110,10 @@ GradSync::GradSync(std::vector<at::Tensor> params, std::vector<std::string> name
       for (int64_t p : bucket.params) group_of_param_[p] = static_cast<int64_t>(grouped.size()) - 1;
     }
   for (auto& g : grouped) groups_.emplace_back(std::move(g), &names_);
+  for (const auto& g : groups_) {
+    const std::vector<int64_t> ps = g.flag_params();
+    deferred_order_.insert(deferred_order_.end(), ps.begin(), ps.end());
+  }
   param_sync_ = std::make_unique<ParamSync>(params_, buffers_, groups_, group_of_param_, *comm_,
                                             opts_.use_distributed_optimizer);
   readiness_ =
@@ -541,6 +549,76 @@ void GradSync::abandon_iteration() {
   failed_ = true;  // main_grad is not reduced: only zero_grad_buffer() goes on from here
 }
 
+at::Tensor GradSync::agree_flags_locked(const std::string& err) {
+  const int dp = comm_->size(), rank = comm_->rank();
+  at::Tensor flags =
+      at::zeros({2 * dp}, at::TensorOptions().dtype(at::kLong).device(params_[0].device()));
+  if (!err.empty()) flags.narrow(0, rank, 1).fill_(1);
+  if (opts_.check_for_nan_in_grad) {
+    std::vector<at::Tensor> nonfinite;
+    for (auto& g : groups_) {
+      g.flag_local_nonfinite();  // a no-op for launched groups: flagged before their pre-scale
+      nonfinite.push_back(g.nonfinite_flags());
+    }
+    flags.narrow(0, dp + rank, 1).copy_(at::cat(nonfinite).any().reshape({1}));
+  }
+  comm_->all_reduce({flags}, ReduceOp::kSum)->wait();
+  return flags;
+}
+
+std::string GradSync::flags_message(
+    const at::Tensor& cpu, const std::string& err,
+    const std::function<std::vector<std::string>()>& nonfinite_names) const {
+  const int dp = comm_->size(), rank = comm_->rank();
+  const int64_t* f = cpu.const_data_ptr<int64_t>();
+  std::vector<std::string> failed;
+  for (int r = 0; r < dp; ++r)
+    if (f[r] || f[dp + r]) failed.push_back(std::to_string(r));
+  if (failed.empty()) return "";
+  std::string msg = err;
+  if (f[dp + rank]) {
+    std::vector<std::string> bad;
+    for (const auto& n : nonfinite_names()) bad.push_back("'" + n + "'");
+    msg += (msg.empty() ? "" : "\n") + std::string("check_for_nan_in_grad: rank ") +
+           std::to_string(rank) + " has NaN or Inf in the local gradients of " + join(bad);
+  }
+  return msg.empty()
+             ? "finish_grad_sync: rank(s) " + join(failed) + " found errors (see their messages)"
+             : msg;
+}
+
+std::string GradSync::take_deferred_locked() {
+  if (!deferred_flags_.defined()) return "";
+  const at::Tensor cpu = deferred_flags_.cpu();
+  const at::Tensor flagged = deferred_params_.cpu();
+  comm_->check_for_errors();
+  deferred_flags_ = deferred_params_ = at::Tensor();
+  const std::string msg = flags_message(cpu, "", [&] {
+    std::vector<std::string> bad;
+    const bool* f = flagged.const_data_ptr<bool>();
+    for (size_t i = 0; i < deferred_order_.size(); ++i)
+      if (f[i]) bad.push_back(names_[deferred_order_[i]]);
+    return bad;
+  });
+  if (msg.empty()) return "";
+  return msg + "\n(defer_nan_check: the gradients of iteration " +
+         std::to_string(deferred_iteration_) +
+         " (counted by zero_grad_buffer() calls), read after it finished; the distributed "
+         "optimizer skipped that iteration's step on the device, so the parameters and the "
+         "optimizer state are as they were before it)";
+}
+
+void GradSync::check_deferred() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string msg = take_deferred_locked();
+  FP8DP_CHECK(msg.empty(), msg);
+}
+
+at::Tensor GradSync::found_nonfinite() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return found_;
+}
+
 void GradSync::finish_grad_sync() {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_ || stepped_) return;  // reduced already (DistributedOptimizer.step() calls it)
@@ -553,45 +631,33 @@ void GradSync::finish_grad_sync() {
   bool launched = false;
   for (const auto& g : groups_) launched = launched || g.launched();
   const std::string err = local_errors();
-  if (opts_.grad_ledger || opts_.check_for_nan_in_grad) {
+  if (opts_.defer_nan_check) {
+    // The last iteration's verdict first. Its flags were launched a whole forward and backward
+    // ago, so this host read waits at most for that iteration's end (its optimizer step), with
+    // this iteration's work already queued behind it: the GPU does not run dry.
+    const std::string previous = take_deferred_locked();
+    if (!previous.empty()) refuse_finish_locked(previous, launched);
+    // Errors known on this host refuse at once, as without the check (config: no ledger here).
+    if (!err.empty()) refuse_finish_locked(err, launched);
+    deferred_flags_ = agree_flags_locked("");
+    std::vector<at::Tensor> nonfinite;
+    for (const auto& g : groups_) nonfinite.push_back(g.nonfinite_flags());
+    deferred_params_ = at::cat(nonfinite);  // a copy: reset() below drops the groups' flags
+    deferred_iteration_ = iteration_;
+    found_ = deferred_flags_.sum().gt(0).to(at::kFloat);
+  } else if (opts_.grad_ledger || opts_.check_for_nan_in_grad) {
     // Agree before raising: a rank that raised alone would leave the others blocked in the next
-    // collective. One tiny all-reduce; slot r says rank r has an error known on the host
-    // (readiness, ledger), slot dp + r that its local gradients hold NaN or Inf (flags computed on
-    // the device at each launch): the iteration's one host read.
-    const int dp = comm_->size(), rank = comm_->rank();
-    at::Tensor flags =
-        at::zeros({2 * dp}, at::TensorOptions().dtype(at::kLong).device(params_[0].device()));
-    if (!err.empty()) flags.narrow(0, rank, 1).fill_(1);
-    if (opts_.check_for_nan_in_grad) {
-      std::vector<at::Tensor> nonfinite;
-      for (auto& g : groups_) {
-        g.flag_local_nonfinite();  // a no-op for launched groups: flagged before their pre-scale
-        nonfinite.push_back(g.nonfinite_flags());
-      }
-      flags.narrow(0, dp + rank, 1).copy_(at::cat(nonfinite).any().reshape({1}));
-    }
-    comm_->all_reduce({flags}, ReduceOp::kSum)->wait();
-    at::Tensor cpu = flags.cpu();
+    // collective. The iteration's one host read.
+    at::Tensor cpu = agree_flags_locked(err).cpu();
     comm_->check_for_errors();  // an aborted collective unblocks the copy with garbage: raise first
-    const int64_t* f = cpu.const_data_ptr<int64_t>();
-    std::vector<std::string> failed;
-    for (int r = 0; r < dp; ++r)
-      if (f[r] || f[dp + r]) failed.push_back(std::to_string(r));
-    if (!failed.empty()) {
-      std::string msg = err;
-      if (f[dp + rank]) {
-        std::vector<std::string> bad;
-        for (auto& g : groups_)
-          for (const auto& n : g.nonfinite_names()) bad.push_back("'" + n + "'");
-        msg += (msg.empty() ? "" : "\n") + std::string("check_for_nan_in_grad: rank ") +
-               std::to_string(rank) + " has NaN or Inf in the local gradients of " + join(bad);
-      }
-      // Every rank saw the same flags and the same launches (lockstep), so all take one branch.
-      refuse_finish_locked(msg.empty() ? "finish_grad_sync: rank(s) " + join(failed) +
-                                             " found errors (see their messages)"
-                                       : msg,
-                           launched);
-    }
+    const std::string msg = flags_message(cpu, err, [this] {
+      std::vector<std::string> bad;
+      for (auto& g : groups_)
+        for (const auto& n : g.nonfinite_names()) bad.push_back(n);
+      return bad;
+    });
+    // Every rank saw the same flags and the same launches (lockstep), so all take one branch.
+    if (!msg.empty()) refuse_finish_locked(msg, launched);
   } else if (!err.empty()) {
     refuse_finish_locked(err, launched);
   }

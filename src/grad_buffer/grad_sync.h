@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -33,6 +34,10 @@ struct GradSyncOptions {
   int64_t bucket_size = 40000000;
   bool average_in_collective = false;
   bool check_for_nan_in_grad = false;
+  // With check_for_nan_in_grad (and no ledger): finish_grad_sync() does not wait for the agreed
+  // NaN flags; found_nonfinite() hands them to the optimizer, which skips its step on the device,
+  // and the next finish_grad_sync() (or check_deferred()) raises. Host errors refuse at once.
+  bool defer_nan_check = false;
   bool pad_buckets_for_high_nccl_busbw = false;
   bool grad_ledger = false;
   // What the bucket reductions put on the wire: "fp32" (the buffer as it is), "bf16", "fp8_e4m3"
@@ -112,11 +117,23 @@ class GradSync : public GradSink {
   // backward_dw() is not delivered (it would land in a launched bucket), after the optimizer step
   // and after a failed finish; a no-op once finished.
   void start_grad_sync();
+  // With defer_nan_check, first raises the last iteration's pending NaN (check_deferred()).
   // Checks readiness (and the ledger and NaN check when enabled; then every rank agrees on the
-  // outcome first, so all raise together: one tiny all-reduce and the iteration's only host read),
+  // outcome first, so all raise together: one tiny all-reduce and the iteration's only host read;
+  // defer_nan_check launches the NaN flags' all-reduce and reads it at the next finish),
   // launches what is left, waits (stream-ordered on CUDA). A no-op when finished or stepped
   // (the gradients are reduced); refused after a failed finish.
   void finish_grad_sync();
+  // defer_nan_check: a float32 scalar on the parameters' device, nonzero when any rank flagged
+  // NaN or Inf in its local gradients of the iteration finish_grad_sync() last finished, for the
+  // optimizer's found_inf (its step then changes nothing); undefined before the first finish and
+  // without defer_nan_check. Reads nothing on the host.
+  at::Tensor found_nonfinite() const;
+  // defer_nan_check: reads the flags of the last finished iteration on the host (waiting for
+  // that iteration's end) and raises, naming the rank and the parameters, when any rank flagged
+  // it; the flags are consumed either way. finish_grad_sync() calls it first; call it after the
+  // last step and before saving a checkpoint. A no-op when nothing is pending.
+  void check_deferred();
   // Waits for any gradient collective in flight, zeroes every grad buffer, clears every
   // parameter's .grad, forgets this iteration's counts: the accumulating phase of the next one.
   void zero_grad_buffer();
@@ -186,6 +203,16 @@ class GradSync : public GradSink {
   // iteration either way (mu_ held).
   std::string undelivered_locked();
   void abandon_iteration();
+  // The agreement all-reduce of finish_grad_sync(): [2 * dp] int64 on the device, slot r set when
+  // rank r has a host error, slot dp + r when its local gradients hold NaN or Inf (the groups are
+  // flagged first); `err` is this rank's host error ("" when none). Launches, reads nothing.
+  at::Tensor agree_flags_locked(const std::string& err);
+  // The message of agreed flags read on the host ("" when no rank flagged); `err` is this rank's
+  // host error, `nonfinite_names` lists its flagged parameters (called only when it has some).
+  std::string flags_message(const at::Tensor& flags_cpu, const std::string& err,
+                            const std::function<std::vector<std::string>()>& nonfinite_names) const;
+  // check_deferred() with mu_ held: the message of the pending flags ("" when none), consumed.
+  std::string take_deferred_locked();
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -209,7 +236,13 @@ class GradSync : public GradSink {
   std::map<std::pair<int64_t, std::string>, int64_t> undelivered_;
   std::vector<const void*> param_ptrs_;  // where each parameter's data lives in its buffer
   std::atomic<int64_t> iteration_{0};
-  mutable std::mutex mu_;  // hooks may run on autograd's device threads
+  // defer_nan_check: the last finished iteration's agreed flags (agree_flags_locked) and local
+  // per-parameter NaN flags (in deferred_order_), undefined once read; its number; the
+  // optimizer's found_inf made from the flags.
+  at::Tensor deferred_flags_, deferred_params_, found_;
+  int64_t deferred_iteration_ = -1;
+  std::vector<int64_t> deferred_order_;  // the parameter of each entry of deferred_params_
+  mutable std::mutex mu_;                // hooks may run on autograd's device threads
 };
 
 }  // namespace fp8dp

@@ -35,6 +35,7 @@ void bind_grad_buffer(py::module_& m) {
       .def_readwrite("bucket_size", &GradSyncOptions::bucket_size)
       .def_readwrite("average_in_collective", &GradSyncOptions::average_in_collective)
       .def_readwrite("check_for_nan_in_grad", &GradSyncOptions::check_for_nan_in_grad)
+      .def_readwrite("defer_nan_check", &GradSyncOptions::defer_nan_check)
       .def_readwrite("pad_buckets_for_high_nccl_busbw",
                      &GradSyncOptions::pad_buckets_for_high_nccl_busbw)
       .def_readwrite("grad_ledger", &GradSyncOptions::grad_ledger)
@@ -85,6 +86,8 @@ void bind_grad_buffer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("zero_grad_buffer", &GradSync::zero_grad_buffer,
            py::call_guard<py::gil_scoped_release>())
+      .def("found_nonfinite", &GradSync::found_nonfinite)
+      .def("check_deferred", &GradSync::check_deferred, py::call_guard<py::gil_scoped_release>())
       .def("scale_gradients", &GradSync::scale_gradients, py::arg("factor"),
            py::call_guard<py::gil_scoped_release>())
       .def("broadcast_params", &GradSync::broadcast_params, py::arg("root"),

@@ -577,6 +577,63 @@ def nan_check_names_parameters(rank, ws, overlap):
     iteration(ddp, x, y, rank, 1)  # clean again
 
 
+@case(overlap=[False, True])
+def deferred_nan_check_agrees(rank, ws, overlap):
+    """defer_nan_check across ranks: NaN on the last rank only; its step is skipped on every rank
+    (the flags are all-reduced before the optimizer reads them as found_inf), so all ranks keep
+    equal, finite weights; the next finish raises on every rank (the bad one naming its
+    parameters); redone, the iteration steps. (Single-process details: test_defer_nan_check.py.)"""
+    model = mlp()
+    ddp = fp8dp.DistributedDataParallel(
+        model,
+        cfg(
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=True,
+            check_for_nan_in_grad=True,
+            defer_nan_check=True,
+            bucket_size=150,
+        ),
+    )
+    opt = fp8dp.DistributedOptimizer(torch.optim.AdamW, ddp, lr=1e-2, fused=True)
+    bad = ws - 1
+    x, y = data(0, ws, 1)
+    iteration(ddp, x, y, rank, 1)
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    xb = x.clone()
+    if overlap and rank == bad:
+        xb[bad * B, 0] = float("nan")
+
+    def poison():
+        if not overlap and rank == bad:
+            ddp._params[0].main_grad.view(-1)[3] = float("nan")
+
+    iteration(ddp, xb, y, rank, 1, before_finish=poison)  # finishes without raising
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)  # skipped on every rank, the good ones included
+    x1, y1 = data(1, ws, 1)
+    try:
+        iteration(ddp, x1, y1, rank, 1)
+    except RuntimeError as e:
+        msg = str(e)
+        if rank == bad:
+            assert f"rank {bad} has NaN or Inf in the local gradients of " in msg, msg
+            assert "'0.weight'" in msg and ("'4.bias'" in msg) == overlap, msg
+        else:
+            assert f"rank(s) {bad} found errors" in msg, msg
+        assert "defer_nan_check: the gradients of iteration" in msg, msg
+    else:
+        raise AssertionError("the deferred NaN was not reported")
+    iteration(ddp, x1, y1, rank, 1)  # redone (zero_grad_buffer() first): clean
+    opt.step()
+    for p in model.parameters():
+        gathered = [torch.empty_like(p) for _ in range(ws)]
+        dist.all_gather(gathered, p.detach().contiguous())
+        assert all(torch.equal(g, gathered[0]) for g in gathered) and torch.isfinite(p).all()
+    ddp.check_deferred()
+
+
 @case(root=[0, -1])
 def broadcast_and_scale(rank, ws, root):
     root = root % ws

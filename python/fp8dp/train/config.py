@@ -213,15 +213,16 @@ class TrainSection:
                 f"{self.micro_batch_size}, got {self.global_batch_size}"
             )
 
-    def adamw_kwargs(self, device) -> dict:
+    def adamw_kwargs(self, device, found_inf: bool = False) -> dict:
         """The keyword arguments of torch.optim.AdamW for the run's DistributedOptimizers. On
         CUDA, torch's fused kernel: one pass over masters, gradients and both moments where the
         default foreach kernels make several (10.6 ms of the 342M step's 126 ms of kernels on an
         H100, 12-05). Its rounding differs from foreach's in the last bits, so a run does not
         switch kernels across a resume: loading a checkpoint restores the saved groups' `fused`
-        with the rest of their settings."""
+        with the rest of their settings. found_inf (ddp.defer_nan_check): the fused kernel on the
+        CPU too, the one that can skip its step on the device."""
         kw = dict(lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay)
-        if torch.device(device).type == "cuda":
+        if torch.device(device).type == "cuda" or found_inf:
             kw["fused"] = True
         return kw
 
@@ -402,6 +403,10 @@ class DDPSection:
         DistributedDataParallelConfig, "check_for_nan_in_grad"
     )
     """Fail (naming the parameters) when a reduced gradient holds a NaN."""
+    defer_nan_check: bool = _library_default(DistributedDataParallelConfig, "defer_nan_check")
+    """The NaN check without the host's wait: a step with NaN is skipped on the device and the
+    next step raises (DistributedDataParallelConfig.defer_nan_check); AdamW runs fused then, on
+    the CPU too. Data-parallel runs only."""
     grad_reduce_wire: str = _library_default(DistributedDataParallelConfig, "grad_reduce_wire")
     """What the gradient reduction sends (DistributedDataParallelConfig.grad_reduce_wire: its
     values and default)."""

@@ -350,6 +350,11 @@ def _check_train_args(cfg: TrainConfig, save, stop_at, time_budget_s) -> None:
             "train.clip_grad: expected 0 with parallel.pipeline_parallel_size > 1 (the global "
             f"norm over pipeline stages is not implemented), got {cfg.train.clip_grad}"
         )
+    if cfg.ddp.defer_nan_check and cfg.parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "ddp.defer_nan_check: expected false with parallel.pipeline_parallel_size > 1 (the "
+            "pipeline's stages do not read the deferred flags before a checkpoint), got true"
+        )
 
 
 def _load_corpus(cfg: TrainConfig, run_dir: str, rank: int):
@@ -405,7 +410,7 @@ class _Run:
             opt = fp8dp.DistributedOptimizer(
                 torch.optim.AdamW,
                 ddp,
-                **t.adamw_kwargs(device),
+                **t.adamw_kwargs(device, found_inf=d.defer_nan_check),
             )
             state_model = model
         wgrad_modules = list(reversed(model.fp8_modules())) if d.delay_wgrad_compute else []
@@ -443,7 +448,14 @@ class _Run:
             )
         return start
 
+    def check_deferred(self) -> None:
+        """ddp.defer_nan_check: raise now if the last step's gradients held NaN (its update was
+        skipped), so that no checkpoint or final result hides it."""
+        if self.ddp is not None:
+            self.ddp.check_deferred()
+
     def save(self, path: str, step: int) -> None:
+        self.check_deferred()
         save_checkpoint(
             path,
             step=step,
@@ -589,6 +601,7 @@ def _train_steps(run: _Run, start: int, last_val, writer, bar, save, stop) -> tu
             break
         if save and t.save_every and done % t.save_every == 0 and done != t.steps:
             run.save(os.path.join(save, f"step_{done:06d}"), done)
+    run.check_deferred()
     return done, last_val
 
 
