@@ -1,6 +1,7 @@
 #include "grad_buffer/grad_sync.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <limits>
@@ -589,10 +590,18 @@ std::string GradSync::flags_message(
 
 std::string GradSync::take_deferred_locked() {
   if (!deferred_flags_.defined()) return "";
-  const at::Tensor cpu = deferred_flags_.cpu();
-  const at::Tensor flagged = deferred_params_.cpu();
-  comm_->check_for_errors();
+  // On CUDA the flags were copied to pinned memory right after their all-reduce, and the event
+  // marks that copy: waiting for it does not wait for the work queued since (a .cpu() here would
+  // queue its copy behind this iteration's backward and wait for all of it, as the synchronous
+  // check does). On the CPU the all-reduce has completed.
+  if (deferred_event_) deferred_event_->synchronize();
+  const at::Tensor cpu = deferred_flags_;
+  deferred_event_.reset();
+  comm_->check_for_errors();  // an aborted collective unblocks the copy with garbage: raise first
+  const bool any = cpu.any().item<bool>();
+  const at::Tensor flagged = any ? deferred_params_.cpu() : at::Tensor();  // the error path only
   deferred_flags_ = deferred_params_ = at::Tensor();
+  if (!any) return "";
   const std::string msg = flags_message(cpu, "", [&] {
     std::vector<std::string> bad;
     const bool* f = flagged.const_data_ptr<bool>();
@@ -632,19 +641,30 @@ void GradSync::finish_grad_sync() {
   for (const auto& g : groups_) launched = launched || g.launched();
   const std::string err = local_errors();
   if (opts_.defer_nan_check) {
-    // The last iteration's verdict first. Its flags were launched a whole forward and backward
-    // ago, so this host read waits at most for that iteration's end (its optimizer step), with
-    // this iteration's work already queued behind it: the GPU does not run dry.
+    // The last iteration's verdict first. Its flags were copied to the host a whole forward and
+    // backward ago (take_deferred_locked waits for that copy alone), so the host reads them
+    // without waiting for this iteration's queued work: the GPU does not run dry.
     const std::string previous = take_deferred_locked();
     if (!previous.empty()) refuse_finish_locked(previous, launched);
     // Errors known on this host refuse at once, as without the check (config: no ledger here).
     if (!err.empty()) refuse_finish_locked(err, launched);
-    deferred_flags_ = agree_flags_locked("");
+    const at::Tensor flags = agree_flags_locked("");
+    found_ = flags.sum().gt(0).to(at::kFloat);
     std::vector<at::Tensor> nonfinite;
     for (const auto& g : groups_) nonfinite.push_back(g.nonfinite_flags());
     deferred_params_ = at::cat(nonfinite);  // a copy: reset() below drops the groups' flags
     deferred_iteration_ = iteration_;
-    found_ = deferred_flags_.sum().gt(0).to(at::kFloat);
+    const c10::Device dev = flags.device();
+    if (dev.is_cpu()) {
+      deferred_flags_ = flags;
+    } else {
+      deferred_flags_ =
+          at::empty(flags.sizes(), flags.options().device(at::kCPU).pinned_memory(true));
+      deferred_flags_.copy_(flags, /*non_blocking=*/true);
+      const c10::impl::VirtualGuardImpl guard(dev.type());
+      deferred_event_ = std::make_unique<c10::Event>(dev.type());
+      deferred_event_->record(guard.getStream(dev));
+    }
   } else if (opts_.grad_ledger || opts_.check_for_nan_in_grad) {
     // Agree before raising: a rank that raised alone would leave the others blocked in the next
     // collective. The iteration's one host read.

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 #include <atomic>
 #include <functional>
@@ -236,10 +237,12 @@ class GradSync : public GradSink {
   std::map<std::pair<int64_t, std::string>, int64_t> undelivered_;
   std::vector<const void*> param_ptrs_;  // where each parameter's data lives in its buffer
   std::atomic<int64_t> iteration_{0};
-  // defer_nan_check: the last finished iteration's agreed flags (agree_flags_locked) and local
-  // per-parameter NaN flags (in deferred_order_), undefined once read; its number; the
-  // optimizer's found_inf made from the flags.
+  // defer_nan_check: the last finished iteration's agreed flags (agree_flags_locked) on the host
+  // (pinned and copied without waiting on CUDA; deferred_event_ marks the copy) and its local
+  // per-parameter NaN flags on the device (in deferred_order_), undefined once read; its number;
+  // the optimizer's found_inf made from the flags.
   at::Tensor deferred_flags_, deferred_params_, found_;
+  std::unique_ptr<c10::Event> deferred_event_;
   int64_t deferred_iteration_ = -1;
   std::vector<int64_t> deferred_order_;  // the parameter of each entry of deferred_params_
   mutable std::mutex mu_;                // hooks may run on autograd's device threads

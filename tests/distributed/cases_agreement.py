@@ -49,6 +49,11 @@ DIFFERS = {
     "bucket_size": (None, 1000, {}),
     "average_in_collective": (False, True, {}),
     "check_for_nan_in_grad": (False, True, {}),
+    "defer_nan_check": (
+        False,
+        True,
+        {"check_for_nan_in_grad": True, "use_distributed_optimizer": True},
+    ),
     "pad_buckets_for_high_nccl_busbw": (False, True, {"use_distributed_optimizer": True}),
     "delay_wgrad_compute": (False, True, {}),
     "grad_ledger": (False, True, {}),
