@@ -555,16 +555,33 @@ def nan_check_names_parameters(rank, ws, overlap):
     bad = ws - 1
     x, y = data(0, ws, 1)
     iteration(ddp, x, y, rank, 1)
+    xb, poison = _nan_on(ddp, x, rank, bad, overlap)
+    _expect_nan_report(
+        lambda: iteration(ddp, xb, y, rank, 1, before_finish=poison), rank, bad, overlap
+    )
+    iteration(ddp, x, y, rank, 1)  # clean again
+
+
+def _nan_on(ddp, x, rank, bad, overlap):
+    """NaN on rank `bad` only: with overlap through the data (every gradient is poisoned before
+    its group launches), else into 0.weight's main_grad before the finish. Returns the inputs and
+    the before_finish callback for iteration()."""
     xb = x.clone()
     if overlap and rank == bad:
-        xb[bad * B, 0] = float("nan")  # NaN enters through the data: every gradient is poisoned
+        xb[bad * B, 0] = float("nan")
 
     def poison():
         if not overlap and rank == bad:
             ddp._params[0].main_grad.view(-1)[3] = float("nan")  # only 0.weight
 
+    return xb, poison
+
+
+def _expect_nan_report(run, rank, bad, overlap, *also):
+    """run() raises on every rank: rank `bad` names its poisoned parameters, the others name it;
+    each message also holds the strings `also`."""
     try:
-        iteration(ddp, xb, y, rank, 1, before_finish=poison)
+        run()
     except RuntimeError as e:
         msg = str(e)
         if rank == bad:
@@ -572,9 +589,10 @@ def nan_check_names_parameters(rank, ws, overlap):
             assert "'0.weight'" in msg and ("'4.bias'" in msg) == overlap, msg
         else:
             assert f"rank(s) {bad} found errors" in msg, msg
+        for a in also:
+            assert a in msg, msg
     else:
         raise AssertionError("NaN not reported")
-    iteration(ddp, x, y, rank, 1)  # clean again
 
 
 @case(overlap=[False, True])
@@ -600,31 +618,19 @@ def deferred_nan_check_agrees(rank, ws, overlap):
     iteration(ddp, x, y, rank, 1)
     opt.step()
     before = [p.detach().clone() for p in model.parameters()]
-    xb = x.clone()
-    if overlap and rank == bad:
-        xb[bad * B, 0] = float("nan")
-
-    def poison():
-        if not overlap and rank == bad:
-            ddp._params[0].main_grad.view(-1)[3] = float("nan")
-
+    xb, poison = _nan_on(ddp, x, rank, bad, overlap)
     iteration(ddp, xb, y, rank, 1, before_finish=poison)  # finishes without raising
     opt.step()
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)  # skipped on every rank, the good ones included
     x1, y1 = data(1, ws, 1)
-    try:
-        iteration(ddp, x1, y1, rank, 1)
-    except RuntimeError as e:
-        msg = str(e)
-        if rank == bad:
-            assert f"rank {bad} has NaN or Inf in the local gradients of " in msg, msg
-            assert "'0.weight'" in msg and ("'4.bias'" in msg) == overlap, msg
-        else:
-            assert f"rank(s) {bad} found errors" in msg, msg
-        assert "defer_nan_check: the gradients of iteration" in msg, msg
-    else:
-        raise AssertionError("the deferred NaN was not reported")
+    _expect_nan_report(
+        lambda: iteration(ddp, x1, y1, rank, 1),
+        rank,
+        bad,
+        overlap,
+        "defer_nan_check: the gradients of iteration",
+    )
     iteration(ddp, x1, y1, rank, 1)  # redone (zero_grad_buffer() first): clean
     opt.step()
     for p in model.parameters():
