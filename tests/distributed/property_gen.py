@@ -188,7 +188,18 @@ def gen_config(case_seed: int, ws: int) -> dict:
     # makes the reference casts the same bytes.
     c["recipe"] = rng.choice(["current", "block"]) if fp8 else "current"
     _gen_mlp(rng, c)
+    _gen_defer_nan(rng, c)
     return c
+
+
+def _gen_defer_nan(rng: random.Random, c: dict) -> None:
+    """ddp.defer_nan_check where the config allows it (the NaN check and the distributed
+    optimizer, no ledger): the flags launched at each finish and read at the next, the optimizer
+    (fused SGD) stepping with them as found_inf. Drawn after everything else, so the fields above
+    keep their values for a seed."""
+    d = c["ddp"]
+    if d["check_for_nan_in_grad"] and d["use_distributed_optimizer"] and not d["grad_ledger"]:
+        d["defer_nan_check"] = rng.random() < 0.5
 
 
 def _gen_mlp(rng: random.Random, c: dict) -> None:

@@ -159,12 +159,15 @@ def shrink_candidates(c):
         "grad_reduce_in_fp32",
         "grad_ledger",
         "check_for_nan_in_grad",
+        "defer_nan_check",
     ):
-        if c["ddp"][key]:
+        if c["ddp"].get(key):
             d = with_()
             d["ddp"][key] = False
             if key == "use_distributed_optimizer":
                 d["ddp"]["overlap_param_gather"] = False
+            if key in ("use_distributed_optimizer", "check_for_nan_in_grad"):
+                d["ddp"]["defer_nan_check"] = False  # it needs both
             out.append(d)
     if c["D"] != 16:
         d = with_(D=16)
