@@ -9,7 +9,9 @@ the NCCL communicator); a sync there fails the run with the call's traceback. Co
 the batch copies (fp8dp.train.data.to_device), ddp.defer_nan_check (the last step's flags read
 from pinned memory behind an event, not with a blocking copy queued after this step's
 backward) and the clip's coefficient on the device. The loop's deliberate reads (a step's loss,
-one step late; the validation) happen outside run.step and are not covered.
+one step late; the validation) happen outside run.step and are not covered; nor are fp8dp's own
+raw CUDA synchronizations, which torch's debug mode does not see (one-time setup only: the
+cuBLASLt autotuning of a new plan, the activation tables).
 
 Skipped without a GPU. Not yet run on a GPU when written (2026-12-06).
 """
