@@ -585,7 +585,7 @@ class DistributedDataParallel(torch.nn.Module):
     def check_deferred(self) -> None:
         """defer_nan_check: raise now (naming the rank and the parameters) if the last finished
         iteration's gradients held NaN or Inf, instead of at the next finish_grad_sync(); waits for
-        that iteration's end. Call it after the last step and before saving a checkpoint. A no-op
+        that iteration's flags (not for the work queued after them). Call it after the last step and before saving a checkpoint. A no-op
         when nothing is pending (or without defer_nan_check)."""
         self._sync.check_deferred()
 

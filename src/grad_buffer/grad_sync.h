@@ -131,9 +131,9 @@ class GradSync : public GradSink {
   // without defer_nan_check. Reads nothing on the host.
   at::Tensor found_nonfinite() const;
   // defer_nan_check: reads the flags of the last finished iteration on the host (waiting for
-  // that iteration's end) and raises, naming the rank and the parameters, when any rank flagged
-  // it; the flags are consumed either way. finish_grad_sync() calls it first; call it after the
-  // last step and before saving a checkpoint. A no-op when nothing is pending.
+  // their copy, not for the work queued after it) and raises, naming the rank and the parameters,
+  // when any rank flagged it; the flags are consumed either way. finish_grad_sync() calls it first;
+  // call it after the last step and before saving a checkpoint. A no-op when nothing is pending.
   void check_deferred();
   // Waits for any gradient collective in flight, zeroes every grad buffer, clears every
   // parameter's .grad, forgets this iteration's counts: the accumulating phase of the next one.
