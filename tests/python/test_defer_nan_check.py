@@ -10,10 +10,13 @@ third, the deferred run's parameters, master shards and AdamW state equal (bit f
 fused kernel on the same values) those of a synchronous run that skips the poisoned iteration; the
 poisoned step itself changes nothing; the error arrives at the fourth finish (or at
 check_deferred()), names the parameter, and a second finish goes on; clean runs never raise. Also
-the config's refusals and the optimizer refusal. On CPU and, when present, CUDA.
+the config's refusals and the optimizer refusal. Generated sequences (seed printed,
+FP8DP_DEFER_SEED replays one) poison random iterations and parameters, report at once or at the
+next finish, with or without overlap, and compare every iteration bit for bit with the
+synchronous check's run that drops the poisoned iterations. On CPU and, when present, CUDA.
 
 Mutations (2026-12-06, restored): DistributedOptimizer.step without found_inf -> the poisoned
-step wrote NaN into the parameters (the equality tests fail); finish_grad_sync without
+step wrote NaN into the parameters (the equality tests fail, the generated one at 3 seeds of 3); finish_grad_sync without
 take_deferred_locked -> "DID NOT RAISE" in the error tests.
 """
 
@@ -253,3 +256,74 @@ def test_the_training_loop_raises_a_deferred_nan(group, tmp_path, monkeypatch, p
         assert len(calls) == 2 * poisoned + 1 and not checked  # the next step's first finish
     else:
         assert checked == [6]  # after the last step's two finishes
+
+
+def test_random_sequences_equal_the_synchronous_check(group, device):
+    """Generated sequences (seed printed; FP8DP_DEFER_SEED replays one): eight iterations, each
+    poisoned with probability 0.35 (NaN into one random parameter's main_grad, or, with overlap,
+    into the input), and after a poisoned step either check_deferred() at once or the next
+    finish_grad_sync() raising (redoing the iteration when its groups had launched). After every
+    iteration parameters, masters and AdamW state equal, bit for bit, those of a run with the
+    synchronous check that drops each poisoned iteration (its finish refuses; zero_grad_buffer())."""
+    import os
+    import random
+
+    seed = int(os.environ.get("FP8DP_DEFER_SEED", random.randrange(2**31)))
+    print(f"FP8DP_DEFER_SEED={seed}")
+    rng = random.Random(seed)
+    overlap = rng.random() < 0.5
+    model, ddp, opt = build(group, device, defer=True, overlap=overlap)
+    ref_model, ref_ddp, ref_opt = build(group, device, defer=False, overlap=overlap)
+    n_params = len(ddp._params)
+
+    def run_backward(d, step, nan_input):
+        d.zero_grad_buffer()
+        x, y = batch(step, device)
+        if nan_input:
+            x[0, 0, 0] = float("nan")
+        for k in range(N_MB):
+            with d.no_sync() if k < N_MB - 1 else _null():
+                ((d(x[k]) - y[k]) ** 2).mean().backward()
+
+    pending = False  # the defer run has a poisoned step not yet reported
+    for step in range(8):
+        poison = rng.random() < 0.35
+        where = rng.randrange(n_params)
+        # the defer run: the last poisoned step's report first (at once, or at this finish)
+        if pending and rng.random() < 0.4:
+            with pytest.raises(RuntimeError, match="defer_nan_check"):
+                ddp.check_deferred()
+            pending = False
+        run_backward(ddp, step, poison and overlap)
+        if poison and not overlap:
+            ddp._params[where].main_grad.view(-1)[0] = float("nan")
+        if pending:
+            with pytest.raises(RuntimeError, match="defer_nan_check"):
+                ddp.finish_grad_sync()
+            if ddp.phase == "failed":  # its groups had launched: redo the iteration
+                run_backward(ddp, step, poison and overlap)
+                if poison and not overlap:
+                    ddp._params[where].main_grad.view(-1)[0] = float("nan")
+        ddp.finish_grad_sync()
+        opt.step()
+        pending = poison
+        # the reference: the synchronous check refuses the poisoned iteration; it is dropped
+        run_backward(ref_ddp, step, poison and overlap)
+        if poison and not overlap:
+            ref_ddp._params[where].main_grad.view(-1)[0] = float("nan")
+        if poison:
+            with pytest.raises(RuntimeError, match="check_for_nan_in_grad"):
+                ref_ddp.finish_grad_sync()
+        else:
+            ref_ddp.finish_grad_sync()
+            ref_opt.step()
+        a, b = state(model, opt), state(ref_model, ref_opt)
+        assert_same(a[:2] + ([],), b[:2] + ([],))
+        # AdamW's state: equal where the reference has it (a run whose first steps were all
+        # skipped has a state at step 0 with zero moments that the reference lacks)
+        if b[2]:
+            assert_same(a, b)
+    if pending:
+        with pytest.raises(RuntimeError, match="defer_nan_check"):
+            ddp.check_deferred()
+    ddp.check_deferred()
