@@ -264,7 +264,8 @@ def test_random_sequences_equal_the_synchronous_check(group, device):
     into the input), and after a poisoned step either check_deferred() at once or the next
     finish_grad_sync() raising (redoing the iteration when its groups had launched). After every
     iteration parameters, masters and AdamW state equal, bit for bit, those of a run with the
-    synchronous check that drops each poisoned iteration (its finish refuses; zero_grad_buffer())."""
+    synchronous check that drops each poisoned iteration (its finish refuses; zero_grad_buffer()).
+    """
     import os
     import random
 
