@@ -277,14 +277,18 @@ def test_random_sequences_equal_the_synchronous_check(group, device):
     ref_model, ref_ddp, ref_opt = build(group, device, defer=False, overlap=overlap)
     n_params = len(ddp._params)
 
-    def run_backward(d, step, nan_input):
+    def run_backward(d, step, poison, where):
+        """One iteration's backward; poisoned: NaN in the input with overlap (every gradient,
+        before its group launches), else in one element of parameter `where`'s main_grad."""
         d.zero_grad_buffer()
         x, y = batch(step, device)
-        if nan_input:
+        if poison and overlap:
             x[0, 0, 0] = float("nan")
         for k in range(N_MB):
             with d.no_sync() if k < N_MB - 1 else _null():
                 ((d(x[k]) - y[k]) ** 2).mean().backward()
+        if poison and not overlap:
+            d._params[where].main_grad.view(-1)[0] = float("nan")
 
     pending = False  # the defer run has a poisoned step not yet reported
     for step in range(8):
@@ -295,23 +299,17 @@ def test_random_sequences_equal_the_synchronous_check(group, device):
             with pytest.raises(RuntimeError, match="defer_nan_check"):
                 ddp.check_deferred()
             pending = False
-        run_backward(ddp, step, poison and overlap)
-        if poison and not overlap:
-            ddp._params[where].main_grad.view(-1)[0] = float("nan")
+        run_backward(ddp, step, poison, where)
         if pending:
             with pytest.raises(RuntimeError, match="defer_nan_check"):
                 ddp.finish_grad_sync()
             if ddp.phase == "failed":  # its groups had launched: redo the iteration
-                run_backward(ddp, step, poison and overlap)
-                if poison and not overlap:
-                    ddp._params[where].main_grad.view(-1)[0] = float("nan")
+                run_backward(ddp, step, poison, where)
         ddp.finish_grad_sync()
         opt.step()
         pending = poison
         # the reference: the synchronous check refuses the poisoned iteration; it is dropped
-        run_backward(ref_ddp, step, poison and overlap)
-        if poison and not overlap:
-            ref_ddp._params[where].main_grad.view(-1)[0] = float("nan")
+        run_backward(ref_ddp, step, poison, where)
         if poison:
             with pytest.raises(RuntimeError, match="check_for_nan_in_grad"):
                 ref_ddp.finish_grad_sync()
