@@ -609,7 +609,6 @@ std::string GradSync::take_deferred_locked() {
       if (f[i]) bad.push_back(names_[deferred_order_[i]]);
     return bad;
   });
-  if (msg.empty()) return "";
   return msg + "\n(defer_nan_check: the gradients of iteration " +
          std::to_string(deferred_iteration_) +
          " (counted by zero_grad_buffer() calls), read after it finished; the distributed "
