@@ -88,7 +88,9 @@ for v in "${variants[@]}"; do
   if [ "$at" -ge "$STOP" ]; then echo "[ablate] $v: at step $at already"; continue; fi
   [ -f "$ckpt/meta.json" ] || at=0  # reached a smaller STOP before: train again from the start
   echo "[ablate] $v: ${SETS[$v]} to step $STOP from step $at ($(date -u +%H:%M:%S))"
-  sets=(--set "out.dir=$OUTDIR/$v" --set "fp8.exclude=[]")  # the variant's own sets come after
+  # The variant's own sets come after. The separate MLP modules, as every ablation so far was run
+  # (and the probe reads only those: config.py refuses it with model.fused_mlp).
+  sets=(--set "out.dir=$OUTDIR/$v" --set "fp8.exclude=[]" --set model.fused_mlp=false)
   for s in ${SETS[$v]}; do sets+=(--set "$s"); done
   extra=()
   [ "$at" -gt 0 ] && extra+=(--resume "$ckpt")

@@ -108,6 +108,28 @@ def test_a_training_run_follows_the_separate_model(group, tmp_path):
                 assert a[k] == pytest.approx(b[k], rel=1e-3), (a["step"], k)
 
 
+def test_the_torch_baseline_starts_from_the_fused_models_weights():
+    """fp8dp.train.torch_ref (the plain-torch DDP run that FP8 off must follow) copies its weights
+    from an fp8dp GPT of the same seed; with model.fused_mlp, the config's default for the 342M
+    run, those carry the fused module's names. The copy holds the fused model's weights exactly.
+    Mutation: building the copy from cfg.model as given fails the strict load (unexpected keys
+    blocks.N.mlp.fc1.*)."""
+    from fp8dp.train.torch_ref import build_like_fp8dp
+
+    cfg = load_config(CONFIG, ["model.fused_mlp=true", "model.params_dtype=bfloat16"])
+    torch.manual_seed(cfg.train.seed)
+    fused = GPT(cfg.model, False, False, torch.device("cpu"))
+    want = {
+        _renamed(k): v.float()
+        for k, v in fused.state_dict().items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+    got = build_like_fp8dp(cfg, torch.device("cpu")).state_dict()
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 @pytest.mark.parametrize(
     "sets, match",
     [

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -103,11 +104,13 @@ class TorchGPT(torch.nn.Module):
 
 def build_like_fp8dp(cfg: TrainConfig, device) -> TorchGPT:
     """A TorchGPT (FP32) holding exactly the initial weights fp8dp.train's GPT gets from
-    train.seed (built here the same way, then copied; BF16 values are exact in FP32)."""
+    train.seed (built here the same way, then copied; BF16 values are exact in FP32). With
+    model.fused_mlp the fp8dp model draws the same weights under other names (blocks.N.mlp.fc1 /
+    .fc2), so the copy is taken from the separate-module build, whose names TorchGPT shares."""
     from .model import GPT
 
     torch.manual_seed(cfg.train.seed)
-    ref = GPT(cfg.model, False, False, device)
+    ref = GPT(dataclasses.replace(cfg.model, fused_mlp=False), False, False, device)
     state = {k: v.float() for k, v in ref.state_dict().items() if not k.endswith("_extra_state")}
     del ref
     model = TorchGPT(cfg.model).to(device)
