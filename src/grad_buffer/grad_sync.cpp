@@ -583,9 +583,16 @@ std::string GradSync::flags_message(
     msg += (msg.empty() ? "" : "\n") + std::string("check_for_nan_in_grad: rank ") +
            std::to_string(rank) + " has NaN or Inf in the local gradients of " + join(bad);
   }
-  return msg.empty()
-             ? "finish_grad_sync: rank(s) " + join(failed) + " found errors (see their messages)"
-             : msg;
+  if (msg.empty())
+    return "finish_grad_sync: rank(s) " + join(failed) + " found errors (see their messages)";
+  // Every rank's error names every failed rank: this rank's names only its own parameters (the
+  // others' names never left their hosts).
+  std::vector<std::string> others;
+  for (const auto& r : failed)
+    if (r != std::to_string(rank)) others.push_back(r);
+  if (!others.empty())
+    msg += "\nfinish_grad_sync: rank(s) " + join(others) + " found errors too (see their messages)";
+  return msg;
 }
 
 std::string GradSync::take_deferred_locked() {

@@ -596,6 +596,37 @@ def _expect_nan_report(run, rank, bad, overlap, *also):
 
 
 @case(overlap=[False, True])
+def nan_on_two_ranks_names_both(rank, ws, overlap):
+    """NaN on the first and the last rank: each of them names its own parameters and the other
+    rank by number ("found errors too"), the ranks without NaN name both. Before, a poisoned rank's
+    error named only itself, so rank 0 never learnt that rank 1 had failed as well."""
+    model = mlp()
+    ddp = fp8dp.DistributedDataParallel(
+        model, cfg(overlap_grad_reduce=overlap, check_for_nan_in_grad=True, bucket_size=150)
+    )
+    bads = sorted({0, ws - 1})
+    x, y = data(0, ws, 1)
+    iteration(ddp, x, y, rank, 1)
+    xb = x.clone()
+    for b in bads:  # through the data (every gradient of rank b), with or without overlap
+        xb[b * B, 0] = float("nan")
+    try:
+        iteration(ddp, xb, y, rank, 1)
+    except RuntimeError as e:
+        msg = str(e)
+        others = ", ".join(str(b) for b in bads if b != rank)
+        if rank in bads:
+            assert f"rank {rank} has NaN or Inf in the local gradients of " in msg, msg
+            if others:
+                assert f"rank(s) {others} found errors too" in msg, msg
+        else:
+            assert f"rank(s) {', '.join(map(str, bads))} found errors" in msg, msg
+    else:
+        raise AssertionError("NaN not reported")
+    iteration(ddp, x, y, rank, 1)  # clean again
+
+
+@case(overlap=[False, True])
 def deferred_nan_check_agrees(rank, ws, overlap):
     """defer_nan_check across ranks: NaN on the last rank only; its step is skipped on every rank
     (the flags are all-reduced before the optimizer reads them as found_inf), so all ranks keep

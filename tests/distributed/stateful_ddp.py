@@ -15,13 +15,17 @@ What a call must do is decided by the model from the phase of the iteration (con
   the delayed-wgrad queues, the optimizer's masters and inner state, and the phase when fp8dp
   exposes one (`_sync.phase`);
 - "may_refuse": either of the two (C11 allows "does the right thing or refuses"), where the right
-  thing is then checked at the next comparison.
+  thing is then checked at the next comparison;
+- "raise" (the nan family: a NaN or Inf gradient found by check_for_nan_in_grad): the call must
+  raise fp8dp's error on every rank. Either nothing changed (no collective of the iteration had
+  launched), or the iteration is in phase 'failed' and only zero_grad_buffer() goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from datetime import timedelta
 
 import stateful_model as sm
@@ -56,6 +60,8 @@ class IterModel:
         self.started = False  # start_grad_sync() called
         self.finished = False  # finish_grad_sync() (or step()) done
         self.stepped = False  # the optimizer stepped since the last zero
+        self.poisoned = set()  # ranks that added a NaN gradient since the last zero (nan family)
+        self.failed = False  # a finish raised after launching: phase 'failed' until the zero
 
 
 class DDPLifecycle:
@@ -84,18 +90,27 @@ class DDPLifecycle:
             delay_wgrad_compute=bool(self.delayed),
             grad_ledger=spec.get("ledger", False),
             grad_reduce_wire=spec.get("wire", "fp32"),
+            check_for_nan_in_grad=spec.get("nan_check", False),
+            defer_nan_check=spec.get("defer", False),
         )
         self.ddp = fp8dp.DistributedDataParallel(self.net, cfg, process_group=group)
         self.ddp._sync.communicator().set_timeout(COMM_TIMEOUT_S)
         self.params = dict(self.net.named_parameters())
         self.opt = None
         if spec["dist_opt"]:
-            self.opt = fp8dp.DistributedOptimizer(torch.optim.SGD, self.ddp, lr=spec["lr"])
+            # fused: the SGD that skips its step on the device when told (found_inf), which
+            # defer_nan_check needs; the same update as the default SGD, bit for bit
+            fused = dict(fused=True) if spec.get("defer") else {}
+            self.opt = fp8dp.DistributedOptimizer(torch.optim.SGD, self.ddp, lr=spec["lr"], **fused)
         self.it = IterModel()
         self.learned_sync_mb = 0  # micro-batches outside no_sync() in fp8dp's learning iteration
         self.zero_model()
         self.stale = False  # a .grad set by op_stale_grad, until the next zero
         self.saved = None  # (model state_dict, optimizer state_dict, P) of save_checkpoint
+        self._post = []  # checks across ranks, run after the call (run_post_checks)
+        # defer_nan_check: the ranks whose NaN the last finished iteration reduced, which the next
+        # finish_grad_sync() (or check_deferred()) must report; it outlives zero_grad_buffer()
+        self.pending = set()
 
     # ---- the model's gradient state ------------------------------------------------------------
     def zero_model(self):
@@ -157,7 +172,7 @@ class DDPLifecycle:
     def changed(self, before: dict) -> str | None:
         after = self.snapshot()
         for i, (a, b) in enumerate(zip(before["main_grad"], after["main_grad"])):
-            if not torch.equal(a, b):
+            if not _same(a, b):
                 return f"main_grad of '{self.ddp._names[i]}' changed"
         for n in before["params"]:
             if not torch.equal(before["params"][n], after["params"][n]):
@@ -191,11 +206,14 @@ class DDPLifecycle:
             if bad:
                 return "refused", f"{what}: {bad}", None
             self._last_error = str(e)
+            if expectation == "raise" and getattr(self.ddp._sync, "phase", None) == "failed":
+                self.it.failed = True  # launched: main_grad is not reduced, zero is next
+                return "refused", None, None
             ch = self.changed(before)
             if ch:
                 return "refused", f"{what} was refused but not before changing state: {ch}", None
             return "refused", None, None
-        if expectation == "refuse":
+        if expectation in ("refuse", "raise"):
             return "done", f"{what} was accepted; it must be refused before changing state", res
         return "done", None, res
 
@@ -261,10 +279,36 @@ class DDPLifecycle:
             res.append(d)
         return res
 
-    def check_params(self, what: str, tol_of=None) -> str | None:
+    # The checks across ranks gather every rank's parameters on the control group. An op only
+    # queues them (check_params, check_ranks_identical: always an op's last word); the Driver runs
+    # them on every rank after the ranks have agreed on the call's outcome (run_post_checks).
+    # Gathering inside the op, after a check that failed on one rank only, left the other rank
+    # alone in the collective: gloo aborted ("op.preamble.length <= op.nbytes. 3200 vs 4",
+    # docs/stateful_testing.md item 12) instead of the failure being reported.
+    def check_params(self, what: str, tol_of=None) -> None:
+        self._post.append((what, tol_of))
+
+    def check_ranks_identical(self, what) -> None:
+        self._post.append((what, "identical"))
+
+    def run_post_checks(self) -> str | None:
+        """The queued checks, then "the ranks' parameters are identical" (between calls), on one
+        gather; the first failure, or None. A collective: every rank calls it."""
+        got = self.gather_params()
+        posts, self._post = self._post, []
+        for what, tol_of in posts:
+            bad = (
+                self._identical(got, what)
+                if tol_of == "identical"
+                else self._params_match(got, what, tol_of)
+            )
+            if bad:
+                return bad
+        return self._identical(got, "between calls")
+
+    def _params_match(self, got, what: str, tol_of) -> str | None:
         """Each rank's parameters against the model; then the model adopts the FP32 values (it
         was within the bound), so the next step's bound does not grow with the step count."""
-        got = self.gather_params()
         for r in range(self.ws):
             for n in self.names:
                 tol = tol_of(n) if tol_of else 0.0
@@ -276,8 +320,7 @@ class DDPLifecycle:
         self.P = [dict(g) for g in got]
         return None
 
-    def check_ranks_identical(self, what) -> str | None:
-        got = self.gather_params()
+    def _identical(self, got, what) -> str | None:
         for r in range(1, self.ws):
             for n in self.names:
                 if not torch.equal(got[0][n], got[r][n]):
@@ -311,10 +354,14 @@ class DDPLifecycle:
                 return tcp.checkpoint(run, x.requires_grad_(True), use_reentrant=True)
             return run(x)
 
-    def op_microbatch(self, no_sync, dw_now, ifm, ckpt="none", save_on_cpu=False):
+    def op_microbatch(self, no_sync, dw_now, ifm, ckpt="none", save_on_cpu=False, poison=None):
+        """poison (the nan family): the rank whose output gradient is NaN in this micro-batch, so
+        that every gradient it adds (now and in its backward_dw()) is NaN."""
         k = self.k
         self.k += 1
         x, G = sm.microbatch_data(self.seed, k, self.rank)
+        if poison == self.rank:
+            G = G * float("nan")
         exp = self.expect_microbatch()
         queued_before = [self.net.layers[i]._core.queued_wgrads for i in self.delayed]
 
@@ -338,6 +385,8 @@ class DDPLifecycle:
             c = sm.Contribution(self.layers, self.P[r], xr, Gr, self.fp8)
             if c.fp8_violation:
                 return tag, c.fp8_violation
+            if r == poison:  # the clean contribution's bound; NaN values
+                c.grad = {n: torch.full_like(g, float("nan")) for n, g in c.grad.items()}
             now, later = self._split(c)
             self._add(r, now)
             for i in self.delayed:
@@ -353,6 +402,8 @@ class DDPLifecycle:
                     "gradient(s), expected 1 (C3)"
                 )
         self.it.mb += 1
+        if poison is not None:
+            self.it.poisoned.add(poison)
         self.it.sync_mb |= not no_sync
         self.it.n_sync_mb += not no_sync
         if dw_now:
@@ -404,6 +455,17 @@ class DDPLifecycle:
     def expect_finish(self) -> str:
         if self.dw_pending():
             return "refuse"  # C5: an incomplete bucket at finish is an error naming it
+        if self.it.failed:
+            return "refuse"  # phase 'failed': only zero_grad_buffer() goes on
+        if not self.it.finished:
+            # check_for_nan_in_grad: the ranks agree on the flags, then all raise. With
+            # defer_nan_check the finish reports the previous finished iteration's NaN (and
+            # reduces this one's); without, this iteration's. Before any collective of the
+            # iteration launched the refusal changes nothing; after, the phase is 'failed'.
+            if self.spec.get("defer") and self.pending:
+                return "raise"
+            if self.spec.get("nan_check") and not self.spec.get("defer") and self.it.poisoned:
+                return "raise"
         # fp8dp learns how often each parameter is reported ready per iteration from the first
         # iteration that finishes with a micro-batch outside no_sync(). When that one ran several
         # outside it (a misuse it accepted, microbatch_in_wrong_phase), a later iteration with
@@ -418,16 +480,50 @@ class DDPLifecycle:
         # (docs/stateful_testing.md, finding 3; fixed by H1b).
         return "ok"
 
-    def op_finish_grad_sync(self):
-        exp = self.expect_finish()
-        tag, bad, _ = self.attempt(exp, self.ddp.finish_grad_sync, "finish_grad_sync()")
-        if bad or tag == "refused":
-            return tag, bad
+    def _after_nan_raise(self, exp) -> str | None:
+        """A finish that raised for NaN: the message names every flagged rank; a deferred report
+        is consumed (the next finish reduces); a clean refusal left the iteration as it was."""
+        reported = self.pending if self.spec.get("defer") else self.it.poisoned
+        msg = self._last_error or ""
+        # this rank's own NaN with its parameters' names; the other ranks by number
+        named = {int(r) for r in re.findall(r"rank (\d+) has NaN or Inf", msg)}
+        for group in re.findall(r"rank\(s\) ([\d, ]+) found errors", msg):
+            named |= {int(r) for r in group.replace(",", " ").split()}
+        if named != reported:
+            return (
+                f"the NaN error names rank(s) {sorted(named)}, not {sorted(reported)}: {msg[:400]}"
+            )
+        if self.spec.get("defer"):
+            self.pending = set()
+        return None
+
+    def _finished_model(self):
+        """The model of a finish that reduced (explicit, or inside step())."""
         if not self.it.finished:
             self._learn_sync_mb()
             self._reduce_model()
+            if self.spec.get("defer"):
+                self.pending = set(self.it.poisoned)
         self.it.finished = True
+
+    def op_finish_grad_sync(self):
+        exp = self.expect_finish()
+        tag, bad, _ = self.attempt(exp, self.ddp.finish_grad_sync, "finish_grad_sync()")
+        if exp == "raise" and tag == "refused" and not bad:
+            return tag, self._after_nan_raise(exp)
+        if bad or tag == "refused":
+            return tag, bad
+        self._finished_model()
         return tag, self.check_reduced()
+
+    def op_check_deferred(self):
+        """defer_nan_check: raise now (naming the ranks) if the last finished iteration reduced a
+        NaN, and consume it; else a no-op. Never changes main_grad, the parameters or the phase."""
+        exp = "refuse" if self.pending else "ok"
+        tag, bad, _ = self.attempt(exp, self.ddp.check_deferred, "check_deferred()")
+        if exp == "refuse" and tag == "refused" and not bad:
+            return tag, self._after_nan_raise(exp)
+        return tag, bad
 
     def op_scale_gradients(self, f):
         it = self.it
@@ -459,7 +555,7 @@ class DDPLifecycle:
         return tag, self.check_local()
 
     def op_zero(self, via_opt):
-        in_flight = self.maybe_launched() and not self.it.finished
+        in_flight = self.maybe_launched() and not self.it.finished and not self.it.failed
         exp = "may_refuse" if in_flight else "ok"
         fn = self.opt.zero_grad if (via_opt and self.opt is not None) else self.ddp.zero_grad_buffer
         tag, bad, _ = self.attempt(exp, fn, "zero_grad()" if via_opt else "zero_grad_buffer()")
@@ -490,23 +586,30 @@ class DDPLifecycle:
                         p.sub_(lr * p.main_grad)
 
         tag, bad, _ = self.attempt(exp, run, "optimizer step()")
+        if exp == "raise" and tag == "refused" and not bad:
+            return tag, self._after_nan_raise(exp)
         if bad or tag == "refused":
             return tag, bad
-        if not self.it.finished:
-            self._learn_sync_mb()
-            self._reduce_model()
-        self.it.finished = self.it.stepped = True
+        self._finished_model()
+        self.it.stepped = True
         bad = self.check_reduced()
         if bad:
             return tag, bad
+        if self.spec.get("defer") and self.it.poisoned:
+            # found_inf: the fused SGD skipped the step on the device on every rank; the copy and
+            # the all-gather wrote the same values back (bit for bit)
+            self.check_params("after a step with NaN (skipped)")
+            self.check_ranks_identical("after a step with NaN (skipped)")
+            return tag, None
         for r in range(self.ws):
             self.P[r] = {n: self.P[r][n] - lr * self.R[n] for n in self.names}
         # the gradient's bound times lr, plus the FP32 rounding of p - lr g (two roundings)
-        bad = self.check_params(
+        self.check_params(
             "after step()",
             lambda n: lr * self.tol_reduced(n) + 2 * sm.U32 * self.P[0][n].abs() + 1e-30,
         )
-        return tag, bad or self.check_ranks_identical("after step()")
+        self.check_ranks_identical("after step()")
+        return tag, None
 
     def op_set_fp8(self, on):
         self.fp8 = on
@@ -560,9 +663,14 @@ class DDPLifecycle:
         k = self.k
         self.k += 1
         x, _ = sm.microbatch_data(self.seed, k, self.rank)
-        masters = self.opt._masters
 
         def run():
+            # what DistributedOptimizer.step() does before it touches the masters: a master whose
+            # parameter was written outside step() takes the new value first (C13). Without it
+            # the 'all' family's copy_into_param + this rule wrote back the old weight + delta
+            # (seed 7): the rule stands for the optimizer's own update, not a stale one.
+            self.opt._refresh_moved_masters()
+            masters = self.opt._masters
             with torch.no_grad():
                 for m in masters:
                     m.add_(delta)
@@ -589,7 +697,12 @@ class DDPLifecycle:
             )
             if bad:
                 return tag, bad
-        return tag, self.check_params("after copy_shards + start_param_sync + forward")
+        # master + delta rounds once in FP32 when the sum leaves the master's binade (found when
+        # new rules shifted the phases family's draws: 0.2498... + 0.125, off by 2^-26)
+        return tag, self.check_params(
+            "after copy_shards + start_param_sync + forward",
+            lambda n: sm.U32 * self.P[0][n].abs(),
+        )
 
     # ---- params (C13 — masters follow parameters): parameters changed outside step() -------------
     def _load_fn(self, new):
@@ -748,7 +861,8 @@ class DDPLifecycle:
 
     def op_invariants(self):
         """Always true between calls: the queues as the model has them; p.grad of a DDP parameter
-        None (the hooks move every gradient into main_grad); the ranks' parameters identical."""
+        None (the hooks move every gradient into main_grad). (The ranks' parameters identical:
+        run_post_checks.)"""
         for j, i in enumerate(self.delayed):
             q = self.net.layers[i]._core.queued_wgrads
             if q != len(self.fifo[i]):
@@ -759,7 +873,7 @@ class DDPLifecycle:
         for n, p in self.params.items():
             if p.grad is not None and not self.stale:
                 return "done", f"'{n}'.grad is not None between calls"
-        return "done", self.check_ranks_identical("between calls")
+        return "done", None
 
     def close(self) -> bool:
         """Waits for collectives the sequence left in flight (a parameter all-gather, buckets
@@ -769,13 +883,27 @@ class DDPLifecycle:
         try:
             if self.ddp._sync.param_sync_pending:
                 self.ddp._sync.finish_param_sync()
-            if self.maybe_launched() and not self.it.finished and not self.dw_pending():
+            if (
+                self.maybe_launched()
+                and not self.it.finished
+                and not self.it.failed
+                and not self.dw_pending()
+            ):
                 self.ddp.finish_grad_sync()
         except Exception:  # noqa: BLE001 (the sequence already failed, or will be replaced)
             ok = False
         self.opt = None
         self.ddp = None
         return ok
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values, NaN where the other has NaN (a poisoned gradient is
+    unchanged although NaN != NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
 
 
 def _flat_state(sd) -> list:

@@ -223,14 +223,17 @@ def fp32_tol(mag: torch.Tensor, depth: int, n_terms: int) -> torch.Tensor:
 
 
 def first_mismatch(what: str, got: torch.Tensor, exp: torch.Tensor, tol) -> str | None:
-    """None when |got - exp| <= tol everywhere, else a one-line description of the worst."""
+    """None when |got - exp| <= tol everywhere, else a one-line description of the worst. A NaN
+    or Inf in got where the model is finite is a mismatch (`err > tol` alone is False for NaN);
+    where the model holds NaN (a gradient the nan family poisoned) got must be NaN or Inf."""
     got = got.detach().double().reshape(exp.shape)
     err = (got - exp).abs()
     tol = tol if isinstance(tol, torch.Tensor) else torch.full_like(exp, float(tol))
-    bad = err > tol
+    bad = torch.where(torch.isnan(exp), torch.isfinite(got), ~(err <= tol))
     if not bool(bad.any()):
         return None
-    i = int(torch.argmax((err - tol).flatten()))
+    score = torch.where(bad, (err - tol).nan_to_num(nan=float("inf")), float("-inf"))
+    i = int(torch.argmax(score.flatten()))
     return (
         f"{what}: element {i} is {float(got.flatten()[i])!r}, expected "
         f"{float(exp.flatten()[i])!r} (error {float(err.flatten()[i]):.3g}, tolerance "

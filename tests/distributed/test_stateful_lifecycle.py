@@ -30,6 +30,7 @@ FAMILIES = [
     ("params", 2),
     ("autograd", 2),
     ("agree", 2),
+    ("nan", 2),
     ("pipeline", 4),
 ]
 
