@@ -22,8 +22,11 @@ build: setup
 test-cpp: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 
-# Only the test folders that exist (tests/distributed arrives with the DDP work).
-PYTEST_DIRS := $(wildcard tests/python tests/distributed)
+# Only the test folders that exist (tests/distributed arrives with the DDP work). tests/distributed
+# first: pytest-xdist hands out work in collection order, and each of its files is one long unit
+# of work in one worker (below); collected last, they started when the single-process tests were
+# done and set the pace alone (the GPU machine's pytest sat at 99% with 16 workers, 2026-12-06).
+PYTEST_DIRS := $(foreach d,tests/distributed tests/python,$(wildcard $(d)))
 
 # pytest-xdist, when .venv has it (extra "test"): min(nproc, 16) workers. --dist loadgroup: each
 # file of tests/distributed in one worker (its tests share one launch of ranks, harness.py, which a
