@@ -23,9 +23,10 @@ checkpointing / save_on_cpu and autograd.grad on fused and delayed weights (C14 
 saving); `agree` builds DDPs whose ranks disagree on one config field (C12 — ranks agree); `nan`
 poisons micro-batches on one rank under check_for_nan_in_grad, with and without defer_nan_check
 (the flags agreed across ranks, the step skipped on the device, the report at the next finish or
-check_deferred(); C11's refusals); `all` draws from every DDP family at once but nan; `pipeline` is the pipeline machine (stateful_pipeline.py: PP 2
-x DP 2, the distributed optimizer, a weight shared by the first and the last stage, C15 — shared
-across stages)."""
+check_deferred(); C11's refusals); `all` draws from every DDP family at once but nan (its NaN
+would reach the parameters of a DDP without the check); `pipeline` is the pipeline machine
+(stateful_pipeline.py: PP 2 x DP 2, the distributed optimizer, a weight shared by the first and
+the last stage, C15 — shared across stages)."""
 
 from __future__ import annotations
 
@@ -173,14 +174,15 @@ def ddp_spec(draw, family):
         fp8=draw(st.booleans()),
         ledger=family in ("autograd", "all") and draw(st.booleans()),
         nan_check=family == "nan",
-        # drawn last, so that the other families' stored seeds keep their cases
+        # drawn only for the nan family, last: the other families' specs draw as before
         defer=family == "nan" and dist_opt and draw(st.booleans()),
     )
 
 
 def _on(*fams):
-    """Precondition: the machine is built and its family is one of fams (or "all"); while a
-    stale .grad is set (phases), only zero_grad may follow."""
+    """Precondition: the machine is built and its family is one of fams (or "all", unless fams is
+    the nan family alone); while a stale .grad is set (phases) or the iteration failed (nan),
+    only zero_grad may follow."""
     return lambda self: (
         self.built
         and (self.FAMILY in fams or (self.FAMILY == "all" and fams != ("nan",)))
