@@ -635,7 +635,7 @@ class DDPLifecycle:
             return tag, bad
         self.P = [dict(p) for p in P]
         for i, p in enumerate(self.ddp._params):
-            if not torch.equal(before[i], p.main_grad):
+            if not _same(before[i], p.main_grad):
                 return tag, f"main_grad of '{self.ddp._names[i]}' changed by the checkpoint load"
         return tag, self.check_params("after the checkpoint load")
 
