@@ -480,7 +480,7 @@ class DDPLifecycle:
         # (docs/stateful_testing.md, finding 3; fixed by H1b).
         return "ok"
 
-    def _after_nan_raise(self, exp) -> str | None:
+    def _after_nan_raise(self) -> str | None:
         """A finish that raised for NaN: the message names every flagged rank; a deferred report
         is consumed (the next finish reduces); a clean refusal left the iteration as it was."""
         reported = self.pending if self.spec.get("defer") else self.it.poisoned
@@ -510,7 +510,7 @@ class DDPLifecycle:
         exp = self.expect_finish()
         tag, bad, _ = self.attempt(exp, self.ddp.finish_grad_sync, "finish_grad_sync()")
         if exp == "raise" and tag == "refused" and not bad:
-            return tag, self._after_nan_raise(exp)
+            return tag, self._after_nan_raise()
         if bad or tag == "refused":
             return tag, bad
         self._finished_model()
@@ -522,7 +522,7 @@ class DDPLifecycle:
         exp = "refuse" if self.pending else "ok"
         tag, bad, _ = self.attempt(exp, self.ddp.check_deferred, "check_deferred()")
         if exp == "refuse" and tag == "refused" and not bad:
-            return tag, self._after_nan_raise(exp)
+            return tag, self._after_nan_raise()
         return tag, bad
 
     def op_scale_gradients(self, f):
@@ -587,7 +587,7 @@ class DDPLifecycle:
 
         tag, bad, _ = self.attempt(exp, run, "optimizer step()")
         if exp == "raise" and tag == "refused" and not bad:
-            return tag, self._after_nan_raise(exp)
+            return tag, self._after_nan_raise()
         if bad or tag == "refused":
             return tag, bad
         self._finished_model()
