@@ -647,6 +647,33 @@ def test_cuda_activation_cast_bytes_match_cpu(act, dtype, rows, cols):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dbias_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_activation_dbias_over_many_chunks_matches_cpu(act, dbias_dtype):
+    """dbias adds its 64-row chunk sums in chunk order, as the CPU does, also where the chunks
+    outnumber one round of the summing kernel (128 chunks; 8,293 rows are 130 chunks, the last
+    one partial) and the columns end in a partial group of 32 (136). The inputs span 2^-8 .. 2^8,
+    so that adding the chunks in any other order would change some column's bits."""
+    ok, reason = _cuda_reason()
+    if not ok:
+        pytest.skip(reason)
+    rows, cols = 8293, 136
+    g = torch.Generator().manual_seed(12)
+    h = (torch.randn(rows, 2 * cols if act == "swiglu" else cols, generator=g) * 2).bfloat16()
+    mag = torch.exp2(torch.randint(-8, 9, (rows, cols), generator=g).float())
+    da = (torch.randn(rows, cols, generator=g) * mag).bfloat16()
+    scale = torch.tensor([1.0])
+    args = (act, scale, _C.Format.E5M2, True, True, True, None, dbias_dtype)
+    cpu = _C.activation_cast(da, h, *args)
+    gpu = _C.activation_cast(da.cuda(), h.cuda(), act, scale.cuda(), *args[2:])
+    assert cpu.dbias.dtype == dbias_dtype and not torch.isnan(cpu.dbias).any()
+    assert torch.equal(cpu.dbias, gpu.dbias.cpu())
+    # The test can fail: the chunks added in reverse order give other bits in some column.
+    chunks = torch.stack([t.sum(0) for t in _C.activation_backward(da, h, act).float().split(64)])
+    assert not torch.equal(chunks.sum(0), chunks.flip(0).sum(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("back", [False, True], ids=["forward", "backward"])
 def test_cuda_activation_cast_misaligned_rows_match_cpu(act, back):
     """h and da starting 2 bytes past a 16-byte boundary: the kernels must take their element-wise

@@ -166,7 +166,7 @@ class StepProfiler:
         return res
 
 
-def summarize(events, steps: int, walls: list, cuda: bool, top: int = 15) -> dict:
+def summarize(events, steps: int, walls: list, cuda: bool, top: int = 40) -> dict:
     """Per step: wall ms, the device's work in ms by category and its largest items."""
     per = collections.defaultdict(lambda: [0.0, 0])
     for ev in events:

@@ -438,16 +438,43 @@ __global__ void __launch_bounds__(kThreads)
     *scale_inv = scale_inverse(scale);
 }
 
-// dbias[oc] = the chunks' sums added in chunk order, rounded once to D.
+// dbias[oc] = the chunks' sums added in chunk order, rounded once to D. The order is the CPU's
+// (one sequential FP32 chain per column), so the work per column cannot be split; what can be
+// spread is the loading. A block of kThreads threads takes kTotalCols columns: its threads load
+// kTotalRound chunks at a time into shared memory (kTotalRound / kTotalSlices independent loads per
+// thread in flight), then one warp adds them in order. One thread per column walking the chunks
+// through global memory (the kernel until 12-06) was a chain of L2 / DRAM round trips on 24 blocks
+// for 6,144 columns, about as long as the tiled pass it followed took to sum the tiles.
+constexpr int kTotalCols = 32;
+constexpr int kTotalSlices = kThreads / kTotalCols;  // 8
+constexpr int kTotalRound = 128;                     // chunks per round: 8,192 rows
 template <typename D>
 __global__ void __launch_bounds__(kThreads)
     chunk_total_kernel(const float* __restrict__ partial, int64_t chunks, int64_t cols,
                        D* __restrict__ dbias) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c >= cols) return;
-  float s = 0.0f;
-  for (int64_t k = 0; k < chunks; ++k) s = __fadd_rn(s, partial[k * cols + c]);
-  dbias[c] = from_float<D>(s);
+  __shared__ float part[kTotalRound][kTotalCols + 1];
+  const int tx = threadIdx.x % kTotalCols, ty = threadIdx.x / kTotalCols;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTotalCols + tx;
+  float s = 0.0f;  // the column's sum, in warp 0
+  for (int64_t k0 = 0; k0 < chunks; k0 += kTotalRound) {
+    const int64_t n = chunks - k0 < kTotalRound ? chunks - k0 : kTotalRound;
+    constexpr int kPer = kTotalRound / kTotalSlices;  // loads per thread and round (16)
+    float v[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {  // all issued before any is stored
+      const int k = ty + j * kTotalSlices;
+      v[j] = c < cols && k < n ? partial[(k0 + k) * cols + c] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) part[ty + j * kTotalSlices][tx] = v[j];
+    __syncthreads();
+    if (ty == 0) {
+#pragma unroll 8
+      for (int k = 0; k < n; ++k) s = __fadd_rn(s, part[k][tx]);
+    }
+    __syncthreads();  // the next round overwrites part
+  }
+  if (ty == 0 && c < cols) dbias[c] = from_float<D>(s);
 }
 
 // ---------------------------------------------------------------- tiled: one pass for all outputs
@@ -684,7 +711,7 @@ void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStrea
   FP8DP_CHECK_CUDA(cudaGetLastError());
   if (!kDbias) return;
   // dbias[oc] = the chunk sums added in chunk order, as the CPU adds them.
-  const unsigned g2 = static_cast<unsigned>((a.out_cols + kThreads - 1) / kThreads);
+  const unsigned g2 = static_cast<unsigned>((a.out_cols + kTotalCols - 1) / kTotalCols);
   switch (p.dbias_dtype) {
     case DType::kFloat32:
       chunk_total_kernel<<<g2, kThreads, 0, st>>>(o.dbias_partial, chunks, a.out_cols,
