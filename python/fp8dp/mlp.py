@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _C
-from .modules import LayerNormLinear, Linear, _check_bool, _check_features
+from .modules import LayerNormLinear, Linear, _check_bool, _check_features, _check_residual
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -159,15 +159,23 @@ class LayerNormMLP(torch.nn.Module):
         new._make_core()
         return new
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        is_first_microbatch: Optional[bool] = None,
+        residual: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x: [..., hidden_size]; returns [..., hidden_size]. is_first_microbatch as in
-        fp8dp.Linear, for both FP8 weight caches."""
+        fp8dp.Linear, for both FP8 weight caches. residual: None, or a tensor of the output's
+        shape, dtype and device (a transformer block's ``x``): returns ``mlp(x) + residual``, added
+        in fc2's GEMM epilogue as in fp8dp.Linear."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise ValueError(
                 f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}"
             )
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"input: expected a torch.Tensor, got {type(x).__name__}")
+        _check_residual(residual)
         fc1, fc2 = self.fc1, self.fc2
         return self._core.forward(
             x,
@@ -178,6 +186,7 @@ class LayerNormMLP(torch.nn.Module):
             fc2.weight,
             fc2.bias,
             is_first_microbatch,
+            residual,
         )
 
     # ---- the C3 API, over both GEMMs ------------------------------------------------------

@@ -40,6 +40,15 @@ def _check_bool(name: str, value) -> None:
         raise ValueError(f"{name}: expected a bool, got {value!r}")
 
 
+def _check_residual(residual) -> None:
+    # Shape, dtype and device are checked in C++ (LinearCore / LayerNormMLPCore::forward), which
+    # knows the output's; here only what pybind11 would otherwise turn into a TypeError.
+    if residual is not None and not isinstance(residual, torch.Tensor):
+        raise ValueError(
+            f"residual: expected None or a torch.Tensor, got {type(residual).__name__}"
+        )
+
+
 class _FP8LinearBase(torch.nn.Module):
     """What Linear and LayerNormLinear share: weight/bias, the C++ core and the C3 API."""
 
@@ -210,15 +219,16 @@ class _FP8LinearBase(torch.nn.Module):
                 missing_keys.remove(key)
             self._core.set_extra_state(None)
 
-    def _forward(self, x, is_first_microbatch, ln_weight=None, ln_bias=None):
+    def _forward(self, x, is_first_microbatch, ln_weight=None, ln_bias=None, residual=None):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise ValueError(
                 f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}"
             )
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"input: expected a torch.Tensor, got {type(x).__name__}")
+        _check_residual(residual)
         return self._core.forward(
-            x, self.weight, self.bias, ln_weight, ln_bias, is_first_microbatch
+            x, self.weight, self.bias, ln_weight, ln_bias, is_first_microbatch, residual
         )
 
     def extra_repr(self) -> str:
@@ -273,12 +283,20 @@ class Linear(_FP8LinearBase):
             return_layernorm_output=False,
         )
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        is_first_microbatch: Optional[bool] = None,
+        residual: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x: [..., in_features]. is_first_microbatch: None or True refresh the FP8 weight cache,
         False reuses it while the weight is unchanged (a weight written in place since, e.g. by an
         optimizer step, is re-quantized; writes through ``weight.data`` are not seen). It never
-        touches gradients: a fused wgrad always accumulates into main_grad."""
-        return self._forward(x, is_first_microbatch)[0]
+        touches gradients: a fused wgrad always accumulates into main_grad.
+        residual: None, or a tensor of the output's shape, dtype and device; returns
+        ``x · weightᵀ + bias + residual``, the add done in the GEMM's epilogue (FP32, rounded once
+        into the output) instead of a separate kernel. Its gradient is the output's gradient."""
+        return self._forward(x, is_first_microbatch, residual=residual)[0]
 
 
 class LayerNormLinear(_FP8LinearBase):

@@ -5,6 +5,7 @@
 #include "gemm/gemm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include "common/check.h"
 #include "common/tensor_checks.h"
@@ -38,6 +39,36 @@ void check_operand(const at::Tensor& t, const at::Tensor& scale_inv, const char*
                     "scales)");
     // One element (per tensor), or a 2-D layout of 1x128 tiles / 128x128 blocks (block_cast.h).
     scale_granularity(t, scale_inv, kFn, scale_name);
+  }
+}
+
+// The residual is the epilogue's C: read in the output's dtype (cuBLASLt's C and D share a type),
+// with its own row stride, so that any tensor whose rows are contiguous goes in without a copy.
+void check_residual(const GemmArgs& g, int64_t m, int64_t n) {
+  const at::Tensor& r = g.residual;
+  FP8DP_CHECK_ARG(!g.accumulate, kFn,
+                  ": 'residual' cannot be combined with accumulate=True (accumulate already adds "
+                  "'out' as the epilogue's C matrix; add the residual into 'out' beforehand)");
+  FP8DP_CHECK_ARG(r.dim() == 2 && r.size(0) == m && r.size(1) == n, kFn,
+                  ": 'residual' must have shape [", m, ", ", n, "] (the output's), got ",
+                  r.sizes());
+  const at::ScalarType ot = g.out.defined() ? g.out.scalar_type() : g.out_dtype;
+  to_high_precision_dtype(r.scalar_type(), kFn, "'residual'");
+  FP8DP_CHECK_ARG(r.scalar_type() == ot, kFn, ": 'residual' must have the output's dtype ", ot,
+                  " (the sum is rounded once into it), got ", r.scalar_type());
+  FP8DP_CHECK_ARG(r.device() == g.a.device(), kFn, ": 'residual' is on ", r.device(),
+                  " but the operands are on ", g.a.device());
+  // Size-1 dimensions may carry any stride; only the real ones must describe contiguous rows.
+  FP8DP_CHECK_ARG((n == 1 || r.stride(1) == 1) && (m == 1 || r.stride(0) >= n), kFn,
+                  ": 'residual' must have contiguous rows (stride(1) == 1, stride(0) >= ", n,
+                  "), got strides ", r.strides());
+  if (g.out.defined()) {
+    // The GPU writes D while it reads C tile by tile: overlapping memory would read rows already
+    // written. accumulate=True is the in-place form.
+    const at::MemOverlapStatus o = at::get_overlap_status(g.out, r);
+    FP8DP_CHECK_ARG(o != at::MemOverlapStatus::Full && o != at::MemOverlapStatus::Partial, kFn,
+                    ": 'residual' overlaps 'out' in memory; pass a separate output, or add "
+                    "into 'out' with accumulate=True");
   }
 }
 
@@ -96,6 +127,7 @@ void check_gemm_args(const GemmArgs& g, GemmStrides strides) {
   } else {
     to_high_precision_dtype(g.out_dtype, kFn, "'out_dtype'");
   }
+  if (g.residual.defined()) check_residual(g, m, n);
 }
 
 namespace {
@@ -116,6 +148,9 @@ at::Tensor gemm_cpu(const GemmArgs& g) {
   FP8DP_CHECK_ARG(g.a.is_cpu(), kFn, ": no GEMM for device ", g.a.device(), " in this build");
   at::Tensor r = at::mm(to_fp32(g.a, g.a_scale_inv), to_fp32(g.b, g.b_scale_inv).t());
   if (g.bias.defined()) r.add_(g.bias.to(at::kFloat));
+  // The residual joins the FP32 sum before the one rounding into the output, as cuBLASLt's
+  // epilogue sums alpha·AB, beta·C (beta = 1) and the bias in FP32 before it converts to D.
+  if (g.residual.defined()) r.add_(g.residual.to(at::kFloat));
   if (!g.out.defined()) return r.to(g.out_dtype);
   if (g.accumulate) {
     // beta = 1: out + a·bᵀ in FP32, rounded once into out's dtype (what the GPU epilogue does).

@@ -1,6 +1,7 @@
 // GEMM front end: out[m, n] = a[m, k] · b[n, k]ᵀ ("TN", K contiguous in both operands), FP8 or
-// high-precision, with bias and accumulate epilogues. The CPU version dequantizes and multiplies in
-// FP32 (the math of an FP8 tensor-core GEMM with FP32 accumulation); the CUDA version is cuBLASLt.
+// high-precision, with bias, residual and accumulate epilogues. The CPU version dequantizes and
+// multiplies in FP32 (the math of an FP8 tensor-core GEMM with FP32 accumulation); the CUDA version
+// is cuBLASLt.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,9 +23,13 @@ struct GemmArgs {
   // ceil(k/128)] per 1x128 tile, [ceil(m/128), ceil(k/128)] per 128x128 block; block_cast.h and
   // block_gemm.h); undefined for high precision.
   at::Tensor a_scale_inv;
-  at::Tensor b;             // [n, k]; FP8 when a is FP8, else a's dtype
-  at::Tensor b_scale_inv;   // as a_scale_inv, for b [n, k]
-  at::Tensor bias;          // optional [n], added to every row (fprop epilogue)
+  at::Tensor b;            // [n, k]; FP8 when a is FP8, else a's dtype
+  at::Tensor b_scale_inv;  // as a_scale_inv, for b [n, k]
+  at::Tensor bias;         // optional [n], added to every row (fprop epilogue)
+  // Optional [m, n] in the output's dtype, rows contiguous: out = a·bᵀ + bias + residual, summed
+  // in FP32 and rounded once into the output (cuBLASLt's C with beta = 1 and C != D), so that a
+  // transformer's residual add needs no kernel of its own. Not with accumulate.
+  at::Tensor residual;
   at::Tensor out;           // optional preallocated [m, n] output (e.g. a main_grad view)
   bool accumulate = false;  // out += a·bᵀ (beta = 1); needs `out`
   at::ScalarType out_dtype = at::kFloat;  // dtype of a newly allocated output (ignored with `out`)
@@ -37,8 +42,9 @@ struct GemmArgs {
 enum class GemmStrides { kContiguous, kAny };
 
 // The one set of GEMM argument checks: dtypes, devices, shapes (FP8 needs k % 16 == 0 and
-// n % 16 == 0), scale_inv, bias, out, accumulate. Throws ValueError naming the argument that is
-// wrong, what was expected and what came. Device limits (cuBLASLt's) are checked by gemm_cuda.
+// n % 16 == 0), scale_inv, bias, residual, out, accumulate. Throws ValueError naming the argument
+// that is wrong, what was expected and what came. Device limits (cuBLASLt's) are checked by
+// gemm_cuda.
 void check_gemm_args(const GemmArgs& args, GemmStrides strides);
 
 // Checks every argument (check_gemm_args, contiguous) and runs the GEMM on the operands' device.

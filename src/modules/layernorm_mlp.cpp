@@ -80,7 +80,8 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
                                      const at::Tensor& ln_bias, const at::Tensor& fc1_weight,
                                      const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
                                      const at::Tensor& fc2_bias,
-                                     std::optional<bool> is_first_microbatch) {
+                                     std::optional<bool> is_first_microbatch,
+                                     const at::Tensor& residual) {
   const std::string& mod = cfg_.name;
   const int64_t hidden = fc1_->config().in_features;
   const int64_t fc1_out = fc1_->config().out_features, ffn = cfg_.ffn_hidden_size;
@@ -103,6 +104,7 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
                   " (cast the input to params_dtype)");
   FP8DP_CHECK_ARG(x.device() == fc1_weight.device(), mod, ": input is on ", x.device(),
                   " but the parameters are on ", fc1_weight.device());
+  if (residual.defined()) check_residual(residual, x, hidden, mod);
 
   // C14: a recompute by activation checkpointing repeats the forward's fp8_autocast state.
   const bool recompute = in_backward_pass();
@@ -144,7 +146,7 @@ at::Tensor LayerNormMLPCore::forward(const at::Tensor& x, const at::Tensor& ln_w
                     tokens, " from input shape ", x.sizes());
   }
   return apply_layernorm_mlp_function(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight,
-                                      fc2_bias, cfg_, fc1_, fc2_, is_first_microbatch, ac,
+                                      fc2_bias, residual, cfg_, fc1_, fc2_, is_first_microbatch, ac,
                                       need_wgrad1, need_wgrad2);
 }
 

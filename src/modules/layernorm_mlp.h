@@ -37,11 +37,14 @@ class LayerNormMLPCore {
 
   // x: [..., hidden] in the parameters' dtype and device; ln_bias, fc1_bias, fc2_bias optional
   // (undefined). Returns y [..., hidden]. Differentiable through a C++ autograd function.
-  // is_first_microbatch as in LinearCore::forward, for both FP8 weight caches.
+  // is_first_microbatch as in LinearCore::forward, for both FP8 weight caches. residual:
+  // optional, x's shape, dtype and device; y = mlp(x) + residual, added in fc2's GEMM epilogue
+  // (as LinearCore::forward's residual).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                      const at::Tensor& fc1_weight, const at::Tensor& fc1_bias,
                      const at::Tensor& fc2_weight, const at::Tensor& fc2_bias,
-                     std::optional<bool> is_first_microbatch);
+                     std::optional<bool> is_first_microbatch,
+                     const at::Tensor& residual = at::Tensor());
 
  private:
   MLPConfig cfg_;
@@ -52,13 +55,16 @@ class LayerNormMLPCore {
 };
 
 // The autograd function (layernorm_mlp_autograd.cpp) behind a plain call; the arguments are the
-// ones forward() has checked. need_wgrad1 / need_wgrad2: whether fc1's / fc2's weight gradient
-// will be wanted.
-at::Tensor apply_layernorm_mlp_function(
-    const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
-    const at::Tensor& fc1_weight, const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
-    const at::Tensor& fc2_bias, const MLPConfig& cfg, std::shared_ptr<LinearCore> fc1,
-    std::shared_ptr<LinearCore> fc2, std::optional<bool> is_first_microbatch,
-    const AutocastState& ac, bool need_wgrad1, bool need_wgrad2);
+// ones forward() has checked (residual undefined = none). need_wgrad1 / need_wgrad2: whether fc1's
+// / fc2's weight gradient will be wanted.
+at::Tensor apply_layernorm_mlp_function(const at::Tensor& x, const at::Tensor& ln_weight,
+                                        const at::Tensor& ln_bias, const at::Tensor& fc1_weight,
+                                        const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
+                                        const at::Tensor& fc2_bias, const at::Tensor& residual,
+                                        const MLPConfig& cfg, std::shared_ptr<LinearCore> fc1,
+                                        std::shared_ptr<LinearCore> fc2,
+                                        std::optional<bool> is_first_microbatch,
+                                        const AutocastState& ac, bool need_wgrad1,
+                                        bool need_wgrad2);
 
 }  // namespace fp8dp

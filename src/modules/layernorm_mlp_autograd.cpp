@@ -37,8 +37,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Inputs of the function, in apply order (only the defined ones get an autograd edge).
-enum Input : int { kX, kLnW, kLnB, kW1, kB1, kW2, kB2, kNumInputs };
+// Inputs of the function, in apply order (only the defined ones get an autograd edge). kRes: the
+// residual added in fc2's GEMM epilogue.
+enum Input : int { kX, kLnW, kLnB, kW1, kB1, kW2, kB2, kRes, kNumInputs };
 
 enum Saved : size_t {
   kX2d,
@@ -164,16 +165,18 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor ln_weight,
                                std::optional<at::Tensor> ln_bias_opt, at::Tensor w1,
                                std::optional<at::Tensor> b1_opt, at::Tensor w2,
-                               std::optional<at::Tensor> b2_opt, MLPConfig cfg,
+                               std::optional<at::Tensor> b2_opt,
+                               std::optional<at::Tensor> residual_opt, MLPConfig cfg,
                                std::shared_ptr<LinearCore> core1, std::shared_ptr<LinearCore> core2,
                                std::optional<bool> first, AutocastState ac, bool need_wgrad1,
                                bool need_wgrad2) {
     const at::Tensor ln_bias = ln_bias_opt.value_or(at::Tensor());
     const at::Tensor b1 = b1_opt.value_or(at::Tensor());
     const at::Tensor b2 = b2_opt.value_or(at::Tensor());
+    const at::Tensor residual = residual_opt.value_or(at::Tensor());
     auto c = c10::make_intrusive<MLPCtx>();
     {
-      const at::Tensor* t[kNumInputs] = {&x, &ln_weight, &ln_bias, &w1, &b1, &w2, &b2};
+      const at::Tensor* t[kNumInputs] = {&x, &ln_weight, &ln_bias, &w1, &b1, &w2, &b2, &residual};
       int next = 0;
       for (int i = 0; i < kNumInputs; ++i) c->edge[i] = t[i]->defined() ? next++ : -1;
     }
@@ -243,6 +246,8 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
     // ---- activation (+ cast for fc2) and fc2
     GemmArgs g2;
     g2.bias = b2.defined() ? b2.detach() : b2;
+    // The residual in fc2's epilogue (linear_autograd.cpp's fprop_gemm): nothing saved for it.
+    if (residual.defined()) g2.residual = residual_2d(residual, core2->config().out_features);
     g2.out_dtype = x.scalar_type();
     g2.use_split_accumulator = ac.recipe.split_accumulator_fprop;
     if (fp8) {
@@ -402,27 +407,32 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
       dln_w = ng.dgamma;
       dln_b = ng.dbeta;
     }
+    // y = fc2(...) + residual: the residual's gradient is grad_output itself, no copy.
+    const at::Tensor dres = c->needs_grad(ctx, kRes) ? grads[0] : at::Tensor();
     c->release();
     return {dx,           dln_w,        dln_b,        dw1,          db1,
-            dw2,          db2,          at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            dw2,          db2,          dres,         at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor apply_layernorm_mlp_function(
-    const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
-    const at::Tensor& fc1_weight, const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
-    const at::Tensor& fc2_bias, const MLPConfig& cfg, std::shared_ptr<LinearCore> fc1,
-    std::shared_ptr<LinearCore> fc2, std::optional<bool> is_first_microbatch,
-    const AutocastState& ac, bool need_wgrad1, bool need_wgrad2) {
+at::Tensor apply_layernorm_mlp_function(const at::Tensor& x, const at::Tensor& ln_weight,
+                                        const at::Tensor& ln_bias, const at::Tensor& fc1_weight,
+                                        const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
+                                        const at::Tensor& fc2_bias, const at::Tensor& residual,
+                                        const MLPConfig& cfg, std::shared_ptr<LinearCore> fc1,
+                                        std::shared_ptr<LinearCore> fc2,
+                                        std::optional<bool> is_first_microbatch,
+                                        const AutocastState& ac, bool need_wgrad1,
+                                        bool need_wgrad2) {
   auto opt = [](const at::Tensor& t) {
     return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
   };
   return MLPFunction::apply(x, ln_weight, opt(ln_bias), fc1_weight, opt(fc1_bias), fc2_weight,
-                            opt(fc2_bias), cfg, std::move(fc1), std::move(fc2), is_first_microbatch,
-                            ac, need_wgrad1, need_wgrad2)[0];
+                            opt(fc2_bias), opt(residual), cfg, std::move(fc1), std::move(fc2),
+                            is_first_microbatch, ac, need_wgrad1, need_wgrad2)[0];
 }
 
 }  // namespace fp8dp

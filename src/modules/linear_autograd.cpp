@@ -59,8 +59,8 @@ struct LinearCtx : torch::CustomClassHolder, SinkUse {
   bool has_ln_bias = false;
   bool released = false;
   // Autograd numbers only the inputs that are defined: edge[i] of input i (x, weight, bias,
-  // ln_weight, ln_bias), or -1 when that input was absent.
-  std::array<int, 5> edge{};
+  // ln_weight, ln_bias, residual), or -1 when that input was absent.
+  std::array<int, 6> edge{};
 
   bool needs_grad(AutogradContext* ctx, int input) const {
     return edge[input] >= 0 && ctx->needs_input_grad(static_cast<size_t>(edge[input]));
@@ -81,9 +81,10 @@ struct LinearCtx : torch::CustomClassHolder, SinkUse {
 
 // ---- forward, step by step ----
 
-// The forward's tensor inputs (undefined = absent).
+// The forward's tensor inputs (undefined = absent). residual: [..., out], y's shape and dtype,
+// added in the fprop GEMM's epilogue.
 struct ForwardInputs {
-  at::Tensor x, weight, bias, ln_weight, ln_bias;
+  at::Tensor x, weight, bias, ln_weight, ln_bias, residual;
 };
 
 // The fprop GEMM's input operand: FP8 (q) or high precision (hp), the norm's output for
@@ -116,8 +117,8 @@ c10::intrusive_ptr<LinearCtx> make_context(const ForwardInputs& in,
                                            const AutocastState& ac) {
   auto c = c10::make_intrusive<LinearCtx>();
   int next = 0;
-  const at::Tensor* t[] = {&in.x, &in.weight, &in.bias, &in.ln_weight, &in.ln_bias};
-  for (int i = 0; i < 5; ++i) c->edge[i] = t[i]->defined() ? next++ : -1;
+  const at::Tensor* t[] = {&in.x, &in.weight, &in.bias, &in.ln_weight, &in.ln_bias, &in.residual};
+  for (int i = 0; i < 6; ++i) c->edge[i] = t[i]->defined() ? next++ : -1;
   c->core = std::move(core);
   c->ac = ac;
   c->x_shape = in.x.sizes().vec();
@@ -186,13 +187,16 @@ GemmInput prepare_gemm_input(LinearCtx& c, const ForwardInputs& in, const at::Te
   return gin;
 }
 
-// y = gemm_in · Wᵀ (+ bias), the weight cast to FP8 (or taken from the cache) under fp8_autocast;
-// saves the operands of dgrad (W) and wgrad (x) in the form backward's GEMMs take them.
+// y = gemm_in · Wᵀ (+ bias) (+ residual), the weight cast to FP8 (or taken from the cache) under
+// fp8_autocast; saves the operands of dgrad (W) and wgrad (x) in the form backward's GEMMs take
+// them. The residual is the GEMM epilogue's C (gemm.h): one pass over y instead of a separate add
+// kernel, and nothing saved, since y + residual passes its gradient to the residual unchanged.
 at::Tensor fprop_gemm(const LinearCtx& c, const ForwardInputs& in, const GemmInput& gin,
                       std::optional<bool> first, bool need_wgrad, variable_list& saved) {
   LinearCore& core = *c.core;
   GemmArgs g;
   g.bias = in.bias.defined() ? in.bias.detach() : in.bias;
+  if (in.residual.defined()) g.residual = residual_2d(in.residual, core.config().out_features);
   g.out_dtype = in.x.scalar_type();
   g.use_split_accumulator = c.ac.recipe.split_accumulator_fprop;  // default fast (recipe.h)
   if (c.ac.enabled) {
@@ -441,12 +445,16 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                                std::optional<at::Tensor> bias_opt,
                                std::optional<at::Tensor> ln_weight_opt,
                                std::optional<at::Tensor> ln_bias_opt,
+                               std::optional<at::Tensor> residual_opt,
                                std::shared_ptr<LinearCore> core, std::optional<bool> first,
                                AutocastState ac, bool need_wgrad) {
     const LinearConfig& cfg = core->config();
-    const ForwardInputs in{x, weight, bias_opt.value_or(at::Tensor()),
+    const ForwardInputs in{x,
+                           weight,
+                           bias_opt.value_or(at::Tensor()),
                            ln_weight_opt.value_or(at::Tensor()),
-                           ln_bias_opt.value_or(at::Tensor())};
+                           ln_bias_opt.value_or(at::Tensor()),
+                           residual_opt.value_or(at::Tensor())};
     auto c = make_context(in, std::move(core), ac);
     const at::Tensor x2d = x.reshape({-1, cfg.in_features});
     variable_list saved(kNumSaved);
@@ -485,11 +493,14 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const at::Tensor dweight =
         route_wgrad(core, *c, p.w, c->weight, c->bias, c->ac.enabled, std::move(task), d.dbias);
     const InputGrads ig = input_grads(*c, p, saved, d.dgrad, grads);
+    // y = gemm + residual: the residual's gradient is grad_output itself (no copy), as autograd's
+    // add would hand it over (forward refuses a residual with qkv_heads, so grads[0] is y's).
+    const at::Tensor dres = c->needs_grad(ctx, 5) ? grads[0] : at::Tensor();
     // Drop the parameter references and the core; autograd frees the saved tensors (the queued
     // task holds its own references to its operands).
     c->release();
-    return {ig.dx,        dweight,      d.dbias,      ig.dln_w,    ig.dln_b,
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {ig.dx, dweight,      d.dbias,      ig.dln_w,     ig.dln_b,
+            dres,  at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -519,12 +530,22 @@ std::vector<at::Tensor> apply_linear_function(const at::Tensor& x, const at::Ten
                                               const at::Tensor& ln_bias,
                                               std::shared_ptr<LinearCore> core,
                                               std::optional<bool> is_first_microbatch,
-                                              const AutocastState& ac, bool need_wgrad) {
+                                              const AutocastState& ac, bool need_wgrad,
+                                              const at::Tensor& residual) {
   auto opt = [](const at::Tensor& t) {
     return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
   };
-  return LinearFunction::apply(x, weight, opt(bias), opt(ln_weight), opt(ln_bias), std::move(core),
-                               is_first_microbatch, ac, need_wgrad);
+  return LinearFunction::apply(x, weight, opt(bias), opt(ln_weight), opt(ln_bias), opt(residual),
+                               std::move(core), is_first_microbatch, ac, need_wgrad);
+}
+
+at::Tensor residual_2d(const at::Tensor& residual, int64_t out_features) {
+  at::Tensor r = residual.detach().reshape({-1, out_features});
+  // The GEMM reads C row by row; a residual whose rows are not contiguous (a broadcast or a
+  // permuted view) is copied once, which is what the unfused add would have read anyway.
+  if ((r.size(1) > 1 && r.stride(1) != 1) || (r.size(0) > 1 && r.stride(0) < out_features))
+    r = r.contiguous();
+  return r;
 }
 
 }  // namespace fp8dp

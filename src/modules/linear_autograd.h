@@ -16,14 +16,20 @@ class LinearCore;
 
 // Runs core's forward through the autograd function and returns {y} or, with
 // return_layernorm_output, {y, ln_out}. Takes the arguments LinearCore::forward has checked
-// (undefined bias / ln_weight / ln_bias = absent); ac is the autocast state at the call and
-// need_wgrad whether a weight gradient will be wanted.
+// (undefined bias / ln_weight / ln_bias / residual = absent); ac is the autocast state at the call
+// and need_wgrad whether a weight gradient will be wanted. residual: added to y in the GEMM's
+// epilogue; its gradient is y's gradient itself.
 std::vector<at::Tensor> apply_linear_function(const at::Tensor& x, const at::Tensor& weight,
                                               const at::Tensor& bias, const at::Tensor& ln_weight,
                                               const at::Tensor& ln_bias,
                                               std::shared_ptr<LinearCore> core,
                                               std::optional<bool> is_first_microbatch,
-                                              const AutocastState& ac, bool need_wgrad);
+                                              const AutocastState& ac, bool need_wgrad,
+                                              const at::Tensor& residual = at::Tensor());
+
+// A residual [..., out_features] as the GEMM's 'residual' takes it: [tokens, out_features] with
+// contiguous rows (a view when it has them, else a copy), detached.
+at::Tensor residual_2d(const at::Tensor& residual, int64_t out_features);
 
 // True while this thread runs a backward pass (a forward then is a recompute by activation
 // checkpointing, C14).

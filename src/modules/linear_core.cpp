@@ -40,6 +40,21 @@ void check_param(const at::Tensor& p, const char* name, std::vector<int64_t> sha
 
 }  // namespace
 
+void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t out_features,
+                    const std::string& mod) {
+  std::vector<int64_t> y_shape = x.sizes().vec();
+  y_shape.back() = out_features;
+  FP8DP_CHECK_ARG(residual.sizes() == at::IntArrayRef(y_shape), mod,
+                  ": 'residual' must have the output's shape ", at::IntArrayRef(y_shape), ", got ",
+                  residual.sizes());
+  FP8DP_CHECK_ARG(residual.scalar_type() == x.scalar_type(), mod,
+                  ": 'residual' must have the output's dtype ", x.scalar_type(), ", got ",
+                  residual.scalar_type());
+  FP8DP_CHECK_ARG(residual.device() == x.device(), mod,
+                  ": 'residual' must be on the input's device ", x.device(), ", got ",
+                  residual.device());
+}
+
 // The scaling state's default identity names the module's class and shape (C9); DDP renames it.
 LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)), scaling_(cfg_.name) {
   FP8DP_CHECK_ARG(cfg_.in_features > 0, cfg_.name, ": in_features must be > 0, got ",
@@ -222,7 +237,8 @@ void LinearCore::backward_dw() {
 std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tensor& weight,
                                             const at::Tensor& bias, const at::Tensor& ln_weight,
                                             const at::Tensor& ln_bias,
-                                            std::optional<bool> is_first_microbatch) {
+                                            std::optional<bool> is_first_microbatch,
+                                            const at::Tensor& residual) {
   const std::string& mod = cfg_.name;
   const int64_t in = cfg_.in_features, out = cfg_.out_features;
   FP8DP_CHECK_ARG(weight.defined(), mod, ": parameter 'weight' is undefined");
@@ -242,6 +258,12 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
                   " but the parameters have dtype ", dt, " (cast the input to params_dtype)");
   FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
                   " but the parameters are on ", weight.device());
+  if (residual.defined()) {
+    // q, k and v are three outputs, each with its own gradient: no one tensor to add to.
+    FP8DP_CHECK_ARG(cfg_.qkv_heads == 0, mod,
+                    ": 'residual' is not supported with qkv_heads (the output is q, k, v)");
+    check_residual(residual, x, out, mod);
+  }
 
   // C14: activation checkpointing runs this forward again inside backward, where the
   // fp8_autocast that was open at the original forward usually is not (backward runs outside it,
@@ -291,7 +313,7 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
                     tokens, " from input shape ", x.sizes());
   }
   return apply_linear_function(x, weight, bias, ln_weight, ln_bias, shared_from_this(),
-                               is_first_microbatch, ac, need_wgrad);
+                               is_first_microbatch, ac, need_wgrad, residual);
 }
 
 }  // namespace fp8dp

@@ -48,6 +48,11 @@ struct WeightAttrs {
   std::function<bool(const at::Tensor&)> tensor_hooks;
 };
 
+// The residual of a layer's forward (Linear, LayerNormMLP): y's shape (x's with out_features
+// last), x's dtype (the output's) and device; ValueError naming 'residual' otherwise.
+void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t out_features,
+                    const std::string& mod);
+
 class LinearCore : public std::enable_shared_from_this<LinearCore> {
  public:
   explicit LinearCore(LinearConfig cfg);
@@ -60,10 +65,13 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // return_layernorm_output, {y, ln_out}. Differentiable through a C++ autograd function.
   // is_first_microbatch: nullopt or true refresh the FP8 weight cache, false reuses it. It never
   // touches a gradient (C8): the fused wgrad always accumulates into main_grad.
+  // residual: optional, y's shape, dtype and device; y = layer(x) + residual, added in the fprop
+  // GEMM's epilogue and rounded once (not with qkv_heads). Its gradient is y's gradient itself.
   std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& weight,
                                   const at::Tensor& bias, const at::Tensor& ln_weight,
                                   const at::Tensor& ln_bias,
-                                  std::optional<bool> is_first_microbatch);
+                                  std::optional<bool> is_first_microbatch,
+                                  const at::Tensor& residual = at::Tensor());
 
   // C3/C4: pops the oldest queued wgrad, runs it, writes weight.grad (or main_grad when fused),
   // backfills the bias gradient only when the deferred GEMM produced one, then runs every hook.

@@ -18,7 +18,7 @@ void bind_gemm_cuda(py::module_& m) {
       [](const at::Tensor& a, const at::Tensor& b, std::optional<at::Tensor> a_scale_inv,
          std::optional<at::Tensor> b_scale_inv, std::optional<at::Tensor> bias,
          std::optional<at::Tensor> out, bool accumulate, at::ScalarType out_dtype,
-         bool use_split_accumulator) {
+         bool use_split_accumulator, std::optional<at::Tensor> residual) {
         GemmArgs g;
         g.a = a;
         g.b = b;
@@ -26,6 +26,7 @@ void bind_gemm_cuda(py::module_& m) {
         if (b_scale_inv) g.b_scale_inv = *b_scale_inv;
         if (bias) g.bias = *bias;
         if (out) g.out = *out;
+        if (residual) g.residual = *residual;
         g.accumulate = accumulate;
         g.out_dtype = out_dtype;
         g.use_split_accumulator = use_split_accumulator;
@@ -34,7 +35,7 @@ void bind_gemm_cuda(py::module_& m) {
       py::arg("a"), py::arg("b"), py::arg("a_scale_inv") = py::none(),
       py::arg("b_scale_inv") = py::none(), py::arg("bias") = py::none(),
       py::arg("out") = py::none(), py::arg("accumulate") = false, py::arg("out_dtype") = at::kFloat,
-      py::arg("use_split_accumulator") = true);
+      py::arg("use_split_accumulator") = true, py::arg("residual") = py::none());
   m.def("_gemm_set_autotune", &gemm_lt_set_autotune, py::arg("on"));
   m.def("_gemm_set_candidates", &gemm_lt_set_candidates, py::arg("max_algos") = 8,
         py::arg("algo_override") = -1);

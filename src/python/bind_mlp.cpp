@@ -34,14 +34,15 @@ void bind_mlp(py::module_& m) {
           [](LayerNormMLPCore& core, const at::Tensor& x, const at::Tensor& ln_weight,
              const std::optional<at::Tensor>& ln_bias, const at::Tensor& fc1_weight,
              const std::optional<at::Tensor>& fc1_bias, const at::Tensor& fc2_weight,
-             const std::optional<at::Tensor>& fc2_bias, std::optional<bool> is_first_microbatch) {
+             const std::optional<at::Tensor>& fc2_bias, std::optional<bool> is_first_microbatch,
+             const std::optional<at::Tensor>& residual) {
             return core.forward(x, ln_weight, or_undefined(ln_bias), fc1_weight,
                                 or_undefined(fc1_bias), fc2_weight, or_undefined(fc2_bias),
-                                is_first_microbatch);
+                                is_first_microbatch, or_undefined(residual));
           },
           py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("fc1_weight"),
           py::arg("fc1_bias"), py::arg("fc2_weight"), py::arg("fc2_bias"),
-          py::arg("is_first_microbatch"))
+          py::arg("is_first_microbatch"), py::arg("residual") = py::none())
       .def_property_readonly("name", [](LayerNormMLPCore& c) { return c.config().name; });
 
   m.def(

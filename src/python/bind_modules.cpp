@@ -154,12 +154,13 @@ void bind_modules(py::module_& m) {
           "forward",
           [](LinearCore& core, const at::Tensor& x, const at::Tensor& weight,
              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& ln_weight,
-             const std::optional<at::Tensor>& ln_bias, std::optional<bool> is_first_microbatch) {
+             const std::optional<at::Tensor>& ln_bias, std::optional<bool> is_first_microbatch,
+             const std::optional<at::Tensor>& residual) {
             return core.forward(x, weight, or_undefined(bias), or_undefined(ln_weight),
-                                or_undefined(ln_bias), is_first_microbatch);
+                                or_undefined(ln_bias), is_first_microbatch, or_undefined(residual));
           },
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("ln_weight"),
-          py::arg("ln_bias"), py::arg("is_first_microbatch"))
+          py::arg("ln_bias"), py::arg("is_first_microbatch"), py::arg("residual") = py::none())
       .def("bind_grad_sink", &LinearCore::bind_grad_sink, py::arg("sink"), py::arg("weight"),
            py::arg("bias"), py::arg("name"))
       .def_property_readonly("grad_sink_bound",

@@ -141,6 +141,28 @@ TEST(GemmCpu, HighPrecisionMatchesMm) {
   EXPECT_TRUE(at::allclose(gemm(g), at::addmm(g.bias, g.a, g.b.t()), 1e-6, 1e-6));
 }
 
+// The residual joins the FP32 sum: (a·bᵀ + bias) + residual, the same FP32 operations in the same
+// order as mm, add bias, add residual, so the same bytes; a residual with accumulate is refused by
+// name.
+TEST(GemmCpu, ResidualAddedInTheFp32Sum) {
+  GemmArgs g;
+  g.a = at::randn({7, 5});
+  g.b = at::randn({3, 5});
+  g.bias = at::randn({3});
+  g.residual = at::randn({7, 3});
+  EXPECT_TRUE(at::equal(gemm(g), at::mm(g.a, g.b.t()).add_(g.bias).add_(g.residual)));
+  g.out = at::zeros({7, 3});
+  g.accumulate = true;
+  try {
+    gemm(g);
+    FAIL() << "expected an error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("'residual' cannot be combined with accumulate=True"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(GemmCpu, Fp8NeedsMultiplesOf16) {
   GemmArgs g;
   g.a = at::zeros({16, 24}).to(at::kFloat8_e4m3fn);

@@ -64,6 +64,7 @@ class Block(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, proj: dict, exclude=()):
         super().__init__()
         self.exclude = tuple(exclude)
+        self.fused_residual = cfg.fused_residual
         d, self.n_head = cfg.d_model, cfg.n_head
         std = 0.02
         out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled down
@@ -100,14 +101,24 @@ class Block(torch.nn.Module):
         q, k, v = split_qkv(qkv, h)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.permute(2, 0, 1, 3).reshape(s, b, d)
+        # model.fused_residual: each residual add in the epilogue of the GEMM before it (no add
+        # kernel of its own; the sum rounded once).
+        fused = self.fused_residual
         with precision("out", self.exclude):
-            x = x + self.out(a, is_first_microbatch=first)
+            if fused:
+                x = self.out(a, is_first_microbatch=first, residual=x)
+            else:
+                x = x + self.out(a, is_first_microbatch=first)
         if self.mlp is not None:  # fp8.exclude names both of up / down or neither (config)
             with precision("up", self.exclude):
+                if fused:
+                    return self.mlp(x, is_first_microbatch=first, residual=x)
                 return x + self.mlp(x, is_first_microbatch=first)
         with precision("up", self.exclude):
             u = F.gelu(self.up(x, is_first_microbatch=first))
         with precision("down", self.exclude):
+            if fused:
+                return self.down(u, is_first_microbatch=first, residual=x)
             return x + self.down(u, is_first_microbatch=first)
 
 

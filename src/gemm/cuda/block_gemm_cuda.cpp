@@ -66,6 +66,7 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
   if (k == 0) {
     if (!args.accumulate) out.zero_();
     if (args.bias.defined()) out.add_(args.bias.to(out.scalar_type()));
+    if (args.residual.defined()) out.add_(args.residual);
     return out;
   }
   const at::Tensor sa = tile_scales_for_lt(args.a_scale_inv);
@@ -95,7 +96,7 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
     p.ldo = dst.stride(0);
     p.accumulate = accumulate;
   };
-  if (!args.bias.defined()) {
+  if (!args.bias.defined() && !args.residual.defined()) {
     write_to(out, args.accumulate);
     gemm_lt(p, st);
     return out;
@@ -106,8 +107,12 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
   // FP32 output: CUBLAS_STATUS_NOT_SUPPORTED on the H200), a bias of another dtype (the epilogue
   // would round it first), or an accumulated output: the GEMM writes FP32, the bias (and the old
   // output) is added in FP32 and the sum rounded once.
-  if (out.scalar_type() != at::kFloat && args.bias.scalar_type() == out.scalar_type() &&
-      !args.accumulate) {
+  // A residual takes that last route too: a separate add after the GEMM rather than cuBLASLt's C
+  // (the residual epilogue is not verified with the block scale modes, and Float8BlockScaling is
+  // not the recipe whose step time the fused residual is for). The add sums in FP32 and rounds
+  // once, so the result is still the CPU's up to the order of the FP32 additions.
+  if (!args.residual.defined() && out.scalar_type() != at::kFloat &&
+      args.bias.scalar_type() == out.scalar_type() && !args.accumulate) {
     const at::Tensor bias = args.bias.contiguous();
     write_to(out, false);
     p.bias = bias.data_ptr();
@@ -119,12 +124,18 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
   const at::Tensor dst = direct ? out : at::empty({m, n}, a.options().dtype(at::kFloat));
   write_to(dst, false);
   gemm_lt(p, st);
-  const at::Tensor bias = args.bias.to(at::kFloat);
+  at::Tensor bias;
+  if (args.bias.defined()) bias = args.bias.to(at::kFloat);
+  const at::Tensor& residual = args.residual;  // check_gemm_args: never with accumulate
   if (direct) {
-    dst.add_(bias);
+    if (bias.defined()) dst.add_(bias);
+    if (residual.defined()) dst.add_(residual);
   } else if (args.accumulate) {  // (product + bias) + old output in FP32, rounded once
     dst.add_(bias);
     at::add_out(out, dst, out);
+  } else if (residual.defined()) {  // (product + bias) + residual in FP32, rounded once
+    if (bias.defined()) dst.add_(bias);
+    at::add_out(out, dst, residual);
   } else {  // one pass: the FP32 sum is rounded to the output's dtype as it is written
     at::add_out(out, dst, bias);
   }

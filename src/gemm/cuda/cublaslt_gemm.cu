@@ -90,7 +90,7 @@ std::string shape_of(const LtGemmParams& p) {
          " a=" + dtype_name(p.a_type) + scale_mode_name(p.a_scale_mode) +
          " b=" + dtype_name(p.b_type) + scale_mode_name(p.b_scale_mode) +
          " out=" + dtype_name(p.out_type) + (p.a_col ? " a col-major" : "") +
-         (p.b_col ? " b col-major" : "") + (p.bias ? " +bias" : "") +
+         (p.b_col ? " b col-major" : "") + (p.bias ? " +bias" : "") + (p.c ? " +residual" : "") +
          (p.accumulate ? " accumulate" : "") + (p.fast_accum ? " fast_accum" : "") + ")";
 }
 
@@ -100,22 +100,28 @@ struct Key {
   int a_type, b_type, out_type, bias_type, a_scale_mode, b_scale_mode;
   bool bias, accumulate, fast_accum, a_col, b_col;
   uint32_t align_a, align_b, align_out;
+  // The residual (C != D): whether there is one, its row stride and alignment (0 without).
+  bool residual;
+  int64_t ldc;
+  uint32_t align_c;
   auto tie() const {
     return std::tie(device, m, n, k, lda, ldb, ldo, a_type, b_type, out_type, bias_type,
                     a_scale_mode, b_scale_mode, bias, accumulate, fast_accum, a_col, b_col, align_a,
-                    align_b, align_out);
+                    align_b, align_out, residual, ldc, align_c);
   }
   bool operator<(const Key& o) const { return tie() < o.tie(); }
 };
 
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  // lc: C's layout (the residual's, or out's when C is out); ld: D's (out's).
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr, ld = nullptr;
   cublasLtMatmulAlgo_t algo{};
   int pick = 0, candidates = 0;  // the chosen heuristic index, of how many offered
   std::string shape, config;     // shape_of() and the chosen configuration, for gemm_lt_plans()
   std::mutex mu;  // the scale / bias pointers are descriptor attributes, set per call
   ~Plan() {
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
     if (lc) cublasLtMatrixLayoutDestroy(lc);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
     if (la) cublasLtMatrixLayoutDestroy(la);
@@ -133,7 +139,14 @@ struct State {
     return !(e != nullptr && std::strcmp(e, "0") == 0);
   }();
   int algo_override = -1;  // >= 0: new plans take that heuristic candidate, untimed
-  int max_algos = 8;
+  // FP8DP_GEMM_CANDIDATES=n (1..kMaxAlgos) widens or narrows the autotuner's search for a whole
+  // run (a training run's GEMMs are planned deep inside the layers, out of reach of
+  // gemm_lt_set_candidates); anything else keeps the default of 8.
+  int max_algos = [] {
+    const char* e = std::getenv("FP8DP_GEMM_CANDIDATES");
+    const int n = e != nullptr ? std::atoi(e) : 0;
+    return n >= 1 && n <= kMaxAlgos ? n : 8;
+  }();
   std::set<int> block_checked;  // devices whose block-scaling support check_block_runtime passed
 };
 
@@ -216,11 +229,14 @@ void set_pointers(Plan& pl, const LtGemmParams& p) {
   }
 }
 
+// D = out. C is the residual (beta = 1, out of place), or out itself: beta = 1 accumulates into
+// it, beta = 0 ignores it.
 cublasStatus_t matmul(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p, void* out,
                       const cublasLtMatmulAlgo_t* algo, void* ws, cudaStream_t st) {
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  return cublasLtMatmul(h, pl.op, &alpha, p.b, pl.la, p.a, pl.lb, &beta, out, pl.lc, out, pl.lc,
-                        algo, ws, kWorkspaceBytes, st);
+  const float alpha = 1.0f, beta = (p.accumulate || p.c != nullptr) ? 1.0f : 0.0f;
+  const void* c = p.c != nullptr ? p.c : out;
+  return cublasLtMatmul(h, pl.op, &alpha, p.b, pl.la, p.a, pl.lb, &beta, c, pl.lc, out, pl.ld, algo,
+                        ws, kWorkspaceBytes, st);
 }
 
 // Times every heuristic candidate (after one warm-up) and returns the index of the fastest by
@@ -228,7 +244,8 @@ cublasStatus_t matmul(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p, void*
 // `out` is not summed into repeatedly. That copy comes from cudaMallocAsync's default pool on
 // purpose, not from the keep-everything scratch pool (common/cuda_scratch.h): it is as large as
 // `out` (a whole main_grad, 256 MB at 8192 x 8192), needed once per shape, and best handed back at
-// the next synchronize.
+// the next synchronize. A residual needs no copy: C != D, so nothing is accumulated into, and every
+// run writes the same `out` from the unchanged residual.
 int pick_fastest(cublasLtHandle_t h, Plan& pl, const LtGemmParams& p,
                  const cublasLtMatmulHeuristicResult_t* res, int count, void* ws, cudaStream_t st) {
   void* target = p.out;
@@ -339,7 +356,11 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
   FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lb, to_cuda(p.a_type), p.a_col ? p.m : p.k,
                                                 p.a_col ? p.k : p.m, p.lda),
                      shape_of(p));
-  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lc, to_cuda(p.out_type), p.n, p.m, p.ldo),
+  // C and D share a type; C's leading dimension is the residual's row stride when there is one.
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->lc, to_cuda(p.out_type), p.n, p.m,
+                                                p.c != nullptr ? p.ldc : p.ldo),
+                     shape_of(p));
+  FP8DP_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&pl->ld, to_cuda(p.out_type), p.n, p.m, p.ldo),
                      shape_of(p));
 
   // The block-scaled modes are validated against their scale pointers when the heuristic is
@@ -349,7 +370,8 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
   cublasLtMatmulPreference_t pref = nullptr;
   FP8DP_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref), shape_of(p));
   const uint64_t ws_bytes = kWorkspaceBytes;
-  const uint32_t al_a = alignment(p.b), al_b = alignment(p.a), al_c = alignment(p.out);
+  const uint32_t al_a = alignment(p.b), al_b = alignment(p.a);
+  const uint32_t al_c = alignment(p.c != nullptr ? p.c : p.out), al_d = alignment(p.out);
   cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
   // Block-scaled plans keep cuBLASLt's default alignment preference (256 bytes), as the
@@ -366,11 +388,11 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
                                              &al_c, sizeof(al_c));
   if (s == CUBLAS_STATUS_SUCCESS && !is_block(p))
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                             &al_c, sizeof(al_c));
+                                             &al_d, sizeof(al_d));
   cublasLtMatmulHeuristicResult_t res[kMaxAlgos] = {};
   int count = 0;
   if (s == CUBLAS_STATUS_SUCCESS) {
-    s = cublasLtMatmulAlgoGetHeuristic(h, pl->op, pl->la, pl->lb, pl->lc, pl->lc, pref, max_algos,
+    s = cublasLtMatmulAlgoGetHeuristic(h, pl->op, pl->la, pl->lb, pl->lc, pl->ld, pref, max_algos,
                                        res, &count);
   }
   cublasLtMatmulPreferenceDestroy(pref);
@@ -416,6 +438,10 @@ bool run_gemm(const LtGemmParams& p, void* stream) {
   FP8DP_CHECK(!is_fp8(p.a_type) || (!p.a_col && !p.b_col),
               "gemm_lt: FP8 operands must be row-major (Hopper's FP8 GEMM is TN only) ",
               shape_of(p));
+  FP8DP_CHECK(p.c == nullptr || (!p.accumulate && p.c != p.out && p.ldc >= p.n),
+              "gemm_lt: a residual needs accumulate off, a pointer other than out's and ldc >= n, "
+              "got ldc=",
+              p.ldc, " ", shape_of(p));
   FP8DP_CHECK(!is_block(p) || (is_fp8(p.a_type) && p.a_scale_mode == LtScaleMode::kVec128 &&
                                p.b_scale_mode != LtScaleMode::kTensor && !p.fast_accum),
               "gemm_lt: a block-scaled GEMM takes FP8 'a' in 1x128 tiles and 'b' in tiles or "
@@ -444,7 +470,10 @@ bool run_gemm(const LtGemmParams& p, void* stream) {
                 p.b_col,
                 alignment(p.a),
                 alignment(p.b),
-                alignment(p.out)};
+                alignment(p.out),
+                p.c != nullptr,
+                p.c != nullptr ? p.ldc : int64_t{0},
+                p.c != nullptr ? alignment(p.c) : uint32_t{0}};
   State& S = state();
   Plan* plan = nullptr;
   cublasLtHandle_t h = nullptr;

@@ -1,8 +1,8 @@
 // Raw-pointer cuBLASLt GEMM below LibTorch: out[m, n] = a[m, k] · b[n, k]ᵀ (row-major, "TN"),
 // high precision, or FP8 with per-tensor, per-1x128-tile or per-128x128-block scales
-// (Float8BlockScaling), with the BIAS epilogue and beta = 1 accumulation. One plan cache and one
-// autotuner for every kind. Torch-free: the LibTorch layer (gemm_cuda.cpp, block_gemm_cuda.cpp)
-// checks tensors and calls gemm_lt().
+// (Float8BlockScaling), with the BIAS epilogue, beta = 1 accumulation and a residual (C != D). One
+// plan cache and one autotuner for every kind. Torch-free: the LibTorch layer (gemm_cuda.cpp,
+// block_gemm_cuda.cpp) checks tensors and calls gemm_lt().
 #pragma once
 
 #include <cstdint>
@@ -40,18 +40,22 @@ struct LtGemmParams {
   void* out = nullptr;  // [m, n], rows ldo elements apart
   DType out_type = DType::kBFloat16;
   int64_t ldo = 0;
+  // The residual, or null: out = a·bᵀ (+ bias) + c, cuBLASLt's C with beta = 1 and C != D, summed
+  // in FP32 and rounded once. [m, n] of out_type, rows ldc elements apart (C gets its own matrix
+  // layout, so c need not share out's stride). Not with accumulate, and never out itself.
+  const void* c = nullptr;
+  int64_t ldc = 0;
   bool accumulate = false;  // out += a·bᵀ (beta = 1)
   bool fast_accum = false;  // FP8: tensor-core accumulation without periodic FP32 promotion
 };
 
 // Runs the GEMM on `stream` (a cudaStream_t) on the current device. The first call for a shape
-// (dims, strides, dtypes, epilogue, pointer alignment) builds and caches the cuBLASLt descriptors,
-// asks the heuristic for up to 8 algorithms (see gemm_lt_set_candidates) and, unless autotuning is
-// off or the stream is being captured into a graph, times each on the call's operands and keeps the
-// fastest. Every
-// cuBLASLt failure throws fp8dp::Error naming the status and the shape. Block-scaled modes are
-// refused (fp8dp::Error naming the reason) where the build's cuBLAS, the loaded cuBLASLt (< 12.9)
-// or the device (compute capability other than 9.x) has none.
+// (dims, strides, dtypes, epilogue, residual, pointer alignment) builds and caches the cuBLASLt
+// descriptors, asks the heuristic for up to 8 algorithms (see gemm_lt_set_candidates) and, unless
+// autotuning is off or the stream is being captured into a graph, times each on the call's operands
+// and keeps the fastest. Every cuBLASLt failure throws fp8dp::Error naming the status and the
+// shape. Block-scaled modes are refused (fp8dp::Error naming the reason) where the build's cuBLAS,
+// the loaded cuBLASLt (< 12.9) or the device (compute capability other than 9.x) has none.
 void gemm_lt(const LtGemmParams& p, void* stream);
 
 // gemm_lt(), except that a shape cuBLASLt offers no algorithm for (CUBLAS_STATUS_NOT_SUPPORTED or
@@ -67,7 +71,8 @@ bool gemm_lt_block_compiled();
 void gemm_lt_set_autotune(bool on);
 
 // Candidate selection for plans built from now on: the heuristic is asked for up to max_algos
-// (1..32, default 8) algorithms, and algo_override >= 0 takes that candidate without timing (-1,
+// (1..32, default 8, or FP8DP_GEMM_CANDIDATES from the environment) algorithms, and
+// algo_override >= 0 takes that candidate without timing (-1,
 // the default: autotune as above). For benchmarks that rank the candidates by other measures
 // (energy per call, sustained time); throws when the override is out of range.
 void gemm_lt_set_candidates(int max_algos, int algo_override);

@@ -76,9 +76,10 @@ at::Tensor gemm_cuda_checked(const GemmArgs& args) {
     bias = args.bias.to(ot).contiguous();
   }
   if (m == 0 || n == 0) return out;
-  if (k == 0) {  // empty sum: out = bias (or unchanged plus bias when accumulating)
+  if (k == 0) {  // empty sum: out = bias (+ residual), or unchanged plus bias when accumulating
     if (!args.accumulate) out.zero_();
     if (bias.defined()) out.add_(bias);
+    if (args.residual.defined()) out.add_(args.residual);
     return out;
   }
 
@@ -106,7 +107,8 @@ at::Tensor gemm_cuda_checked(const GemmArgs& args) {
                     p.ldb);
   }
   // cuBLASLt has no BIAS epilogue for FP8 inputs with an FP32 output (CUBLAS_STATUS_NOT_SUPPORTED
-  // on the H200); there the bias is added by a separate kernel after the GEMM.
+  // on the H200); there the bias is added by a separate kernel after the GEMM (with a residual:
+  // onto the GEMM's product + residual, two FP32 roundings, within the FP32 summation bound).
   const bool bias_after = bias.defined() && fp8 && ot == at::kFloat;
   if (bias.defined() && !bias_after) {
     p.bias = bias.data_ptr();
@@ -115,6 +117,17 @@ at::Tensor gemm_cuda_checked(const GemmArgs& args) {
   p.out = out.data_ptr();
   p.out_type = to_dtype(ot, kFn, "'out'");
   p.ldo = out.stride(0);
+  // The residual is the epilogue's C (check_gemm_args: out's dtype, rows contiguous, no overlap
+  // with out). C has its own matrix layout in the plan, so a residual whose row stride differs from
+  // out's goes in as it is; only under FP8 a row stride that is no multiple of 16 (the rule 'out'
+  // follows above) needs a copy. One row: its stride is arbitrary and never read, n serves.
+  at::Tensor residual;
+  if (args.residual.defined()) {
+    residual = args.residual;
+    if (fp8 && m > 1 && residual.stride(0) % 16 != 0) residual = residual.contiguous();
+    p.c = residual.data_ptr();
+    p.ldc = m == 1 ? n : residual.stride(0);
+  }
   p.accumulate = args.accumulate;
   p.fast_accum = fp8 && !args.use_split_accumulator;
   gemm_lt(p, c10::cuda::getCurrentCUDAStream().stream());
