@@ -90,7 +90,7 @@ for v in "${variants[@]}"; do
   echo "[ablate] $v: ${SETS[$v]} to step $STOP from step $at ($(date -u +%H:%M:%S))"
   # The variant's own sets come after. The separate MLP modules, as every ablation so far was run
   # (and the probe reads only those: config.py refuses it with model.fused_mlp).
-  sets=(--set "out.dir=$OUTDIR/$v" --set "fp8.exclude=[]" --set model.fused_mlp=false)
+  sets=(--set "out.dir=$OUTDIR/$v" --set "fp8.exclude=[]" --set model.fused_mlp=false --set model.fused_residual=false)
   for s in ${SETS[$v]}; do sets+=(--set "$s"); done
   extra=()
   [ "$at" -gt 0 ] && extra+=(--resume "$ckpt")

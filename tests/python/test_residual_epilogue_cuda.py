@@ -93,12 +93,20 @@ def test_gemm_residual_cuda_vs_cpu(kind, out_dtype, bias, split, strided, mnk):
     assert any("+residual" in p["shape"] for p in _C._gemm_plans())
 
 
-@pytest.mark.parametrize("kind", ["fp32", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_residual_rounded_once_cuda(kind):
-    if kind == "fp32":
-        a, b = torch.tensor([[2.0**-8 + 2.0**-20]]), torch.ones(1, 1)
+    if kind == "bf16":
+        # bf16 operands (cuBLASLt has no float32 x float32 -> bfloat16 kernel with a C matrix):
+        # (1 + 2^-4) * 2^-8 (1 - 2^-4 + 2^-8) = 2^-8 (1 + 2^-12) exactly in FP32, which rounds to
+        # 2^-8 in bfloat16; so 1 + product rounds up to 1 + 2^-7 once, but to 1.0 (a tie, to even)
+        # if the product were rounded to bfloat16 first.
+        m, n = 16, 16
+        a = torch.zeros(m, 16, dtype=torch.bfloat16)
+        a[:, 0] = 1.0 + 2.0**-4
+        b = torch.zeros(n, 16, dtype=torch.bfloat16)
+        b[:, 0] = 2.0**-8 * (1.0 - 2.0**-4 + 2.0**-8)
+        assert float(a[0, 0]) * float(b[0, 0]) == 2.0**-8 * (1.0 + 2.0**-12)
         sa = sb = None
-        m, n = 1, 1
     else:
         m, n = 16, 16
         a = torch.zeros(m, 16)
