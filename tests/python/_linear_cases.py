@@ -35,6 +35,26 @@ def autocast(recipe):
     return fp8dp.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 
+# The four precision modes of the LayerNormMLP and residual tests, by name: FP8 off and each
+# recipe with the HYBRID format (block scaling: E4M3 throughout, its default).
+FP8_MODES = ["off", "delayed", "current", "block"]
+
+
+def mode_recipe(mode: str):
+    if mode == "delayed":
+        return fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=4)
+    if mode == "current":
+        return fp8dp.Float8CurrentScaling(fp8_format=fp8dp.Format.HYBRID)
+    if mode == "block":
+        return fp8dp.Float8BlockScaling()
+    return None
+
+
+def mode_autocast(mode: str):
+    r = mode_recipe(mode)
+    return fp8dp.fp8_autocast(enabled=r is not None, fp8_recipe=r)
+
+
 def randomize_(module: torch.nn.Module, seed: int) -> None:
     """Non-trivial values in every parameter (norm weights and biases included)."""
     g = torch.Generator().manual_seed(seed)

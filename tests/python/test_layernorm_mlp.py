@@ -52,6 +52,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _linear_cases import FP8_MODES
+from _linear_cases import mode_autocast as autocast
 
 import fp8dp
 from fp8dp import _C
@@ -59,22 +61,6 @@ from fp8dp import _C
 HID, FFN, TOKENS = 32, 48, 32
 ACTS = ["gelu", "swiglu"]
 NORMS = ["LayerNorm", "RMSNorm"]
-FP8_MODES = ["off", "delayed", "current", "block"]
-
-
-def recipe_of(mode):
-    if mode == "delayed":
-        return fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=4)
-    if mode == "current":
-        return fp8dp.Float8CurrentScaling(fp8_format=fp8dp.Format.HYBRID)
-    if mode == "block":
-        return fp8dp.Float8BlockScaling()
-    return None
-
-
-def autocast(mode):
-    r = recipe_of(mode)
-    return fp8dp.fp8_autocast(enabled=r is not None, fp8_recipe=r)
 
 
 def make_mlp(act, norm, dtype=torch.bfloat16, seed=0, hid=HID, ffn=FFN, **kw):

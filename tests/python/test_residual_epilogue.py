@@ -37,28 +37,14 @@ import copy
 
 import pytest
 import torch
+from _linear_cases import FP8_MODES
+from _linear_cases import mode_autocast as autocast
 
 import fp8dp
 from fp8dp import _C
 
 E4M3 = torch.float8_e4m3fn
 ROUND = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
-FP8_MODES = ["off", "delayed", "current", "block"]
-
-
-def recipe_of(mode):
-    if mode == "delayed":
-        return fp8dp.DelayedScaling(fp8_format=fp8dp.Format.HYBRID, amax_history_len=4)
-    if mode == "current":
-        return fp8dp.Float8CurrentScaling(fp8_format=fp8dp.Format.HYBRID)
-    if mode == "block":
-        return fp8dp.Float8BlockScaling()
-    return None
-
-
-def autocast(mode):
-    r = recipe_of(mode)
-    return fp8dp.fp8_autocast(enabled=r is not None, fp8_recipe=r)
 
 
 # ---- the GEMM ------------------------------------------------------------------------------
