@@ -127,6 +127,16 @@ void check_gemm_args(const GemmArgs& g, GemmStrides strides) {
   } else {
     to_high_precision_dtype(g.out_dtype, kFn, "'out_dtype'");
   }
+  if (!fp8 && g.a.scalar_type() == at::kFloat) {
+    // cuBLASLt's type table has float32 x float32 only into float32 (the H100 answered "no
+    // algorithm" for a bfloat16 output with a residual, 12-06); the CPU applies the same rule so
+    // that what runs here also runs on a GPU. fp8dp's layers never ask for it: their outputs have
+    // their inputs' dtype, and their weight gradients go to float32 or the weight's dtype.
+    const at::ScalarType ot = g.out.defined() ? g.out.scalar_type() : g.out_dtype;
+    FP8DP_CHECK_ARG(ot == at::kFloat, kFn,
+                    ": float32 operands need a float32 output (out_dtype or 'out'), got ", ot,
+                    "; cast the operands to ", ot, " or take a float32 output and convert it");
+  }
   if (g.residual.defined()) check_residual(g, m, n);
 }
 

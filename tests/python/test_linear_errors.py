@@ -241,8 +241,23 @@ def fp8(shape, fmt=torch.float8_e4m3fn):
             lambda: dict(a=torch.randn(4, 8), b=torch.randn(5, 8, dtype=torch.bfloat16)),
             r"high-precision operands must share a dtype",
         ),
+        (
+            lambda: dict(a=torch.randn(4, 8), b=torch.randn(5, 8), out_dtype=torch.bfloat16),
+            r"float32 operands need a float32 output \(out_dtype or 'out'\), got BFloat16",
+        ),
     ],
-    ids=["k16", "n16", "scale_inv", "k_mismatch", "layout", "accumulate", "bias", "out", "dtypes"],
+    ids=[
+        "k16",
+        "n16",
+        "scale_inv",
+        "k_mismatch",
+        "layout",
+        "accumulate",
+        "bias",
+        "out",
+        "dtypes",
+        "fp32_into_bf16",
+    ],
 )
 def test_gemm_errors(args, message, device):
     # The same strides on the device (.to() would make a non-dense operand contiguous).

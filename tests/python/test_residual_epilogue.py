@@ -63,8 +63,16 @@ def operands(kind, m, n, k, gen):
     return (a, None, b, None), (a.double(), b.double())
 
 
-@pytest.mark.parametrize("kind", ["fp8", "fp32", "bf16"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+# float32 operands only into float32 (cuBLASLt's rule, applied on the CPU too).
+KIND_OUT = [
+    (kind, out)
+    for kind in ("fp8", "fp32", "bf16")
+    for out in (torch.bfloat16, torch.float32)
+    if kind != "fp32" or out == torch.float32
+]
+
+
+@pytest.mark.parametrize("kind,out_dtype", KIND_OUT, ids=lambda v: str(v))
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("mnk", [(32, 48, 64), (1, 16, 16), (17, 32, 144)], ids=str)
 def test_gemm_residual_matches_float64(kind, out_dtype, bias, mnk):
@@ -105,17 +113,21 @@ def test_gemm_residual_with_strided_rows():
     assert torch.equal(got, torch.mm(a, b.t()) + res)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_residual_rounded_once(kind):
-    """a·bᵀ = 2^-8 + 2^-20 (exact in FP32), residual 1: FP32 sum 1 + 2^-8 + 2^-20 rounds to
-    1 + 2^-7 in bfloat16. Rounding the product first gives 2^-8, and 1 + 2^-8 is a tie that
-    rounds to even, 1.0. FP8: k = 16 with one non-zero product (2^-8 + 2^-20 = 257 * 2^-16:
-    a = 257 is no E4M3 value, so a = 1 with scale_inv 2^-8 + 2^-20, b = 1 with scale_inv 1)."""
-    if kind == "fp32":
-        a = torch.tensor([[2.0**-8 + 2.0**-20]])
-        b = torch.ones(1, 1)
+    """a·bᵀ = 2^-8 (1 + 2^-12) (exact in FP32), residual 1: the FP32 sum 1 + 2^-8 + 2^-20 rounds
+    to 1 + 2^-7 in bfloat16. Rounding the product first gives 2^-8, and 1 + 2^-8 is a tie that
+    rounds to even, 1.0. bf16: (1 + 2^-4) * 2^-8 (1 - 2^-4 + 2^-8), both bfloat16 values. FP8:
+    k = 16 with one non-zero product (a = 1 with scale_inv 2^-8 + 2^-20, b = 1 with scale_inv 1:
+    2^-8 + 2^-20 is no E4M3 value)."""
+    if kind == "bf16":
+        m, n = 16, 16
+        a = torch.zeros(m, 16, dtype=torch.bfloat16)
+        a[:, 0] = 1.0 + 2.0**-4
+        b = torch.zeros(n, 16, dtype=torch.bfloat16)
+        b[:, 0] = 2.0**-8 * (1.0 - 2.0**-4 + 2.0**-8)
+        assert float(a[0, 0]) * float(b[0, 0]) == 2.0**-8 * (1.0 + 2.0**-12)
         sa = sb = None
-        m = n = 1
     else:
         m, n = 1, 16
         a = torch.zeros(m, 16)
@@ -145,7 +157,7 @@ def test_residual_rounded_once(kind):
     ],
 )
 def test_gemm_residual_errors(case, match):
-    a, b = torch.randn(8, 32), torch.randn(16, 32)
+    a, b = torch.randn(8, 32).bfloat16(), torch.randn(16, 32).bfloat16()
     kw = dict(out_dtype=torch.bfloat16, residual=torch.zeros(8, 16, dtype=torch.bfloat16))
     if case == "shape":
         kw["residual"] = torch.zeros(8, 15, dtype=torch.bfloat16)
