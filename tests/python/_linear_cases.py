@@ -191,3 +191,18 @@ def input_grad_bound(module, x2d, gemm_in_bound):
     if module.normalization == "LayerNorm":
         inner = inner + ge.mean(1, keepdim=True)
     return (rs * inner).float()
+
+
+def gemm_operands(kind: str, m: int, n: int, k: int, gen: torch.Generator):
+    """Random GEMM operands a [m, k], b [n, k] of `kind` ("fp8": E4M3 with per-tensor scale_inv
+    0.01 / 0.02; "fp32", "bf16": high precision, no scales): ((a, a_scale_inv, b, b_scale_inv),
+    (a64, b64)), the float64 values the operands stand for."""
+    if kind == "fp8":
+        a = (torch.randn(m, k, generator=gen) * 40).to(torch.float8_e4m3fn)
+        b = (torch.randn(n, k, generator=gen) * 40).to(torch.float8_e4m3fn)
+        sa, sb = torch.tensor([0.01]), torch.tensor([0.02])
+        return (a, sa, b, sb), (a.double() * sa.double(), b.double() * sb.double())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[kind]
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, k, generator=gen).to(dtype)
+    return (a, None, b, None), (a.double(), b.double())

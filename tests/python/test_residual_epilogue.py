@@ -37,7 +37,7 @@ import copy
 
 import pytest
 import torch
-from _linear_cases import FP8_MODES
+from _linear_cases import FP8_MODES, gemm_operands
 from _linear_cases import mode_autocast as autocast
 
 import fp8dp
@@ -48,19 +48,6 @@ ROUND = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
 # ---- the GEMM ------------------------------------------------------------------------------
-
-
-def operands(kind, m, n, k, gen):
-    """a, b (and their scale_inv for FP8), and the float64 values they stand for."""
-    if kind == "fp8":
-        a = (torch.randn(m, k, generator=gen) * 40).to(E4M3)
-        b = (torch.randn(n, k, generator=gen) * 40).to(E4M3)
-        sa, sb = torch.tensor([0.01]), torch.tensor([0.02])
-        return (a, sa, b, sb), (a.double() * sa.double(), b.double() * sb.double())
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[kind]
-    a = torch.randn(m, k, generator=gen).to(dtype)
-    b = torch.randn(n, k, generator=gen).to(dtype)
-    return (a, None, b, None), (a.double(), b.double())
 
 
 # float32 operands only into float32 (cuBLASLt's rule, applied on the CPU too).
@@ -78,7 +65,7 @@ KIND_OUT = [
 def test_gemm_residual_matches_float64(kind, out_dtype, bias, mnk):
     m, n, k = mnk
     gen = torch.Generator().manual_seed(7)
-    (a, sa, b, sb), (a64, b64) = operands(kind, m, n, k, gen)
+    (a, sa, b, sb), (a64, b64) = gemm_operands(kind, m, n, k, gen)
     prod = a64 @ b64.T
     scale = float(prod.abs().mean()) + 1.0  # residual as large as the product
     res = (torch.randn(m, n, generator=gen) * scale).to(out_dtype)
@@ -114,14 +101,15 @@ def test_gemm_residual_with_strided_rows():
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_residual_rounded_once(kind):
+def test_residual_rounded_once(kind, device):
     """a·bᵀ = 2^-8 (1 + 2^-12) (exact in FP32), residual 1: the FP32 sum 1 + 2^-8 + 2^-20 rounds
     to 1 + 2^-7 in bfloat16. Rounding the product first gives 2^-8, and 1 + 2^-8 is a tie that
-    rounds to even, 1.0. bf16: (1 + 2^-4) * 2^-8 (1 - 2^-4 + 2^-8), both bfloat16 values. FP8:
-    k = 16 with one non-zero product (a = 1 with scale_inv 2^-8 + 2^-20, b = 1 with scale_inv 1:
-    2^-8 + 2^-20 is no E4M3 value)."""
+    rounds to even, 1.0. bf16: (1 + 2^-4) * 2^-8 (1 - 2^-4 + 2^-8), both bfloat16 values (float32
+    operands have no bfloat16 output). FP8: k = 16 with one non-zero product (a = 1 with
+    scale_inv 2^-8 + 2^-20, b = 1 with scale_inv 1: 2^-8 + 2^-20 is no E4M3 value). On CUDA this
+    is cuBLASLt's epilogue (C = residual, beta = 1)."""
+    m = n = 16
     if kind == "bf16":
-        m, n = 16, 16
         a = torch.zeros(m, 16, dtype=torch.bfloat16)
         a[:, 0] = 1.0 + 2.0**-4
         b = torch.zeros(n, 16, dtype=torch.bfloat16)
@@ -129,19 +117,21 @@ def test_residual_rounded_once(kind):
         assert float(a[0, 0]) * float(b[0, 0]) == 2.0**-8 * (1.0 + 2.0**-12)
         sa = sb = None
     else:
-        m, n = 1, 16
         a = torch.zeros(m, 16)
-        a[0, 0] = 1.0
-        a = a.to(E4M3)
+        a[:, 0] = 1.0
         b = torch.zeros(n, 16)
         b[:, 0] = 1.0
-        b = b.to(E4M3)
+        a, b = a.to(E4M3), b.to(E4M3)
         sa, sb = torch.tensor([2.0**-8 + 2.0**-20]), torch.tensor([1.0])
-    res = torch.ones(m, n, dtype=torch.bfloat16)
+
+    def on(t):
+        return None if t is None else t.to(device)
+
+    res = torch.ones(m, n, dtype=torch.bfloat16, device=device)
     out = _C.gemm(
-        a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.bfloat16, residual=res
-    ).float()
-    assert torch.equal(out, torch.full((m, n), 1.0 + 2.0**-7))
+        on(a), on(b), a_scale_inv=on(sa), b_scale_inv=on(sb), out_dtype=torch.bfloat16, residual=res
+    )
+    assert torch.equal(out.float().cpu(), torch.full((m, n), 1.0 + 2.0**-7))
 
 
 @pytest.mark.parametrize(

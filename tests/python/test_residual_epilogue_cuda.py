@@ -10,13 +10,14 @@ device errs by at most (c 2^-14 + (k + 2) 2^-24) (sum|a||b| + |bias| + |residual
 (c = 0 on the CPU and for high-precision operands; u_out = 2^-8 bfloat16, 2^-24 float32), and
 CUDA and CPU differ by at most the sum of their two errors. The residual is as large as the
 product, so an epilogue that dropped it (beta = 0), read it with out's stride, or read out as C
-misses by far more. test_residual_rounded_once_cuda: see test_residual_epilogue.py (2.).
+misses by far more. test_residual_epilogue.py's test_residual_rounded_once runs on CUDA too.
 """
 
 import copy
 
 import pytest
 import torch
+from _linear_cases import gemm_operands
 
 import fp8dp
 
@@ -26,17 +27,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=REASON)]
 
 E4M3 = torch.float8_e4m3fn
 ROUND = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
-
-
-def operands(kind, m, n, k, gen):
-    if kind == "fp8":
-        a = (torch.randn(m, k, generator=gen) * 40).to(E4M3)
-        b = (torch.randn(n, k, generator=gen) * 40).to(E4M3)
-        sa, sb = torch.tensor([0.01]), torch.tensor([0.02])
-        return a, sa, b, sb, a.double() * 0.01, b.double() * 0.02
-    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    return a, None, b, None, a.double(), b.double()
 
 
 def cuda(t):
@@ -54,7 +44,7 @@ def test_gemm_residual_cuda_vs_cpu(kind, out_dtype, bias, split, strided, mnk):
     a strided residual (rows 16 elements further apart than out's) takes C's own layout."""
     m, n, k = mnk
     gen = torch.Generator().manual_seed(11)
-    a, sa, b, sb, a64, b64 = operands(kind, m, n, k, gen)
+    (a, sa, b, sb), (a64, b64) = gemm_operands(kind, m, n, k, gen)
     prod = a64 @ b64.T
     scale = float(prod.abs().mean()) + 1.0
     wide = (torch.randn(m, n + 16, generator=gen) * scale).to(out_dtype)
@@ -91,40 +81,6 @@ def test_gemm_residual_cuda_vs_cpu(kind, out_dtype, bias, split, strided, mnk):
         worst = float(((got.double() - want).abs() / (bound + 1e-30)).max())
         assert worst <= 1.0, f"{what}: error {worst:.3f}x the bound"
     assert any("+residual" in p["shape"] for p in _C._gemm_plans())
-
-
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_residual_rounded_once_cuda(kind):
-    if kind == "bf16":
-        # bf16 operands (cuBLASLt has no float32 x float32 -> bfloat16 kernel with a C matrix):
-        # (1 + 2^-4) * 2^-8 (1 - 2^-4 + 2^-8) = 2^-8 (1 + 2^-12) exactly in FP32, which rounds to
-        # 2^-8 in bfloat16; so 1 + product rounds up to 1 + 2^-7 once, but to 1.0 (a tie, to even)
-        # if the product were rounded to bfloat16 first.
-        m, n = 16, 16
-        a = torch.zeros(m, 16, dtype=torch.bfloat16)
-        a[:, 0] = 1.0 + 2.0**-4
-        b = torch.zeros(n, 16, dtype=torch.bfloat16)
-        b[:, 0] = 2.0**-8 * (1.0 - 2.0**-4 + 2.0**-8)
-        assert float(a[0, 0]) * float(b[0, 0]) == 2.0**-8 * (1.0 + 2.0**-12)
-        sa = sb = None
-    else:
-        m, n = 16, 16
-        a = torch.zeros(m, 16)
-        a[:, 0] = 1.0
-        b = torch.zeros(n, 16)
-        b[:, 0] = 1.0
-        a, b = a.to(E4M3), b.to(E4M3)
-        sa, sb = torch.tensor([2.0**-8 + 2.0**-20]), torch.tensor([1.0])
-    res = torch.ones(m, n, dtype=torch.bfloat16, device="cuda")
-    out = _C._gemm_cuda(
-        a.cuda(),
-        b.cuda(),
-        a_scale_inv=cuda(sa),
-        b_scale_inv=cuda(sb),
-        out_dtype=torch.bfloat16,
-        residual=res,
-    )
-    assert torch.equal(out.float().cpu(), torch.full((m, n), 1.0 + 2.0**-7))
 
 
 def test_residual_gemm_errors_cuda():
