@@ -80,6 +80,10 @@ SEQ, BATCH, HEAD_DIM = 2048, 2, 128
 # each backward writes a zero-filled full-size gradient and autograd adds the three; before
 # 2026-12-02; docs/changelog.md). Every variant of a run uses the same split.
 QKV_SPLITS = ("split_qkv", "unbind", "index")
+# fp8dp's residual adds: "fused" (in the GEMM epilogue, their gradients in the norm's backward;
+# the default since 2026-12-06) or "add" (torch adds, autograd adding the gradients; before).
+# `--compare-residual` also times FP8 delayed with "add" (variant fp8dp_delayed_addres).
+RESIDUALS = ("fused", "add")
 TARGETS = {
     ("gpt", 2048, 8): 1.40,
     ("gpt", 4096, 4): 1.55,
@@ -107,6 +111,7 @@ class Block(torch.nn.Module):
         super().__init__()
         self.heads = hidden // HEAD_DIM
         self.llama = arch == "llama"
+        self.fp8dp = lib == "fp8dp"
         bias = not self.llama
         ffn = ffn_size(hidden, arch)
         fc1_out = 2 * ffn if self.llama else ffn
@@ -136,12 +141,17 @@ class Block(torch.nn.Module):
         # casts their gradients in place instead of autograd stacking them (the split setting
         # below then applies to the torch and TE blocks).
         qkv_kw = {"qkv_heads": self.heads} if lib == "fp8dp" else {}
-        self.qkv = mod.LayerNormLinear(hidden, 3 * hidden, **kw, **qkv_kw)
+        # fp8dp's residual adds: in the epilogue of the projection before them, their gradients
+        # joined with x's in the norm's backward (the norm's layer returns its input, the
+        # residual: return_layernorm_input; LayerNormMLP does both itself with residual=x).
+        # self.residual = "add" (per step, as split) uses torch adds instead on the same model.
+        ln_in = {"return_layernorm_input": True} if lib == "fp8dp" else {}
+        self.qkv = mod.LayerNormLinear(hidden, 3 * hidden, **kw, **qkv_kw, **ln_in)
         kw.pop("normalization", None)
         self.proj = mod.Linear(hidden, hidden, **kw)
         self.mlp = None
         if arch == "gpt":
-            self.fc1 = mod.LayerNormLinear(hidden, ffn, **kw)
+            self.fc1 = mod.LayerNormLinear(hidden, ffn, **kw, **ln_in)
             self.fc2 = mod.Linear(ffn, hidden, **kw)
         else:
             self.mlp = mod.LayerNormMLP(
@@ -153,26 +163,34 @@ class Block(torch.nn.Module):
             )
 
     split = QKV_SPLITS[0]  # how q, k, v come out of the QKV output (QKV_SPLITS); set per step
+    residual = RESIDUALS[0]  # fp8dp's residual adds (RESIDUALS); set per step
 
     def forward(self, x):
         s, b, h = x.shape
+        fused = self.fp8dp and self.residual == "fused"
         out = self.qkv(x)
+        if self.fp8dp:  # q, k, v, then the input (return_layernorm_input)
+            *out, x_in = out
+            out = tuple(out)
         if self.split == "split_qkv" or isinstance(out, tuple):  # tuple: fp8dp's q, k, v
             q, k, v = split_qkv(out, self.heads)
         else:
             qkv = out.view(s, b, 3, self.heads, HEAD_DIM).permute(2, 1, 3, 0, 4)
             q, k, v = qkv.unbind(0) if self.split == "unbind" else (qkv[0], qkv[1], qkv[2])
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
+        a = a.permute(2, 0, 1, 3).reshape(s, b, h)
+        x = self.proj(a, residual=x_in) if fused else x + self.proj(a)
         if self.mlp is not None:
-            return x + self.mlp(x)
+            return self.mlp(x, residual=x) if fused else x + self.mlp(x)
         u = self.fc1(x)
+        if self.fp8dp:
+            u, x_in = u
         if self.llama:  # [gate | up], as fp8dp.LayerNormMLP's swiglu
             gate, up = u.chunk(2, dim=-1)
             u = F.silu(gate) * up
         else:
             u = F.gelu(u)
-        return x + self.fc2(u)
+        return self.fc2(u, residual=x_in) if fused else x + self.fc2(u)
 
 
 def _baseline(mode: str) -> str:
@@ -281,7 +299,8 @@ def _context(mode: str):
 def make_step(model, x, dy, mode: str):
     """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_delayed_fastbwd' (fast accumulation in
     the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
-    'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', each optionally suffixed
+    'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', 'fp8dp_delayed_addres'
+    (fp8dp's residual adds as torch adds, RESIDUALS), each optionally suffixed
     '@unbind' or '@index' (the QKV split, QKV_SPLITS; default split_qkv); 'bf16_graphed' and
     'fp8dp_delayed_graphed' capture the whole stack as one callable (make_graphed_step). Returns
     (step, loss) closures."""
@@ -289,11 +308,13 @@ def make_step(model, x, dy, mode: str):
         return make_graphed_step(model, x, dy, mode)
     mode, _, split = mode.partition("@")
     split = split or QKV_SPLITS[0]
-    ctx, update = _context(mode)
+    residual = "add" if mode.endswith("_addres") else RESIDUALS[0]
+    ctx, update = _context(mode.removesuffix("_addres"))
 
     def use_split():
         for blk in model:
             blk.split = split
+            blk.residual = residual
 
     def step():
         use_split()
@@ -357,9 +378,21 @@ class _nullcontext:
 
 
 def bench_shape(
-    hidden, layers, rounds, skip_te, energy, compare_split, fast_backward, block, arch, graphs=False
+    hidden,
+    layers,
+    rounds,
+    skip_te,
+    energy,
+    compare_split,
+    fast_backward,
+    block,
+    arch,
+    graphs=False,
+    compare_residual=False,
 ):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
+    if compare_residual:
+        modes.append("fp8dp_delayed_addres")
     if graphs:  # each on its own copy of the model: capture replaces its forward
         modes += ["bf16_graphed", "fp8dp_delayed_graphed"]
     if fast_backward:
@@ -458,6 +491,11 @@ def main():
         help="also time Float8BlockScaling (fp8dp, and TE's when it has the recipe)",
     )
     ap.add_argument(
+        "--compare-residual",
+        action="store_true",
+        help="also time fp8dp FP8 delayed with its residual adds as torch adds (RESIDUALS)",
+    )
+    ap.add_argument(
         "--graphs",
         action="store_true",
         help="also time the stack captured in CUDA graphs: torch BF16 (torch.cuda."
@@ -494,6 +532,7 @@ def main():
                     args.block,
                     arch,
                     args.graphs,
+                    args.compare_residual,
                 )
             )
         except Exception as e:  # one shape failing must not hide the others
@@ -576,6 +615,7 @@ def main():
             "target_fp8_off": TARGET_FP8_OFF,
             "command": " ".join(["python3"] + sys.argv),
             "qkv_split": QKV_SPLITS[0],
+            "fp8dp_residual": RESIDUALS[0],
             "results": results,
         },
     )

@@ -244,7 +244,8 @@ def bench_norm(rows, cols, dtype, rms):
     """LayerNorm / RMSNorm (+ FP8 cast) forward and backward against torch's own kernels (and the
     naive quantize after them). Bytes: the forward reads x (gamma / beta are negligible) and
     writes the FP8 output and / or the dtype output (plus mu / rsigma); the backward reads dz and x
-    and writes dx."""
+    and writes dx (with dx_add it also reads the residual's gradient; the separate add reads dx
+    and it and writes dx again)."""
     import torch.nn.functional as F
 
     name = "rmsnorm" if rms else "layernorm"
@@ -252,6 +253,7 @@ def bench_norm(rows, cols, dtype, rms):
     gamma = torch.randn(cols, device="cuda", dtype=dtype) * 0.1 + 1
     beta = None if rms else torch.randn(cols, device="cuda", dtype=dtype) * 0.1
     dz = torch.randn_like(x)
+    dres = torch.randn_like(x)  # the residual path's gradient of x (dx_add)
     scale = torch.tensor([2.0], device="cuda")
     copy_dst = torch.empty_like(x)
     n, es = x.numel(), x.element_size()
@@ -289,6 +291,20 @@ def bench_norm(rows, cols, dtype, rms):
             lambda: torch.autograd.grad(y_t, [xr] + params, dz, retain_graph=True),
             3 * n * es,
         ),
+        # A pre-norm block's x gets a second gradient, the residual's: added inside the
+        # backward (dx_add, one more read) against the backward then autograd's add.
+        f"{name}_bwd_dx_add": (
+            lambda: _C.norm_backward(
+                dz, x, fwd.mu, fwd.rsigma, gamma, has_beta=not rms, rms=rms, dx_add=dres
+            ),
+            4 * n * es,
+        ),
+        f"{name}_bwd+add": (
+            lambda: _C.norm_backward(dz, x, fwd.mu, fwd.rsigma, gamma, has_beta=not rms, rms=rms)[
+                0
+            ].add_(dres),
+            6 * n * es,
+        ),
     }
     ms = time_interleaved({k: v[0] for k, v in ops.items()})
     # The timed shape's launch (rows per block, grid-stride loop) against quantize() of the
@@ -303,6 +319,7 @@ def bench_norm(rows, cols, dtype, rms):
         f"{name}_fp8": f"torch_{name}+naive_quantize",
         f"{name}_out": f"torch_{name}",
         f"{name}_bwd": f"torch_{name}_bwd",
+        f"{name}_bwd_dx_add": f"{name}_bwd+add",
     }
     return shape_result(x, ops, ms, matches, torch_ops, key="speedup_vs_torch")
 
@@ -367,6 +384,8 @@ def norm_results():
     return [
         bench_norm(16384, 8192, torch.bfloat16, rms=False),  # 256 MiB input
         bench_norm(16384, 8192, torch.bfloat16, rms=True),
+        bench_norm(16384, 1536, torch.bfloat16, rms=False),  # the 342M model's micro-batch
+        bench_norm(4096, 4096, torch.bfloat16, rms=False),  # bench/gpt_block_gpu.py's 4096 x 4
     ]
 
 
@@ -375,10 +394,11 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument(
         "--only",
-        choices=("all", "block", "act", "parts"),
+        choices=("all", "block", "act", "parts", "norm"),
         default="all",
         help="block: the block casts alone; act: the fused GELU casts alone; parts: the QKV "
-        "gradient cast from the three attention gradients (quantize_parts) alone",
+        "gradient cast from the three attention gradients (quantize_parts) alone; norm: the "
+        "norm kernels alone",
     )
     args = ap.parse_args()
     results = []
@@ -401,6 +421,7 @@ def main():
             bench_one(8192, 8192, torch.float32),  # 256 MiB input
             bench_one(4096, 8192, torch.bfloat16),  # 64 MiB input
         ]
+    if args.only in ("all", "norm"):
         results += norm_results()
     for r in results:
         rows = []

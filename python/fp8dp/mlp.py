@@ -168,7 +168,9 @@ class LayerNormMLP(torch.nn.Module):
         """x: [..., hidden_size]; returns [..., hidden_size]. is_first_microbatch as in
         fp8dp.Linear, for both FP8 weight caches. residual: None, or a tensor of the output's
         shape, dtype and device (a transformer block's ``x``): returns ``mlp(x) + residual``, added
-        in fc2's GEMM epilogue as in fp8dp.Linear."""
+        in fc2's GEMM epilogue as in fp8dp.Linear. With ``residual=x`` (the very tensor, as a
+        pre-norm block passes it) its gradient is added to x's inside the norm's backward, rounded
+        once, instead of in autograd's separate add."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise ValueError(
                 f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}"

@@ -308,6 +308,10 @@ class LayerNormLinear(_FP8LinearBase):
     zero_centered_gamma: the norm multiplies by 1 + layer_norm_weight (initialised to 0), so weight
         decay pulls the scale towards 1.
     return_layernorm_output: forward returns (y, normalized input).
+    return_layernorm_input: forward also returns x itself, last: pass it on as the block's
+        residual (``proj(attn, residual=x)``). The gradient it gets back is added to this
+        layer's input gradient inside the norm's backward (one pass, rounded once) instead of in
+        autograd's separate add. It is a view of x; do not modify it in place.
     qkv_heads: a fused QKV projection with this many heads: out_features = 3 x qkv_heads x
         head_dim, laid out [q | k | v], and forward returns q, k, v, each [..., qkv_heads,
         head_dim] (views of one output; then the normalized input with return_layernorm_output).
@@ -332,6 +336,7 @@ class LayerNormLinear(_FP8LinearBase):
         zero_centered_gamma: bool = False,
         return_layernorm_output: bool = False,
         qkv_heads: Optional[int] = None,
+        return_layernorm_input: bool = False,
     ):
         super().__init__(
             in_features,
@@ -356,6 +361,7 @@ class LayerNormLinear(_FP8LinearBase):
             raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
         _check_bool("zero_centered_gamma", zero_centered_gamma)
         _check_bool("return_layernorm_output", return_layernorm_output)
+        _check_bool("return_layernorm_input", return_layernorm_input)
         if qkv_heads is not None and (
             not isinstance(qkv_heads, int)
             or isinstance(qkv_heads, bool)
@@ -371,6 +377,7 @@ class LayerNormLinear(_FP8LinearBase):
         self.eps = float(eps)
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
+        self.return_layernorm_input = return_layernorm_input
         factory = {"dtype": self.weight.dtype, "device": self.weight.device}
         gamma = torch.zeros if zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(gamma(in_features, **factory))
@@ -386,12 +393,11 @@ class LayerNormLinear(_FP8LinearBase):
             zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output,
             qkv_heads=qkv_heads or 0,
+            return_layernorm_input=return_layernorm_input,
         )
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        """x: [..., in_features]; returns y, or (y, ln_out) with return_layernorm_output; with
-        qkv_heads (q, k, v) in place of y."""
+        """x: [..., in_features]; returns y, or a tuple: y (q, k, v with qkv_heads), then ln_out
+        with return_layernorm_output, then x with return_layernorm_input."""
         out = self._forward(x, is_first_microbatch, self.layer_norm_weight, self.layer_norm_bias)
-        if self.qkv_heads:
-            return tuple(out)
-        return (out[0], out[1]) if self.return_layernorm_output else out[0]
+        return tuple(out) if len(out) > 1 else out[0]

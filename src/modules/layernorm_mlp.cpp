@@ -61,9 +61,11 @@ LayerNormMLPCore::LayerNormMLPCore(MLPConfig cfg, std::shared_ptr<LinearCore> fc
                   cfg_.ffn_hidden_size);
   const LinearConfig& c1 = fc1_->config();
   const LinearConfig& c2 = fc2_->config();
-  FP8DP_CHECK_ARG(c1.layernorm && !c1.return_layernorm_output && c1.qkv_heads == 0, mod,
-                  ": fc1 must be a LayerNormLinear core without return_layernorm_output or "
-                  "qkv_heads");
+  FP8DP_CHECK_ARG(c1.layernorm && !c1.return_layernorm_output && !c1.return_layernorm_input &&
+                      c1.qkv_heads == 0,
+                  mod,
+                  ": fc1 must be a LayerNormLinear core without return_layernorm_output, "
+                  "return_layernorm_input or qkv_heads");
   FP8DP_CHECK_ARG(!c2.layernorm, mod, ": fc2 must be a Linear core, got a LayerNormLinear core");
   FP8DP_CHECK_ARG(c2.qkv_heads == 0, mod, ": fc2 must be a Linear core without qkv_heads");
   const int64_t fc1_out = activation_in_cols(cfg_.activation, cfg_.ffn_hidden_size);

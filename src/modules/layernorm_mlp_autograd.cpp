@@ -97,6 +97,9 @@ struct MLPCtx : torch::CustomClassHolder {
   at::ScalarType act_dtype = at::kFloat;
   GemmUse fc1, fc2;
   bool has_ln_bias = false;
+  // residual is x itself (mlp(x, residual=x), a pre-norm block): backward adds grad_output to
+  // dx inside the norm's backward instead of returning it for autograd to add to the same x.
+  bool residual_is_x = false;
   bool released = false;
   std::array<int, kNumInputs> edge{};
 
@@ -186,6 +189,7 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
     c->x_shape = x.sizes().vec();
     c->act_dtype = x.scalar_type();
     c->has_ln_bias = ln_bias.defined();
+    c->residual_is_x = residual.defined() && residual.is_same(x);
     const bool fp8 = ac.enabled;
     const at::Tensor x2d = x.reshape({-1, cfg1.in_features});
     variable_list saved(kNumSaved);
@@ -398,17 +402,21 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
     }
 
     // ---- norm backward
+    // y = fc2(...) + residual: the residual's gradient is grad_output itself, no copy; when the
+    // residual is x, added to dx in the norm's backward (then nothing goes to the residual's edge:
+    // it is x's, and x's gradient already holds it).
+    const bool fold = c->residual_is_x && need_x && need_dz;
     at::Tensor dx, dln_w, dln_b;
     if (need_dz) {
-      const NormGrads ng =
-          norm_backward(dz, saved[kX2d], saved[kMu], saved[kRsigma], saved[kLnWeight],
-                        c->has_ln_bias, c->fc1.core->config().norm);
+      const NormGrads ng = norm_backward(
+          dz, saved[kX2d], saved[kMu], saved[kRsigma], saved[kLnWeight], c->has_ln_bias,
+          c->fc1.core->config().norm,
+          fold ? grads[0].reshape({-1, c->fc1.core->config().in_features}) : at::Tensor());
       if (need_x) dx = ng.dx.view(c->x_shape);
       dln_w = ng.dgamma;
       dln_b = ng.dbeta;
     }
-    // y = fc2(...) + residual: the residual's gradient is grad_output itself, no copy.
-    const at::Tensor dres = c->needs_grad(ctx, kRes) ? grads[0] : at::Tensor();
+    const at::Tensor dres = !fold && c->needs_grad(ctx, kRes) ? grads[0] : at::Tensor();
     c->release();
     return {dx,           dln_w,        dln_b,        dw1,          db1,
             dw2,          db2,          dres,         at::Tensor(), at::Tensor(),

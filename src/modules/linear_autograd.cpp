@@ -425,10 +425,14 @@ InputGrads input_grads(const LinearCtx& c, const BackwardPlan& p, const variable
   InputGrads r;
   if (cfg.layernorm && p.need_dgrad) {
     at::Tensor dz = dgrad;
-    if (cfg.return_layernorm_output)
-      dz = dz + grads[num_y_outputs(cfg)].reshape({-1, cfg.in_features});
+    size_t next = num_y_outputs(cfg);
+    if (cfg.return_layernorm_output) dz = dz + grads[next++].reshape({-1, cfg.in_features});
+    // The returned input's gradient (the residual path's), added to dx before its rounding.
+    at::Tensor dx_add;
+    if (cfg.return_layernorm_input && p.need_x && grads[next].defined())
+      dx_add = grads[next].reshape({-1, cfg.in_features});
     const NormGrads ng = norm_backward(dz, saved[kX2d], saved[kMu], saved[kRsigma],
-                                       saved[kLnWeight], c.has_ln_bias, cfg.norm);
+                                       saved[kLnWeight], c.has_ln_bias, cfg.norm, dx_add);
     r.dx = ng.dx.view(c.x_shape);
     r.dln_w = ng.dgamma;
     r.dln_b = ng.dbeta;
@@ -465,6 +469,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
     variable_list outs = split_output(y, cfg);
     if (cfg.return_layernorm_output) outs.push_back(gin.ln_out.view(x.sizes()));
+    // x itself: autograd returns an input as a view of it whose gradient comes back to this
+    // node's backward (input_grads adds it to dx).
+    if (cfg.return_layernorm_input) outs.push_back(x);
     return outs;
   }
 

@@ -67,6 +67,8 @@ LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)), scaling_(cfg_.n
                   ": qkv_heads=", cfg_.qkv_heads,
                   " needs out_features divisible by 3 * qkv_heads = ", 3 * cfg_.qkv_heads,
                   ", got out_features=", cfg_.out_features);
+  FP8DP_CHECK_ARG(!cfg_.return_layernorm_input || cfg_.layernorm, cfg_.name,
+                  ": return_layernorm_input needs a norm (LayerNormLinear)");
   set_weight_attrs({});
 }
 

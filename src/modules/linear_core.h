@@ -28,6 +28,11 @@ struct LinearConfig {
   bool layernorm = false;  // LayerNormLinear: normalize the input first
   NormConfig norm;
   bool return_layernorm_output = false;
+  // LayerNormLinear: forward also returns its input x (last), for the block's residual path
+  // (`proj(attn, residual=x)` in a pre-norm block). The gradient that path sends back reaches this
+  // layer's backward and is added to dx inside the norm's backward kernel (norm_backward's
+  // dx_add), where autograd would otherwise add the two gradients of x in a kernel of its own.
+  bool return_layernorm_input = false;
   // > 0: the output is a fused QKV projection, [q | k | v] along out_features, each [qkv_heads,
   // head_dim]; forward returns q, k, v as views ([..., qkv_heads, head_dim]) instead of y, so that
   // autograd hands backward their three gradients as attention produced them (an unbind after
@@ -61,8 +66,9 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   void set_weight_attrs(WeightAttrs attrs);
 
   // x: [..., in_features] in the parameters' dtype and device. ln_weight / ln_bias only for
-  // LayerNormLinear (ln_bias undefined for RMSNorm), bias optional. Returns {y} or, with
-  // return_layernorm_output, {y, ln_out}. Differentiable through a C++ autograd function.
+  // LayerNormLinear (ln_bias undefined for RMSNorm), bias optional. Returns {y} (q, k, v with
+  // qkv_heads), then ln_out with return_layernorm_output, then x with return_layernorm_input.
+  // Differentiable through a C++ autograd function.
   // is_first_microbatch: nullopt or true refresh the FP8 weight cache, false reuses it. It never
   // touches a gradient (C8): the fused wgrad always accumulates into main_grad.
   // residual: optional, y's shape, dtype and device; y = layer(x) + residual, added in the fprop

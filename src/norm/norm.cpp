@@ -109,7 +109,7 @@ NormForward norm_forward(const at::Tensor& x_in, const at::Tensor& gamma_in,
 
 NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const at::Tensor& mu,
                         const at::Tensor& rsigma, const at::Tensor& gamma, bool has_beta,
-                        const NormConfig& cfg) {
+                        const NormConfig& cfg, const at::Tensor& dx_add_in) {
   FP8DP_CHECK_ARG(x_in.dim() == 2 && x_in.size(1) > 0,
                   "norm_backward: x must be [rows, cols] with cols > 0, got ", x_in.sizes());
   const int64_t rows = x_in.size(0), cols = x_in.size(1);
@@ -127,6 +127,11 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
   check_device(gamma, x_in, "gamma");
   check_device(mu, x_in, "mu");
   check_device(rsigma, x_in, "rsigma");
+  if (dx_add_in.defined()) {
+    FP8DP_CHECK_ARG(dx_add_in.sizes() == x_in.sizes(), "norm_backward: dx_add must have x's shape ",
+                    x_in.sizes(), ", got ", dx_add_in.sizes());
+    check_device(dx_add_in, x_in, "dx_add");
+  }
 #if defined(FP8DP_WITH_CUDA)
   // The kernel takes one dtype for dz, x and gamma (what LayerNormLinear passes); another mix
   // takes the ATen formulation below.
@@ -150,6 +155,10 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
     p.rms = cfg.rms;
     p.zero_centered_gamma = cfg.zero_centered_gamma;
     p.dx = gr.dx.data_ptr();
+    // Autograd may hand an expanded or strided gradient; the kernel reads dz's layout.
+    const at::Tensor dx_add =
+        dx_add_in.defined() ? dx_add_in.to(x.scalar_type()).contiguous() : at::Tensor();
+    p.dx_add = dx_add.defined() ? dx_add.data_ptr() : nullptr;
     p.dgamma = gr.dgamma.data_ptr();
     p.dbeta = has_beta ? gr.dbeta.data_ptr() : nullptr;
     c10::cuda::CUDAGuard guard(x.device());
@@ -173,7 +182,9 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
   at::Tensor inner = dxhat - xhat * (dxhat * xhat).mean(1, /*keepdim=*/true);
   if (!cfg.rms) inner = inner - dxhat.mean(1, /*keepdim=*/true);
   NormGrads gr;
-  gr.dx = (inner * rsigma.unsqueeze(1)).to(x_in.scalar_type());
+  at::Tensor dx = inner * rsigma.unsqueeze(1);
+  if (dx_add_in.defined()) dx = dx + dx_add_in.to(at::kFloat);
+  gr.dx = dx.to(x_in.scalar_type());
   gr.dgamma = (dz * xhat).sum(0).to(gamma.scalar_type());
   if (has_beta) gr.dbeta = dz.sum(0).to(gamma.scalar_type());
   return gr;

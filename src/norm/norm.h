@@ -47,8 +47,11 @@ struct NormGrads {
 // dz: gradient of the normalized output [rows, cols]. Computed in FP32 from the saved statistics
 // (mu is ignored for RMSNorm). CUDA tensors with one dtype for dz, x and gamma run norm_bwd_cuda
 // (deterministic dgamma / dbeta); the CPU and other dtype mixes run the same formulas in ATen.
+// dx_add (optional, x's shape): added to dx in FP32 before dx is rounded to x's dtype, on both
+// devices: the gradient that a pre-norm block's residual branch sends to the same x, summed here in
+// one pass instead of autograd's separate add (which rounds dx first).
 NormGrads norm_backward(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mu,
                         const at::Tensor& rsigma, const at::Tensor& gamma, bool has_beta,
-                        const NormConfig& cfg);
+                        const NormConfig& cfg, const at::Tensor& dx_add = at::Tensor());
 
 }  // namespace fp8dp

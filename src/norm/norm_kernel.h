@@ -56,7 +56,11 @@ struct NormBwdParams {
   const void* gamma = nullptr;    // [cols] in `dtype`
   bool rms = false;
   bool zero_centered_gamma = false;
-  void* dx = nullptr;      // [rows, cols] in `dtype`
+  void* dx = nullptr;  // [rows, cols] in `dtype`
+  // optional [rows, cols] in `dtype`: added to dx in FP32 before its one rounding. The gradient of
+  // a residual branch that reads the norm's input too (a pre-norm block's x): fused here it costs
+  // one read instead of autograd's separate add (two reads, one write).
+  const void* dx_add = nullptr;
   void* dgamma = nullptr;  // [cols] in `dtype`
   void* dbeta = nullptr;   // optional [cols] in `dtype`
   // CUDA: whether the kernel may add the per-block partial sums of dgamma / dbeta itself after a

@@ -112,7 +112,7 @@ void bind_modules(py::module_& m) {
       .def(py::init([](std::string name, int64_t in_features, int64_t out_features,
                        bool fuse_wgrad_accumulation, bool delay_wgrad_compute, bool layernorm,
                        bool rms, float eps, bool zero_centered_gamma, bool return_layernorm_output,
-                       int64_t qkv_heads) {
+                       int64_t qkv_heads, bool return_layernorm_input) {
              LinearConfig c;
              c.name = std::move(name);
              c.in_features = in_features;
@@ -125,12 +125,14 @@ void bind_modules(py::module_& m) {
              c.norm.zero_centered_gamma = zero_centered_gamma;
              c.return_layernorm_output = return_layernorm_output;
              c.qkv_heads = qkv_heads;
+             c.return_layernorm_input = return_layernorm_input;
              return std::make_shared<LinearCore>(std::move(c));
            }),
            py::arg("name"), py::arg("in_features"), py::arg("out_features"),
            py::arg("fuse_wgrad_accumulation"), py::arg("delay_wgrad_compute"), py::arg("layernorm"),
            py::arg("rms"), py::arg("eps"), py::arg("zero_centered_gamma"),
-           py::arg("return_layernorm_output"), py::arg("qkv_heads") = 0)
+           py::arg("return_layernorm_output"), py::arg("qkv_heads") = 0,
+           py::arg("return_layernorm_input") = false)
       .def(
           "set_weight_attrs",
           [](LinearCore& core, py::object main_grad, py::object zero_out_wgrad,

@@ -54,16 +54,18 @@ void bind_norm(py::module_& m) {
   m.def(
       "norm_backward",
       [](const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mu, const at::Tensor& rsigma,
-         const at::Tensor& gamma, bool has_beta, bool rms, bool zero_centered_gamma) {
+         const at::Tensor& gamma, bool has_beta, bool rms, bool zero_centered_gamma,
+         const std::optional<at::Tensor>& dx_add) {
         // eps only enters through rsigma, which the forward computed.
-        const NormGrads g = norm_backward(dz, x, mu, rsigma, gamma, has_beta,
-                                          config(rms, 0.0f, zero_centered_gamma));
+        const NormGrads g =
+            norm_backward(dz, x, mu, rsigma, gamma, has_beta,
+                          config(rms, 0.0f, zero_centered_gamma), or_undefined(dx_add));
         return py::make_tuple(g.dx, g.dgamma,
                               g.dbeta.defined() ? py::cast(g.dbeta) : py::object(py::none()));
       },
       py::arg("dz"), py::arg("x"), py::arg("mu"), py::arg("rsigma"), py::arg("gamma"),
       py::kw_only(), py::arg("has_beta"), py::arg("rms") = false,
-      py::arg("zero_centered_gamma") = false);
+      py::arg("zero_centered_gamma") = false, py::arg("dx_add") = py::none());
 }
 
 }  // namespace fp8dp::python

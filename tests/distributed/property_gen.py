@@ -189,6 +189,7 @@ def gen_config(case_seed: int, ws: int) -> dict:
     c["recipe"] = rng.choice(["current", "block"]) if fp8 else "current"
     _gen_mlp(rng, c)
     _gen_defer_nan(rng, c)
+    _gen_residual_in(rng, c)
     return c
 
 
@@ -214,6 +215,16 @@ def _gen_mlp(rng: random.Random, c: dict) -> None:
             continue
         if rng.random() < 0.6 and ("fp8", i) not in named:
             m.update(kind="LayerNormMLP", act=rng.choice(["gelu", "swiglu"]), ret_ln=False)
+
+
+def _gen_residual_in(rng: random.Random, c: dict) -> None:
+    """res_in: a norm's layer hands its input on as the residual, whose gradient the norm's
+    backward then adds to x's (LayerNormLinear's return_layernorm_input; LayerNormMLP's
+    residual=x, the MLP's own input). Drawn last, as _gen_mlp, so that earlier fields keep their
+    values for a seed."""
+    for m in c["fp8_mods"]:
+        if m["kind"] != "Linear":
+            m["res_in"] = rng.random() < 0.3
 
 
 def is_mlp(m: dict) -> bool:

@@ -52,6 +52,7 @@ class GenModel(nn.Module):
                         normalization=m["norm"],
                         eps=EPS,
                         return_layernorm_output=m.get("ret_ln", False),
+                        return_layernorm_input=m.get("res_in", False),
                         zero_centered_gamma=m.get("zcg", False),
                         **kw,
                     )
@@ -96,10 +97,22 @@ class GenModel(nn.Module):
         for j, ((kind, i), res) in enumerate(zip(self.c["ops"], self.c["residual"])):
             if not runs(self.c, j, self.microbatch):
                 continue
-            if kind == "fp8":
+            skip = h  # what a residual adds back
+            if kind == "fp8" and isinstance(self.fp8[i], fp8dp.LayerNormMLP):
+                # res_in: the MLP's own input as its residual (added in fc2's epilogue, its
+                # gradient in the norm's backward): mlp(h) + h.
+                res_in = self.c["fp8_mods"][i].get("res_in", False)
+                z = self.fp8[i](
+                    h, is_first_microbatch=is_first_microbatch, residual=h if res_in else None
+                )
+            elif kind == "fp8":
                 z = self.fp8[i](h, is_first_microbatch=is_first_microbatch)
-                if isinstance(z, tuple):  # return_layernorm_output: plain code uses the norm too
-                    z = z[0] + 0.5 * z[1]
+                if isinstance(z, tuple):
+                    z = list(z)
+                    if self.fp8[i].return_layernorm_input:  # h handed on: the residual below
+                        skip = z.pop()
+                    # return_layernorm_output: plain code uses the norm too
+                    z = z[0] + 0.5 * z[1] if len(z) > 1 else z[0]
             elif kind == "tl":
                 z = self.tl[i](h)
             elif kind == "plain_linear":
@@ -109,7 +122,7 @@ class GenModel(nn.Module):
             else:  # embed: a plain parameter used by indexing (an embedding lookup)
                 z = h + self.plain[i][ids]
             z = torch.tanh(z)
-            h = h + z if res else z
+            h = skip + z if res else z
         return h
 
 
@@ -123,6 +136,8 @@ def ref_forward64(model: GenModel, R: dict, ids, x, k):
             continue
         if kind == "fp8" and isinstance(model.fp8[i], fp8dp.LayerNormMLP):
             z = _mlp_forward64(model.fp8[i], R, h)
+            if c["fp8_mods"][i].get("res_in", False):
+                z = z + h
         elif kind == "fp8":
             m = model.fp8[i]
             inp = h

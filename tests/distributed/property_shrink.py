@@ -128,7 +128,7 @@ def shrink_candidates(c):
                 d = with_()
                 d["fp8_mods"][i][key] = val
                 if val == "Linear":
-                    d["fp8_mods"][i].update(norm=None, ret_ln=False, zcg=False)
+                    d["fp8_mods"][i].update(norm=None, ret_ln=False, zcg=False, res_in=False)
                     d["frozen"] = [
                         f
                         for f in d["frozen"]
@@ -138,7 +138,7 @@ def shrink_candidates(c):
     if c.get("input_3d"):
         out.append(with_(input_3d=False))
     for i, m in enumerate(c["fp8_mods"]):
-        for key in ("ret_ln", "zcg", "zero_out_wgrad"):
+        for key in ("ret_ln", "zcg", "zero_out_wgrad", "res_in"):
             if m.get(key):
                 d = with_()
                 d["fp8_mods"][i][key] = False

@@ -69,8 +69,18 @@ class Block(torch.nn.Module):
         std = 0.02
         out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled down
         ln = dict(normalization=cfg.normalization)
+        # model.fused_residual: the norms' layers also return their input, the residual that
+        # the next projection adds in its epilogue, so that its gradient joins x's in the norm's
+        # backward (LayerNormLinear's return_layernorm_input).
+        ln_in = dict(return_layernorm_input=cfg.fused_residual)
         self.qkv = fp8dp.LayerNormLinear(
-            d, 3 * d, init_method=partial(_normal, std), qkv_heads=cfg.n_head, **ln, **proj
+            d,
+            3 * d,
+            init_method=partial(_normal, std),
+            qkv_heads=cfg.n_head,
+            **ln,
+            **ln_in,
+            **proj,
         )
         self.out = fp8dp.Linear(d, d, init_method=partial(_normal, out_std), **proj)
         if cfg.fused_mlp:  # the same two projections, built in the same order (same weights)
@@ -86,7 +96,7 @@ class Block(torch.nn.Module):
         else:
             self.mlp = None
             self.up = fp8dp.LayerNormLinear(
-                d, cfg.ffn_mult * d, init_method=partial(_normal, std), **ln, **proj
+                d, cfg.ffn_mult * d, init_method=partial(_normal, std), **ln, **ln_in, **proj
             )
             self.down = fp8dp.Linear(
                 cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **proj
@@ -96,14 +106,18 @@ class Block(torch.nn.Module):
         s, b, d = x.shape
         h = self.n_head
         first = is_first_microbatch
+        # model.fused_residual: each residual add in the epilogue of the GEMM before it (no add
+        # kernel of its own; the sum rounded once), and its gradient added to x's in the backward
+        # of the norm that reads the same x (the residual comes from the norm's layer: its own
+        # input, returned; LayerNormMLP does both itself when residual is its input).
+        fused = self.fused_residual
         with precision("qkv", self.exclude):
             qkv = self.qkv(x, is_first_microbatch=first)
-        q, k, v = split_qkv(qkv, h)
+        if fused:
+            *qkv, x = qkv
+        q, k, v = split_qkv(tuple(qkv), h)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.permute(2, 0, 1, 3).reshape(s, b, d)
-        # model.fused_residual: each residual add in the epilogue of the GEMM before it (no add
-        # kernel of its own; the sum rounded once).
-        fused = self.fused_residual
         with precision("out", self.exclude):
             if fused:
                 x = self.out(a, is_first_microbatch=first, residual=x)
@@ -115,7 +129,10 @@ class Block(torch.nn.Module):
                     return self.mlp(x, is_first_microbatch=first, residual=x)
                 return x + self.mlp(x, is_first_microbatch=first)
         with precision("up", self.exclude):
-            u = F.gelu(self.up(x, is_first_microbatch=first))
+            u = self.up(x, is_first_microbatch=first)
+        if fused:
+            u, x = u
+        u = F.gelu(u)
         with precision("down", self.exclude):
             if fused:
                 return self.down(u, is_first_microbatch=first, residual=x)

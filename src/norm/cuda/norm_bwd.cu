@@ -37,6 +37,7 @@ struct BwdArgs {
   const float* rsigma;
   const void* gamma;
   void* dx;
+  const void* dx_add;  // added to dx before rounding, or null (NormBwdParams::dx_add)
   float* dgamma_part;  // [blocks, cols]
   float* dbeta_part;   // [blocks, cols] or null
   void* dgamma;        // dgamma / dbeta [cols] when the kernel adds the partial rows itself (a
@@ -75,8 +76,8 @@ __device__ __forceinline__ void terms(const Vec<T>& dzv, const Vec<T>& xv,
   }
 }
 
-// dx of one vector from its terms into dx_row (this row of dx), and the terms added to the column
-// sums dgv / dbv.
+// dx of one vector from its terms into dx_row (this row of dx), plus dx_add's element at the same
+// place when there is one, rounded once; and the terms added to the column sums dgv / dbv.
 template <typename T, bool kVec, typename I>
 __device__ __forceinline__ void finish_terms(const BwdArgs& a, const float (&xhat)[Vec<T>::kV],
                                              const float (&dxhat)[Vec<T>::kV],
@@ -91,6 +92,15 @@ __device__ __forceinline__ void finish_terms(const BwdArgs& a, const float (&xha
     d[j] = rs * (dxhat[j] - m1 - xhat[j] * m2);
     dgv[j] += dz[j] * xhat[j];
     dbv[j] += dz[j];
+  }
+  if (a.dx_add != nullptr) {  // the same offset in dx_add as in dx: both are [rows, cols]
+    const T* add_row = static_cast<const T*>(a.dx_add) + (dx_row - static_cast<T*>(a.dx));
+    Vec<T> av;
+    load_vec<T, kVec, true>(av, add_row, vi, a.cols);
+    float ad[kV];
+    unpack(av, ad);
+#pragma unroll
+    for (int j = 0; j < kV; ++j) d[j] += ad[j];
   }
   round_pack<T>(d, o, dr);
   store_vec<T, kVec>(o, dx_row, vi, a.cols);
@@ -511,21 +521,10 @@ template <typename T, int kStages = kBwdStages>
 void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = 0, int min_blocks = 0) {
   constexpr int kV = Vec<T>::kV;
   constexpr int kNV = kMaxElems / kV;
-  BwdArgs a{p.dz,
-            p.x,
-            p.mu,
-            p.rsigma,
-            p.gamma,
-            p.dx,
-            nullptr,
-            nullptr,
-            nullptr,
-            nullptr,
-            p.rows,
-            p.cols,
-            p.zero_centered_gamma ? 1.0f : 0.0f,
-            p.rms,
-            1};
+  BwdArgs a{
+      p.dz,    p.x,     p.mu,    p.rsigma, p.gamma, p.dx,   p.dx_add,
+      nullptr, nullptr, nullptr, nullptr,  p.rows,  p.cols, p.zero_centered_gamma ? 1.0f : 0.0f,
+      p.rms,   1};
   const int64_t nvec = ceil_div(p.cols, kV);
   a.tpr = pick_tpr(nvec, kNV);
   const int64_t per_thread = ceil_div(nvec, a.tpr);
@@ -533,7 +532,8 @@ void dispatch(const NormBwdParams& p, cudaStream_t st, int min_block = 0, int mi
   if (min_block == 0) min_block = default_min_block(a.tpr);
   const int block = per_thread <= kNV ? std::max(a.tpr, min_block) : block_for(a.tpr);
   const bool vec = p.cols % kV == 0 && aligned(p.dz, 16) && aligned(p.x, 16) &&
-                   aligned(p.gamma, 16) && aligned(p.dx, 16);
+                   aligned(p.gamma, 16) && aligned(p.dx, 16) &&
+                   (p.dx_add == nullptr || aligned(p.dx_add, 16));
   if (vec) {
     launch_budget<T, true, kStages>(p, a, nvec, per_thread, block, min_blocks, st);
   } else {
