@@ -203,26 +203,9 @@ def test_norm_backward_dx_add(cols, dtype, rms, device):
     if not rms:
         inner = inner - dxhat.mean(1, keepdim=True)
     want = inner * rs[:, None] + add.double()
-    on = dict(device=device)
-    dx, dgamma, _ = _C.norm_backward(
-        dz.to(**on),
-        x.to(**on),
-        mu.float().to(**on),
-        rs.float().to(**on),
-        gamma.to(**on),
-        has_beta=not rms,
-        rms=rms,
-        dx_add=add.to(**on),
-    )
-    dx_plain, dgamma_plain, _ = _C.norm_backward(
-        dz.to(**on),
-        x.to(**on),
-        mu.float().to(**on),
-        rs.float().to(**on),
-        gamma.to(**on),
-        has_beta=not rms,
-        rms=rms,
-    )
+    args = [t.to(device) for t in (dz, x, mu.float(), rs.float(), gamma)]
+    dx, dgamma, _ = _C.norm_backward(*args, has_beta=not rms, rms=rms, dx_add=add.to(device))
+    dx_plain, dgamma_plain, _ = _C.norm_backward(*args, has_beta=not rms, rms=rms)
     assert torch.equal(dgamma, dgamma_plain)  # the column sums do not see dx_add
     ulp = torch.finfo(dtype).eps  # one ulp at 1 relative (2u)
     terms = (dxhat.abs() + xhat.abs() * dxhat.abs()).max(1, keepdim=True).values * rs[:, None]

@@ -512,12 +512,17 @@ bool run_gemm(const LtGemmParams& p, void* stream) {
 }  // namespace
 
 void gemm_lt(const LtGemmParams& p, void* stream) {
-  FP8DP_CHECK(run_gemm(p, stream), "cuBLASLt has no algorithm for ", shape_of(p),
-              is_block(p) ? " (Float8BlockScaling needs shapes cuBLASLt's block-scaled kernels "
-                            "support on this device: k and n multiples of 16, 16-byte aligned "
-                            "operands)"
-                          : " (FP8 needs k and n multiples of 16, 16-byte aligned operands, and "
-                            "not both e5m2)");
+  // The hint names what cuBLASLt asks of this kind of GEMM: FP8 and block-scaled GEMMs have
+  // shape and format rules; a high-precision GEMM has none of those, so its hint is the type
+  // table (check_gemm_args refuses the combinations known to lack a kernel before this).
+  const char* hint =
+      is_block(p) ? " (Float8BlockScaling needs shapes cuBLASLt's block-scaled kernels support on "
+                    "this device: k and n multiples of 16, 16-byte aligned operands)"
+      : is_fp8(p.a_type) ? " (FP8 needs k and n multiples of 16, 16-byte aligned operands, and "
+                           "not both e5m2)"
+                         : " (a high-precision GEMM: cuBLASLt's type table has no kernel for "
+                           "these operand, output and bias dtypes on this device)";
+  FP8DP_CHECK(run_gemm(p, stream), "cuBLASLt has no algorithm for ", shape_of(p), hint);
 }
 
 bool gemm_lt_try(const LtGemmParams& p, void* stream) { return run_gemm(p, stream); }
