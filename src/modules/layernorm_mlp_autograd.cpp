@@ -405,7 +405,7 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
     // y = fc2(...) + residual: the residual's gradient is grad_output itself, no copy; when the
     // residual is x, added to dx in the norm's backward (then nothing goes to the residual's edge:
     // it is x's, and x's gradient already holds it).
-    const bool fold = c->residual_is_x && need_x && need_dz;
+    const bool fold = c->residual_is_x && need_x;  // need_x implies need_dz
     at::Tensor dx, dln_w, dln_b;
     if (need_dz) {
       const NormGrads ng = norm_backward(

@@ -130,6 +130,11 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
   if (dx_add_in.defined()) {
     FP8DP_CHECK_ARG(dx_add_in.sizes() == x_in.sizes(), "norm_backward: dx_add must have x's shape ",
                     x_in.sizes(), ", got ", dx_add_in.sizes());
+    // x's dtype, as autograd hands it (a gradient has its tensor's dtype): the CUDA kernel reads
+    // dx_add as x's type, so another dtype would be rounded to it there and not on the CPU.
+    FP8DP_CHECK_ARG(dx_add_in.scalar_type() == x_in.scalar_type(),
+                    "norm_backward: dx_add must have x's dtype ", x_in.scalar_type(), ", got ",
+                    dx_add_in.scalar_type());
     check_device(dx_add_in, x_in, "dx_add");
   }
 #if defined(FP8DP_WITH_CUDA)
@@ -156,8 +161,7 @@ NormGrads norm_backward(const at::Tensor& dz_in, const at::Tensor& x_in, const a
     p.zero_centered_gamma = cfg.zero_centered_gamma;
     p.dx = gr.dx.data_ptr();
     // Autograd may hand an expanded or strided gradient; the kernel reads dz's layout.
-    const at::Tensor dx_add =
-        dx_add_in.defined() ? dx_add_in.to(x.scalar_type()).contiguous() : at::Tensor();
+    const at::Tensor dx_add = dx_add_in.defined() ? dx_add_in.contiguous() : at::Tensor();
     p.dx_add = dx_add.defined() ? dx_add.data_ptr() : nullptr;
     p.dgamma = gr.dgamma.data_ptr();
     p.dbeta = has_beta ? gr.dbeta.data_ptr() : nullptr;

@@ -219,8 +219,11 @@ def test_norm_backward_dx_add(cols, dtype, rms, device):
 def test_norm_backward_dx_add_errors(device):
     x = torch.randn(4, 8, device=device)
     args = (x, x, torch.zeros(4, device=device), torch.ones(4, device=device))
+    gamma = torch.ones(8, device=device)
     with pytest.raises(ValueError, match="dx_add must have x's shape"):
-        _C.norm_backward(*args, torch.ones(8, device=device), has_beta=True, dx_add=x[:2])
+        _C.norm_backward(*args, gamma, has_beta=True, dx_add=x[:2])
+    with pytest.raises(ValueError, match="dx_add must have x's dtype"):
+        _C.norm_backward(*args, gamma, has_beta=True, dx_add=x.double())
 
 
 def test_return_layernorm_input_needs_a_bool():
