@@ -14,13 +14,19 @@ import harness  # noqa: E402
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """The tests of one file here share its launches of ranks (_LAUNCHES, module fixtures), so under
-    pytest-xdist (`--dist loadgroup`, the Makefile's) they run in one worker, which launches once;
-    the tests elsewhere spread over all workers one by one. A wrapper, marking before the yield:
-    xdist reads the group marks in its own hook of this name (it appends "@group" to the node
-    ids, which pytest 9.2 ignores: pyproject pins pytest below it)."""
+    """The tests of one file here share its launches of ranks (_LAUNCHES, harness.run_ranks' cache,
+    module fixtures), so under pytest-xdist (`--dist loadgroup`, the Makefile's) they run in one
+    worker, which launches once; the tests elsewhere spread over all workers one by one. A file
+    whose every test starts ranks of its own (torchrun into its own tmp_path) says so with
+    OWN_LAUNCHES = True and is spread too: grouped, the stateful test's eight families ran one
+    after another in one worker and set the pace of `make test` on the 16-core GPU machine. A
+    wrapper, marking before the yield: xdist reads the group marks in its own hook of this name
+    (it appends "@group" to the node ids, which pytest 9.2 ignores: pyproject pins pytest below
+    it)."""
     for item in items:
-        if os.path.dirname(str(item.path)) == HERE:
+        if os.path.dirname(str(item.path)) != HERE:
+            continue
+        if not getattr(item.module, "OWN_LAUNCHES", False):
             item.add_marker(pytest.mark.xdist_group(os.path.basename(str(item.path))))
     return (yield)
 

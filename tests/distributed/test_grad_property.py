@@ -18,6 +18,10 @@ import os
 import pytest
 from harness import HERE, torchrun
 
+# Every test starts its own ranks (torchrun into its own tmp_path): pytest-xdist may spread them
+# over workers (conftest.py).
+OWN_LAUNCHES = True
+
 SHARE = {1: 0.35, 2: 0.35, 3: 0.30}
 PIPELINE_SHARE = 0.15  # ~0.3 s each on 2 cores: 32 cases add ~15 s to the world-size-2 launch
 

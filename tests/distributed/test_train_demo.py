@@ -19,6 +19,10 @@ from state_compare import assert_identical
 
 import fp8dp
 
+# Every test starts its own ranks (torchrun into its own tmp_path): pytest-xdist may spread them
+# over workers (conftest.py).
+OWN_LAUNCHES = True
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
 
 REPO = Path(__file__).resolve().parents[2]
