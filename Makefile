@@ -30,9 +30,9 @@ PYTEST_DIRS := $(foreach d,tests/distributed tests/python,$(wildcard $(d)))
 
 # pytest-xdist, when .venv has it (extra "test"): min(nproc, 16) workers. --dist loadgroup: each
 # file of tests/distributed in one worker (its tests share one launch of ranks, harness.py, which a
-# second worker would start again; tests/distributed/conftest.py groups them) unless its every test
-# starts ranks of its own (OWN_LAUNCHES: the stateful, property and demo tests), every other test
-# wherever a worker is free, so no long file (the GPU ones, the stateful families) sets the pace.
+# second worker would start again; tests/distributed/conftest.py groups them) but for the tests
+# marked own_launch (they start ranks of their own: the stateful, property and demo tests), and
+# every other test wherever a worker is free, so that no long file sets the pace.
 # Expanded when a recipe runs, after setup installed it.
 XDIST_N := $(shell n=$$(nproc); [ $$n -gt 16 ] && n=16; echo $$n)
 XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(XDIST_N) --dist loadgroup")

@@ -16,18 +16,17 @@ import harness  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     """The tests of one file here share its launches of ranks (_LAUNCHES, harness.run_ranks' cache,
     module fixtures), so under pytest-xdist (`--dist loadgroup`, the Makefile's) they run in one
-    worker, which launches once; the tests elsewhere spread over all workers one by one. A file
-    whose every test starts ranks of its own (torchrun into its own tmp_path) says so with
-    OWN_LAUNCHES = True and is spread too: grouped, the stateful test's eight families ran one
-    after another in one worker and set the pace of `make test` on the 16-core GPU machine. A
-    wrapper, marking before the yield: xdist reads the group marks in its own hook of this name
-    (it appends "@group" to the node ids, which pytest 9.2 ignores: pyproject pins pytest below
-    it)."""
+    worker, which launches once; the tests elsewhere spread over all workers one by one. A test
+    that starts ranks of its own (torchrun into its own tmp_path) is marked own_launch (a whole
+    file through its pytestmark) and spreads too: grouped, the stateful test's eight families
+    and the convergence file's two own runs waited for each other in one worker and set the
+    pace of `make test` on the 16-core GPU machine. A wrapper, marking before the yield: xdist
+    reads the group marks in its own hook of this name (it appends "@group" to the node ids,
+    which pytest 9.2 ignores: pyproject pins pytest below it)."""
     for item in items:
-        if os.path.dirname(str(item.path)) != HERE:
+        if os.path.dirname(str(item.path)) != HERE or item.get_closest_marker("own_launch"):
             continue
-        if not getattr(item.module, "OWN_LAUNCHES", False):
-            item.add_marker(pytest.mark.xdist_group(os.path.basename(str(item.path))))
+        item.add_marker(pytest.mark.xdist_group(os.path.basename(str(item.path))))
     return (yield)
 
 

@@ -176,6 +176,7 @@ TINY = [
 ]
 
 
+@pytest.mark.own_launch  # its own runs, not the module's: any xdist worker
 def test_runs_over_seeds_pair_each_seed_with_its_own_fp8_off(tmp_path):
     """fp8dp.train.runs --seeds: each seed's runs under seed<N>/, trained with that train.seed
     (other initial weights: another first validation loss), FP8 off and delayed of one seed from
@@ -232,6 +233,7 @@ def _train(out, *args):
     return log
 
 
+@pytest.mark.own_launch  # its own runs, not the module's: any xdist worker
 def test_resume_on_the_corpus_is_bit_exact_through_stop_at_and_time_budget(tmp_path):
     """Full 10 steps, against: --stop-at 4, then --resume with a budget that ends it after one
     more step (5), then --resume to the end. Losses, validation and checkpoints bit-identical.

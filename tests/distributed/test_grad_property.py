@@ -18,10 +18,6 @@ import os
 import pytest
 from harness import HERE, torchrun
 
-# Every test starts its own ranks (torchrun into its own tmp_path): pytest-xdist may spread them
-# over workers (conftest.py).
-OWN_LAUNCHES = True
-
 SHARE = {1: 0.35, 2: 0.35, 3: 0.30}
 PIPELINE_SHARE = 0.15  # ~0.3 s each on 2 cores: 32 cases add ~15 s to the world-size-2 launch
 
@@ -74,6 +70,7 @@ def _brief(c: dict) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.own_launch
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_gradient_accounting_property(world_size, tmp_path):
     seed = int(os.environ.get("FP8DP_PROPERTY_SEED", "0"))

@@ -17,11 +17,11 @@ import os
 import pytest
 from harness import HERE, torchrun
 
-# Every test starts its own ranks (torchrun into its own tmp_path): pytest-xdist may spread them
-# over workers (conftest.py).
-OWN_LAUNCHES = True
-
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.own_launch,
+]  # starts ranks (pyproject markers)
 
 # A family whose mechanism has not landed in main is marked here (strict=False: it passes once
 # the mechanism lands). Each reason names the mechanism and its contract.

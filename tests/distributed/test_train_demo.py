@@ -19,11 +19,11 @@ from state_compare import assert_identical
 
 import fp8dp
 
-# Every test starts its own ranks (torchrun into its own tmp_path): pytest-xdist may spread them
-# over workers (conftest.py).
-OWN_LAUNCHES = True
-
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.own_launch,
+]  # starts ranks (pyproject markers)
 
 REPO = Path(__file__).resolve().parents[2]
 # A small model that still learns: 2 layers x 32, sequences of 32 bytes, 2 ranks x 2 micro-batches.

@@ -47,11 +47,11 @@ from state_compare import assert_identical
 
 from fp8dp.pipeline import check_backend, stage_ranks
 
-# Every test starts its own ranks (torchrun into its own tmp_path): pytest-xdist may spread them
-# over workers (conftest.py).
-OWN_LAUNCHES = True
-
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # starts ranks (pyproject markers)
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.own_launch,
+]  # starts ranks (pyproject markers)
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
