@@ -10,6 +10,9 @@ Three architectures (--arch), each against its own torch BF16 stack:
   LayerNormMLP (GELU) for the MLP;
 - llama: RMSNorm, SwiGLU (ffn = 8/3 hidden rounded up to 256), no bias; LayerNormLinear(QKV),
   Linear(proj), LayerNormMLP(swiglu) in fp8dp and TE.
+fp8dp's blocks add their residuals as fp8dp does best (since 2026-12-06, RESIDUALS): in the
+epilogue of the projection before them, the gradients joined with x's in the norm's backward
+(`--compare-residual` also times FP8 delayed with torch adds on the same model).
 Activations [seq, batch, hidden], BF16 parameters, head dim 128; q, k and v are taken from the QKV output with `split_qkv` (`--compare-qkv unbind`
 or `index` also times the baseline and FP8 delayed with an earlier split; QKV_SPLITS). fp8dp's QKV
 projection returns q, k and v itself (`qkv_heads`, since 2026-12-06), so its FP8 backward casts
