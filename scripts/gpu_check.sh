@@ -14,7 +14,8 @@
 # and without train.cuda_graphs: demo_graphs/). The experiments of
 # dev/ run only when STEPS names them: dev_ct_variants, dev_block_variants, dev_act_variants,
 # dev_norm_variants (bench.log),
-# dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_profile_gpt
+# dev_gemm_accum (dev_gemm_accum.json), dev_gemm_energy (dev_gemm_energy.json), dev_block_gemm
+# (dev_block_gemm.json), dev_profile_gpt
 # (profile.log, profile_gpt_SHAPE.json), dev_block_casts (dev_block_casts.json), dev_act_casts
 # (dev_act_casts.json),
 # dev_profile_modules (profile_modules.json), dev_ncu (ncu.log: Nsight Compute on the casts),
@@ -136,6 +137,8 @@ want dev_gemm_accum && run_step dev_gemm_accum "$OUT/bench.log" 300 "$PY" dev/ge
   ${GEMM_ACCUM_ARGS:-} --json "$OUT/dev_gemm_accum.json"
 want dev_gemm_energy && run_step dev_gemm_energy "$OUT/bench.log" 300 "$PY" dev/gemm_energy_candidates.py \
   --json "$OUT/dev_gemm_energy.json"
+want dev_block_gemm && run_step dev_block_gemm "$OUT/bench.log" 300 "$PY" dev/block_gemm_candidates.py \
+  --json "$OUT/dev_block_gemm.json"
 wantb bench_ckpt && run_step bench_ckpt "$OUT/bench.log" 180 "$PY" bench/checkpoint_memory_gpu.py \
   --json "$OUT/bench_ckpt.json"
 wantb bench_linear && run_step bench_linear "$OUT/bench.log" 180 "$PY" bench/linear_gpu.py --json "$OUT/bench_linear.json"
@@ -261,7 +264,7 @@ fi
   echo "summary ($(date -u +%H:%M:%S), $NGPU GPU(s)):"
   for k in configure build ctest pytest distributed bench_kernels bench_gemm bench_linear bench_mlp bench_block \
            bench_gpt bench_gpt_best bench_gpt_graphs bench_ckpt bench_reduce_scatter bench_ddp bench_ddp_mb8 dev_ct_variants dev_block_variants dev_act_variants dev_norm_variants \
-           dev_gemm_accum dev_gemm_energy dev_profile_gpt dev_block_casts dev_profile_modules dev_ncu dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
+           dev_gemm_accum dev_gemm_energy dev_block_gemm dev_profile_gpt dev_block_casts dev_profile_modules dev_ncu dev_host_profile dev_graph_ceiling matrix demo demo_graphs sanitizer; do
     [ -n "${RC[$k]+x}" ] && echo "  $k: rc=${RC[$k]}"
   done
   grep -hE "^[0-9]+ passed|passed|failed|tests passed|ERROR SUMMARY" "$OUT/tests.log" "$OUT/sanitizer.log" 2>/dev/null | tail -8

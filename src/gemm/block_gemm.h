@@ -31,8 +31,9 @@ void check_block_scaled_pair(const GemmArgs& args, const char* fn);
 #if defined(FP8DP_WITH_CUDA)
 // cuBLASLt's block-scaled FP8 GEMM (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F /
 // _BLK128x128_32F, cuBLAS >= 12.9 and compute capability 9.x): refuses clearly where the build
-// or the device has no such mode. Arguments that check_gemm_args has passed. A residual is added
-// by a separate add after the GEMM (FP32 sum, rounded once), not as cuBLASLt's C.
+// or the device has no such mode. Arguments that check_gemm_args has passed. A residual is
+// cuBLASLt's C where it offers that epilogue for the scale modes (a 16-bit output), else added
+// after the GEMM; either way summed in FP32 and rounded once.
 at::Tensor gemm_block_cuda_checked(const GemmArgs& args);
 #endif
 

@@ -135,6 +135,61 @@ def test_cuda_gemm_within_bound(b_kind, mnk, out_dtype, bias_dtype):
     assert torch.all((acc.cpu().double() - ref_acc).abs() <= bound)
 
 
+@pytest.mark.parametrize("b_kind", ["tile", "block"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_cuda_gemm_residual_within_bound(b_kind, out_dtype, bias, strided):
+    """out = a·bᵀ (+ bias) + residual under block scales. A BF16 output takes cuBLASLt's C
+    (beta = 1, C != D) in the same plan as the GEMM: the plan's name says "+residual" (before
+    12-06 it was an FP32 product plus two adds). An FP32 output adds it after the GEMM. Either way
+    the sum is FP32, rounded once: the bound is the accumulation error over sum|a||b| plus the
+    FP32 additions of bias and residual, plus one output rounding of |ref|. The residual is as
+    large as the product, so an epilogue that dropped it, read it with out's stride or read out
+    as C misses by far more. A strided residual (rows 16 elements further apart than out's) takes
+    C's own layout."""
+    m, n, k = 256, 384, 640
+    a, b = data(m, k, seed=5), torch.randn(n, k) * 0.1
+    qa = _C.block_quantize(a.cuda(), FMT["E4M3"], TILE)
+    qb = _C.block_quantize(b.cuda(), FMT["E4M3"], TILE if b_kind == "tile" else BLOCK)
+    a64 = dequant_rows(qa.data.cpu().view(torch.uint8), qa.scale_inv.cpu(), "E4M3")
+    deq = dequant_rows if b_kind == "tile" else dequant_blocks
+    b64 = deq(qb.data.cpu().view(torch.uint8), qb.scale_inv.cpu(), "E4M3")
+    prod = a64 @ b64.T
+    g = torch.Generator().manual_seed(6)
+    scale = float(prod.abs().mean()) + 1.0
+    wide = (torch.randn(m, n + 16, generator=g) * scale).to(out_dtype).cuda()
+    res = wide[:, 8 : 8 + n] if strided else wide[:, :n].contiguous()
+    assert res.stride(0) == (n + 16 if strided else n)
+    bias_t = (torch.randn(n, generator=g) * scale).to(out_dtype) if bias else None
+    _C._gemm_clear_cache()
+    got = _C.gemm(
+        qa.data,
+        qb.data,
+        qa.scale_inv,
+        qb.scale_inv,
+        bias=None if bias_t is None else bias_t.cuda(),
+        residual=res,
+        out_dtype=out_dtype,
+    ).cpu()
+    ref = prod + res.cpu().double() + (bias_t.double() if bias else 0.0)
+    absum = a64.abs() @ b64.abs().T
+    adds = res.cpu().double().abs() + (bias_t.double().abs() if bias else 0.0)
+    out_u = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-24
+    bound = (
+        accumulation_error(k, "cuda") * absum + 3 * 2.0**-24 * (absum + adds) + out_u * ref.abs()
+    )
+    err = (got.double() - ref).abs()
+    assert torch.all(err <= bound), f"max excess {(err - bound).max()}"
+    # Dropping the residual would miss by |residual|, far above the bound.
+    assert float(((got.double() - (ref - res.cpu().double())).abs() - bound).max()) > 0
+    plans = [pl["shape"] for pl in _C._gemm_plans()]
+    if out_dtype == torch.bfloat16:
+        assert any("+residual" in sh for sh in plans), plans
+    else:
+        assert not any("+residual" in sh for sh in plans), plans
+
+
 def test_block_gemm_plans_are_cached_per_shape():
     """The block-scaled GEMM shares gemm_lt's plan cache: a second call of one shape builds no plan
     (no descriptors, no heuristic, no autotuning), another shape or scale mode builds one, and each

@@ -101,24 +101,34 @@ at::Tensor gemm_block_cuda_checked(const GemmArgs& args) {
     gemm_lt(p, st);
     return out;
   }
-  // The forward's bias. A 16-bit output with a bias of its dtype (the layers' case) takes
-  // cuBLASLt's BIAS epilogue, the bias added to the FP32 accumulator and the sum rounded once: the
-  // CPU's numerics (gemm.cpp). Where cuBLASLt has no such epilogue for the block scale modes (an
-  // FP32 output: CUBLAS_STATUS_NOT_SUPPORTED on the H200), a bias of another dtype (the epilogue
-  // would round it first), or an accumulated output: the GEMM writes FP32, the bias (and the old
-  // output) is added in FP32 and the sum rounded once.
-  // A residual takes that last route too: a separate add after the GEMM rather than cuBLASLt's C
-  // (the residual epilogue is not verified with the block scale modes, and Float8BlockScaling is
-  // not the recipe whose step time the fused residual is for). The add sums in FP32 and rounds
-  // once, so the result is still the CPU's up to the order of the FP32 additions.
-  if (!args.residual.defined() && out.scalar_type() != at::kFloat &&
-      args.bias.scalar_type() == out.scalar_type() && !args.accumulate) {
-    const at::Tensor bias = args.bias.contiguous();
+  // The forward's epilogues. A 16-bit output (the layers' case) with a bias of its dtype and/or a
+  // residual (check_gemm_args: of out's dtype) takes cuBLASLt's BIAS epilogue and C (beta = 1,
+  // C != D): both added to the FP32 accumulator and the sum rounded once, the CPU's numerics up to
+  // the order of the FP32 additions (gemm.cpp). Where cuBLASLt has no such epilogue for the block
+  // scale modes (an FP32 output: CUBLAS_STATUS_NOT_SUPPORTED on the H200), a bias of another dtype
+  // (the epilogue would round it first), or an accumulated output: the GEMM writes FP32, the bias,
+  // the residual or the old output are added in FP32 and the sum rounded once. (The residual took
+  // that route until 12-06: an FP32 product written and read back plus two add kernels, 1.3 ms of
+  // the 4096 x 4 GPT stack's block step.)
+  if (out.scalar_type() != at::kFloat && !args.accumulate &&
+      (!args.bias.defined() || args.bias.scalar_type() == out.scalar_type())) {
+    at::Tensor bias, residual;
     write_to(out, false);
-    p.bias = bias.data_ptr();
-    p.bias_type = p.out_type;
+    if (args.bias.defined()) {
+      bias = args.bias.contiguous();
+      p.bias = bias.data_ptr();
+      p.bias_type = p.out_type;
+    }
+    if (args.residual.defined()) {  // C has its own layout; FP8 needs 16-element row strides
+      residual = args.residual;
+      if (m > 1 && residual.stride(0) % 16 != 0) residual = residual.contiguous();
+      p.c = residual.data_ptr();
+      p.ldc = m == 1 ? n : residual.stride(0);
+    }
     if (gemm_lt_try(p, st)) return out;
     p.bias = nullptr;
+    p.c = nullptr;
+    p.ldc = 0;
   }
   const bool direct = out.scalar_type() == at::kFloat && !args.accumulate;
   const at::Tensor dst = direct ? out : at::empty({m, n}, a.options().dtype(at::kFloat));

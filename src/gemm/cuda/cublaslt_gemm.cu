@@ -396,11 +396,11 @@ std::unique_ptr<Plan> build_plan(cublasLtHandle_t h, const LtGemmParams& p, void
                                        res, &count);
   }
   cublasLtMatmulPreferenceDestroy(pref);
-  // A block-scaled plan with the BIAS epilogue is the one optional route (gemm_lt_try): cuBLASLt
-  // refuses unsupported scale-mode combinations with INVALID_VALUE as well as NOT_SUPPORTED, and
-  // the caller's fallback (no epilogue, FP32 output, the add after) still reports its own status
-  // loudly, so either status means "no algorithm" here.
-  const bool optional_route = p.bias != nullptr && is_block(p);
+  // A block-scaled plan with the BIAS epilogue or a residual (C) is the one optional route
+  // (gemm_lt_try): cuBLASLt refuses unsupported scale-mode combinations with INVALID_VALUE as well
+  // as NOT_SUPPORTED, and the caller's fallback (no epilogue, FP32 output, the add after) still
+  // reports its own status loudly, so either status means "no algorithm" here.
+  const bool optional_route = (p.bias != nullptr || p.c != nullptr) && is_block(p);
   if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && count == 0) ||
       (optional_route && s == CUBLAS_STATUS_INVALID_VALUE))
     return nullptr;  // the caller says so (gemm_lt) or takes another route (gemm_lt_try)
