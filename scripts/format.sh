@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make format` (fix) and `make format-check` (check): clang-format over the git-tracked C++/CUDA
-# files of src/ and tests/cpp, ruff and black over the Python of python, tests, bench, dev and
-# scripts, with the versions pinned in pyproject.toml's extra "format", as installed in .venv by
+# files of src/ and tests/cpp, ruff and black over the Python of python, tests, bench, dev,
+# scripts and the root conftest.py, with the versions pinned in pyproject.toml's extra "format", as installed in .venv by
 # scripts/setup_env.sh. Any other version formats differently, so it is refused.
 #
 # Without the pinned tools (setup could not install them: offline) the check is skipped with a
@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-check}
 BIN=.venv/bin
-PY_DIRS=(python tests bench dev scripts)
+PY_DIRS=(python tests bench dev scripts conftest.py)
 mapfile -t CXX_FILES < <(git ls-files 'src/*.h' 'src/*.cpp' 'src/*.cu' 'src/*.cuh' \
   'tests/cpp/*.h' 'tests/cpp/*.cpp' 'tests/cpp/*.cu')
 
