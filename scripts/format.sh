@@ -2,7 +2,8 @@
 # `make format` (fix) and `make format-check` (check): clang-format over the git-tracked C++/CUDA
 # files of src/ and tests/cpp, ruff and black over the Python of python, tests, bench, dev,
 # scripts and the root conftest.py, with the versions pinned in pyproject.toml's extra "format",
-# as installed in .venv by scripts/setup_env.sh. Any other version formats differently, so it is refused.
+# as installed in .venv by scripts/setup_env.sh. Any other version formats differently, so it is
+# refused.
 #
 # Without the pinned tools (setup could not install them: offline) the check is skipped with a
 # message, except under CI=true, where it fails: CI must never pass a format check it did not run.
