@@ -7,8 +7,8 @@
 # bench.log, bench_kernels.json, bench_gemm.json, bench_linear.json, bench_gpt.json,
 # bench_gpt_best.json, bench_mlp.json,
 # bench_block.json, bench_ckpt.json,
-# and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt; test_times.tsv
-# (each test's start and phase seconds as they happen, conftest.py).
+# and with 2 GPUs bench_reduce_scatter.json, bench_ddp.json, bench_ddp_mb8.json; summary.txt;
+# test_times.tsv (each test's start and phase seconds as they happen, conftest.py).
 # Not in the default STEPS (they take minutes): "matrix" (the full NCCL test matrix: matrix.log,
 # matrix_nccl.json), "demo" (configs/gpu.yaml on every GPU: demo.log, demo/), "bench_gpt_graphs"
 # (the stack in CUDA graphs: bench_gpt_graphs.json) and "demo_graphs" (the demo on one GPU with
