@@ -12,7 +12,9 @@ Three architectures (--arch), each against its own torch BF16 stack:
   Linear(proj), LayerNormMLP(swiglu) in fp8dp and TE.
 fp8dp's blocks add their residuals as fp8dp does best (since 2026-12-06, RESIDUALS): in the
 epilogue of the projection before them, the gradients joined with x's in the norm's backward
-(`--compare-residual` also times FP8 delayed with torch adds on the same model).
+(`--compare-residual` also times FP8 delayed with torch adds on the same model); and the gpt
+stack's fc1 applies the GELU itself (`activation="gelu"`, since 2026-12-06 evening, GELU_PLACES;
+`--compare-activation` also times it with F.gelu between the modules).
 Activations [seq, batch, hidden], BF16 parameters, head dim 128; q, k and v are taken from the QKV output with `split_qkv` (`--compare-qkv unbind`
 or `index` also times the baseline and FP8 delayed with an earlier split; QKV_SPLITS). fp8dp's QKV
 projection returns q, k and v itself (`qkv_heads`, since 2026-12-06), so its FP8 backward casts
@@ -87,6 +89,12 @@ QKV_SPLITS = ("split_qkv", "unbind", "index")
 # the default since 2026-12-06) or "add" (torch adds, autograd adding the gradients; before).
 # `--compare-residual` also times FP8 delayed with "add" (variant fp8dp_delayed_addres).
 RESIDUALS = ("fused", "add")
+# Where fp8dp's gpt stack applies its GELU: "fc1" (LayerNormLinear(activation="gelu"), whose FP8
+# backward applies the derivative inside the cast of fc1's output gradient; the default since
+# 2026-12-06 evening) or "torch" (F.gelu between fc1 and fc2; before). `--compare-activation`
+# also times FP8 delayed with "torch" on a second fp8dp model with the same weights (variant
+# fp8dp_delayed_torchgelu).
+GELU_PLACES = ("fc1", "torch")
 TARGETS = {
     ("gpt", 2048, 8): 1.40,
     ("gpt", 4096, 4): 1.55,
@@ -110,7 +118,7 @@ class Block(torch.nn.Module):
     nn.Linear, the activation in between), 'fp8dp' or 'te' (LayerNormLinear + Linear, and for
     gpt_fused and llama LayerNormMLP)."""
 
-    def __init__(self, hidden: int, lib: str, arch: str = "gpt"):
+    def __init__(self, hidden: int, lib: str, arch: str = "gpt", gelu: str = GELU_PLACES[0]):
         super().__init__()
         self.heads = hidden // HEAD_DIM
         self.llama = arch == "llama"
@@ -154,7 +162,10 @@ class Block(torch.nn.Module):
         self.proj = mod.Linear(hidden, hidden, **kw)
         self.mlp = None
         if arch == "gpt":
-            self.fc1 = mod.LayerNormLinear(hidden, ffn, **kw, **ln_in)
+            # fp8dp's fc1 applies the GELU itself (GELU_PLACES) unless gelu="torch".
+            self.gelu_in_fc1 = lib == "fp8dp" and gelu == "fc1"
+            act = {"activation": "gelu"} if self.gelu_in_fc1 else {}
+            self.fc1 = mod.LayerNormLinear(hidden, ffn, **kw, **ln_in, **act)
             self.fc2 = mod.Linear(ffn, hidden, **kw)
         else:
             self.mlp = mod.LayerNormMLP(
@@ -165,6 +176,7 @@ class Block(torch.nn.Module):
                 **kw,
             )
 
+    gelu_in_fc1 = False  # fp8dp's gpt fc1 with activation="gelu" (GELU_PLACES)
     split = QKV_SPLITS[0]  # how q, k, v come out of the QKV output (QKV_SPLITS); set per step
     residual = RESIDUALS[0]  # fp8dp's residual adds (RESIDUALS); set per step
 
@@ -191,7 +203,7 @@ class Block(torch.nn.Module):
         if self.llama:  # [gate | up], as fp8dp.LayerNormMLP's swiglu
             gate, up = u.chunk(2, dim=-1)
             u = F.silu(gate) * up
-        else:
+        elif not self.gelu_in_fc1:
             u = F.gelu(u)
         return self.fc2(u, residual=x_in) if fused else x + self.fc2(u)
 
@@ -254,9 +266,11 @@ def copy_weights(blk: Block, rblk: Block) -> None:
         _copy(d, r)
 
 
-def make_model(hidden: int, layers: int, lib: str, ref=None, arch: str = "gpt"):
+def make_model(
+    hidden: int, layers: int, lib: str, ref=None, arch: str = "gpt", gelu: str = GELU_PLACES[0]
+):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(hidden, lib, arch) for _ in range(layers)])
+    model = torch.nn.Sequential(*[Block(hidden, lib, arch, gelu) for _ in range(layers)])
     if ref is not None:  # the baseline's weights, so that the losses compare
         with torch.no_grad():
             for blk, rblk in zip(model, ref):
@@ -303,7 +317,8 @@ def make_step(model, x, dy, mode: str):
     """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_delayed_fastbwd' (fast accumulation in
     the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
     'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', 'fp8dp_delayed_addres'
-    (fp8dp's residual adds as torch adds, RESIDUALS), each optionally suffixed
+    (fp8dp's residual adds as torch adds, RESIDUALS), 'fp8dp_delayed_torchgelu' (a model built
+    with gelu="torch", GELU_PLACES), each optionally suffixed
     '@unbind' or '@index' (the QKV split, QKV_SPLITS; default split_qkv); 'bf16_graphed' and
     'fp8dp_delayed_graphed' capture the whole stack as one callable (make_graphed_step). Returns
     (step, loss) closures."""
@@ -312,7 +327,7 @@ def make_step(model, x, dy, mode: str):
     mode, _, split = mode.partition("@")
     split = split or QKV_SPLITS[0]
     residual = "add" if mode.endswith("_addres") else RESIDUALS[0]
-    ctx, update = _context(mode.removesuffix("_addres"))
+    ctx, update = _context(mode.removesuffix("_addres").removesuffix("_torchgelu"))
 
     def use_split():
         for blk in model:
@@ -392,10 +407,13 @@ def bench_shape(
     arch,
     graphs=False,
     compare_residual=False,
+    compare_activation=False,
 ):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
     if compare_residual:
         modes.append("fp8dp_delayed_addres")
+    if compare_activation and arch == "gpt":
+        modes.append("fp8dp_delayed_torchgelu")
     if graphs:  # each on its own copy of the model: capture replaces its forward
         modes += ["bf16_graphed", "fp8dp_delayed_graphed"]
     if fast_backward:
@@ -419,6 +437,10 @@ def bench_shape(
             for m in modes:
                 if m.startswith(lib) and not m.endswith("_graphed"):
                     models[m] = model
+    if "fp8dp_delayed_torchgelu" in modes:  # a model of its own: fc1 is built with its GELU
+        models["fp8dp_delayed_torchgelu"] = make_model(
+            hidden, layers, "fp8dp", ref, arch=arch, gelu="torch"
+        )
     if graphs:
         models["bf16_graphed"] = make_model(hidden, layers, "torch", arch=arch)
         models["fp8dp_delayed_graphed"] = make_model(hidden, layers, "fp8dp", ref, arch=arch)
@@ -499,6 +521,12 @@ def main():
         help="also time fp8dp FP8 delayed with its residual adds as torch adds (RESIDUALS)",
     )
     ap.add_argument(
+        "--compare-activation",
+        action="store_true",
+        help="also time fp8dp FP8 delayed (gpt) with the GELU as F.gelu between fc1 and fc2 "
+        "(GELU_PLACES)",
+    )
+    ap.add_argument(
         "--graphs",
         action="store_true",
         help="also time the stack captured in CUDA graphs: torch BF16 (torch.cuda."
@@ -536,6 +564,7 @@ def main():
                     arch,
                     args.graphs,
                     args.compare_residual,
+                    args.compare_activation,
                 )
             )
         except Exception as e:  # one shape failing must not hide the others
@@ -619,6 +648,7 @@ def main():
             "command": " ".join(["python3"] + sys.argv),
             "qkv_split": QKV_SPLITS[0],
             "fp8dp_residual": RESIDUALS[0],
+            "fp8dp_gelu": GELU_PLACES[0],
             "results": results,
         },
     )

@@ -49,6 +49,15 @@ def _check_residual(residual) -> None:
         )
 
 
+def _check_activation(activation) -> None:
+    # The names are checked in C++ (parse_activation); here only what pybind11 would otherwise
+    # turn into a TypeError.
+    if activation is not None and not isinstance(activation, str):
+        raise ValueError(
+            f"activation: expected None, 'gelu' or 'swiglu', got {type(activation).__name__}"
+        )
+
+
 class _FP8LinearBase(torch.nn.Module):
     """What Linear and LayerNormLinear share: weight/bias, the C++ core and the C3 API."""
 
@@ -237,6 +246,7 @@ class _FP8LinearBase(torch.nn.Module):
             f"bias={self.bias is not None}, "
             f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
             f"delay_wgrad_compute={self.delay_wgrad_compute}"
+            + (f", activation={self.activation!r}" if self.activation else "")
         )
 
 
@@ -252,6 +262,12 @@ class Linear(_FP8LinearBase):
         always (beta = 1); only ``zero_grad_buffer()`` (or the owner of main_grad) zeroes it.
     delay_wgrad_compute: queue the weight gradient for ``backward_dw()`` (C3).
     init_method: callable(weight) that initialises the weight; default torch.nn.Linear's.
+    activation: None, "gelu" (exact, erf form: torch.nn.functional.gelu's default) or "swiglu"
+        (silu(gate) * up of the output's halves [gate | up]; the output has out_features / 2
+        columns). Forward returns act(x · weightᵀ + bias), the fc1 of an MLP built from separate
+        modules. Under FP8 the backward applies the activation's derivative inside the cast of
+        the output gradient, where a separate activation would write that gradient in high
+        precision for the cast to read again. Not with ``residual``.
     """
 
     def __init__(
@@ -264,6 +280,7 @@ class Linear(_FP8LinearBase):
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         init_method: Optional[Callable[[torch.Tensor], None]] = None,
+        activation: Optional[str] = None,
     ):
         super().__init__(
             in_features,
@@ -275,12 +292,15 @@ class Linear(_FP8LinearBase):
             delay_wgrad_compute,
             init_method,
         )
+        _check_activation(activation)
+        self.activation = activation
         self._make_core(
             layernorm=False,
             rms=False,
             eps=1e-5,
             zero_centered_gamma=False,
             return_layernorm_output=False,
+            activation=activation,
         )
 
     def forward(
@@ -318,7 +338,7 @@ class LayerNormLinear(_FP8LinearBase):
         Their gradients reach backward as attention left them: under delayed scaling the FP8
         cast of grad_output reads them in place, where an unbind after the call would have
         stacked them into one tensor first. Do not modify them in place.
-    Other arguments as in fp8dp.Linear.
+    Other arguments (activation among them: not with qkv_heads) as in fp8dp.Linear.
     """
 
     def __init__(
@@ -337,6 +357,7 @@ class LayerNormLinear(_FP8LinearBase):
         return_layernorm_output: bool = False,
         qkv_heads: Optional[int] = None,
         return_layernorm_input: bool = False,
+        activation: Optional[str] = None,
     ):
         super().__init__(
             in_features,
@@ -372,6 +393,8 @@ class LayerNormLinear(_FP8LinearBase):
                 f"qkv_heads: expected None or an int > 0 with out_features ({out_features}) "
                 f"divisible by 3 * qkv_heads, got {qkv_heads!r}"
             )
+        _check_activation(activation)
+        self.activation = activation
         self.qkv_heads = qkv_heads
         self.normalization = normalization
         self.eps = float(eps)
@@ -394,6 +417,7 @@ class LayerNormLinear(_FP8LinearBase):
             return_layernorm_output=return_layernorm_output,
             qkv_heads=qkv_heads or 0,
             return_layernorm_input=return_layernorm_input,
+            activation=activation,
         )
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):

@@ -14,7 +14,8 @@
 // unfused path saves it too: torch's GELU saves its input), FP8 aᵀ (fc2 wgrad) and the two cached
 // FP8 transposed weights. Nothing of size tokens × ffn in high precision but h. FP8 off: ln_out,
 // h and a in the activation dtype, as the unfused stack saves them. Block scaling: the activation
-// and its derivative in the activation dtype (not saved), then block casts (cast_activation).
+// and its derivative in the activation dtype (not saved), then block casts
+// (LinearCore::cast_activation).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -138,32 +139,6 @@ at::Tensor route_gemm_wgrad(GemmUse& u, const Routing& r, WgradTask task, const 
   return route_wgrad(*u.core, u, r, u.weight, u.bias, ac.enabled, std::move(task), dbias);
 }
 
-// The FP8 cast of the activation (forward, da undefined) or of its derivative (backward) for
-// `role` of `core`: delayed scaling casts in one pass with the known scale and records the amax
-// in the role's history row; current scaling needs the amax first (one pass that writes nothing).
-// Block scaling has no fused kernel: the activation (or its derivative) in the activation dtype,
-// then the block cast of the role (1x128 tiles, both orientations), as the unfused stack of
-// LayerNormLinear, activation and Linear casts it, so the two give the same bytes.
-Quantized cast_activation(LinearCore& core, Role role, const at::Tensor& da, const at::Tensor& h,
-                          Activation act, const AutocastState& ac, QuantizeOptions opts) {
-  if (ac.recipe.kind == RecipeKind::kBlock) {
-    const at::Tensor hp =
-        da.defined() ? activation_backward(da, h, act) : activation_forward(h, act);
-    return core.cast(hp, role, ac, opts);
-  }
-  const Format fmt = role == Role::kGradOutput ? ac.recipe.bwd_format : ac.recipe.fwd_format;
-  if (ac.recipe.kind == RecipeKind::kCurrent) {
-    const at::Tensor s = current_scale(activation_amax(da, h, act), fmt, ac.recipe.margin);
-    return activation_cast(da, h, act, s, fmt, opts);
-  }
-  // Elements cast: a [tokens, ffn] forward, dh (h's shape) backward.
-  const int64_t numel =
-      da.defined() ? h.numel() : (act == Activation::kSwiglu ? h.numel() / 2 : h.numel());
-  const at::Tensor s =
-      core.scaling().prepare_scale(role, ac.recipe, h, [&] { return activation_amax(da, h, act); });
-  return activation_cast(da, h, act, s, fmt, opts, core.scaling().amax_slot(role, numel));
-}
-
 struct MLPFunction : torch::autograd::Function<MLPFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor ln_weight,
                                std::optional<at::Tensor> ln_bias_opt, at::Tensor w1,
@@ -255,8 +230,8 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
     g2.out_dtype = x.scalar_type();
     g2.use_split_accumulator = ac.recipe.split_accumulator_fprop;
     if (fp8) {
-      const Quantized qin2 = cast_activation(*core2, Role::kInput, at::Tensor(), h, cfg.activation,
-                                             ac, QuantizeOptions{true, need_wgrad2, false});
+      const Quantized qin2 = core2->cast_activation(at::Tensor(), h, cfg.activation, Role::kInput,
+                                                    ac, QuantizeOptions{true, need_wgrad2, false});
       const Quantized qw = core2->weight_fp8(w2, ac, first);
       g2.a = qin2.data;
       g2.a_scale_inv = qin2.scale_inv;
@@ -367,8 +342,8 @@ struct MLPFunction : torch::autograd::Function<MLPFunction> {
       if (ac.enabled) {
         g1.use_split_accumulator = ac.recipe.split_accumulator_dgrad;
         t1.use_split_accumulator = ac.recipe.split_accumulator_wgrad;
-        const Quantized q = cast_activation(
-            *c->fc1.core, Role::kGradOutput, da, h, act, ac,
+        const Quantized q = c->fc1.core->cast_activation(
+            da, h, act, Role::kGradOutput, ac,
             QuantizeOptions{need_dz, r1.need_w, r1.need_b,
                             r1.need_b ? c->fc1.bias.scalar_type() : at::ScalarType::Float});
         if (need_dz) {

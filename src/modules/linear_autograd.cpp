@@ -1,6 +1,7 @@
-// The autograd function of Linear / LayerNormLinear: forward (norm + FP8 casts + fprop GEMM) and
-// backward (grad_output cast with the eager bias gradient, dgrad GEMM, norm backward, and the
-// weight gradient computed now or queued for backward_dw). Only this file sees autograd headers.
+// The autograd function of Linear / LayerNormLinear: forward (norm + FP8 casts + fprop GEMM, an
+// optional activation) and backward (grad_output cast with the activation's derivative and the
+// eager bias gradient, dgrad GEMM, norm backward, and the weight gradient computed now or queued
+// for backward_dw). Only this file sees autograd headers.
 //
 // C14: every activation backward needs goes through ctx->save_for_backward, so saved-tensor hooks
 // see it: activation checkpointing drops it after forward and recomputes it in backward, and
@@ -17,6 +18,7 @@
 #include <array>
 
 #include "common/check.h"
+#include "fp8/activation.h"
 #include "gemm/gemm.h"
 #include "modules/linear_core.h"
 #include "modules/sink_use.h"
@@ -44,6 +46,8 @@ enum Saved : size_t {
   kMu,
   kRsigma,
   kLnWeight,
+  // With an activation: its input, the GEMM's output [tokens, out] (the derivative reads it)
+  kPreAct,
   kNumSaved
 };
 
@@ -236,6 +240,16 @@ at::Tensor fprop_gemm(const LinearCtx& c, const ForwardInputs& in, const GemmInp
   return gemm(g).view(y_shape);
 }
 
+// act(y) for a layer with an activation: saves y, the pre-activation that the derivative reads
+// (what a separate activation module would save), and returns [..., output_features].
+at::Tensor activate_output(const at::Tensor& y, const LinearConfig& cfg, variable_list& saved) {
+  const at::Tensor pre = y.view({-1, cfg.out_features});
+  saved[kPreAct] = pre;
+  std::vector<int64_t> shape = y.sizes().vec();
+  shape.back() = cfg.output_features();
+  return activation_forward(pre, *cfg.activation).view(shape);
+}
+
 // With a weight gradient wanted: remembers DistributedDataParallel's sink (when bound) and the
 // micro-batch this use belongs to, announces to the ledger, and picks the fused GEMM's main_grad.
 void bind_weight_gradient(LinearCtx& c, const at::Tensor& weight) {
@@ -307,20 +321,35 @@ variable_list split_output(const at::Tensor& y, const LinearConfig& cfg) {
 // (parts, each [tokens..., heads, head_dim] viewed as 4-d; dy undefined). Every other route joins
 // them into dy first, which is what autograd's unbind backward did. (Autograd hands an output
 // that got no gradient over as zeros: the function materializes grads, the default.)
+//
+// With an activation, dy is the GEMM output's gradient, dy_act · act'(pre), except where the
+// FP8 cast of grad_output is all that reads it: then dy stays the activated output's gradient
+// and pre is set, and the cast applies the derivative in its pass.
 struct GradOutput {
   at::Tensor dy;
   std::vector<at::Tensor> parts;
+  at::Tensor pre;
 };
 
-GradOutput grad_output(const LinearCtx& c, const BackwardPlan& p, const variable_list& grads) {
+GradOutput grad_output(const LinearCtx& c, const BackwardPlan& p, const variable_list& saved,
+                       const variable_list& grads) {
   const LinearConfig& cfg = c.core->config();
+  const HighPrecision hp = high_precision(c.ac, p.need_w);
   GradOutput go;
+  if (cfg.activation) {
+    go.dy = grads[0].reshape({-1, cfg.output_features()}).contiguous();
+    if (c.ac.enabled && !hp.dgrad && !hp.wgrad) {
+      go.pre = saved[kPreAct];
+    } else {
+      go.dy = activation_backward(go.dy, saved[kPreAct], *cfg.activation);
+    }
+    return go;
+  }
   if (cfg.qkv_heads == 0) {
     go.dy = grads[0].reshape({-1, cfg.out_features}).contiguous();
     return go;
   }
   const int64_t cols = cfg.out_features / 3;
-  const HighPrecision hp = high_precision(c.ac, p.need_w);
   const bool cast_reads_parts = c.ac.enabled && !hp.dgrad && !hp.wgrad;
   std::vector<at::Tensor> parts;
   for (size_t i = 0; i < 3; ++i) {
@@ -352,7 +381,9 @@ struct DgradResult {
 DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const BackwardPlan& p,
                                      const variable_list& saved, const GradOutput& go,
                                      WgradTask& task) {
-  const at::Tensor& dy = go.dy;  // undefined where only the FP8 cast reads grad_output (parts)
+  // undefined where only the FP8 cast reads grad_output (parts); with go.pre the activated
+  // output's gradient, which only that cast reads
+  const at::Tensor& dy = go.dy;
   DgradResult r;
   GemmArgs g;
   g.out_dtype = c.act_dtype;
@@ -370,8 +401,12 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
     const bool cast_t = p.need_w && !hp.wgrad;
     const QuantizeOptions opts{cast_data || !(cast_t || p.need_b), cast_t, p.need_b,
                                p.need_b ? c.bias.scalar_type() : at::ScalarType::Float};
-    const Quantized q = go.parts.empty() ? core.cast(dy, Role::kGradOutput, c.ac, opts)
-                                         : core.cast_parts(go.parts, Role::kGradOutput, c.ac, opts);
+    const LinearConfig& cfg = core.config();
+    const Quantized q =
+        go.pre.defined()
+            ? core.cast_activation(dy, go.pre, *cfg.activation, Role::kGradOutput, c.ac, opts)
+        : go.parts.empty() ? core.cast(dy, Role::kGradOutput, c.ac, opts)
+                           : core.cast_parts(go.parts, Role::kGradOutput, c.ac, opts);
     if (p.need_dgrad && hp.dgrad) {  // a transpose view, as without FP8 (below)
       g.a = dy;
       g.b = saved[kWHp].t();
@@ -443,8 +478,8 @@ InputGrads input_grads(const LinearCtx& c, const BackwardPlan& p, const variable
 }
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
-  // check inputs → (norm and) cast the input → cast the weight, GEMM (+ bias) → bind the weight
-  // gradient to its destination → save for backward.
+  // check inputs → (norm and) cast the input → cast the weight, GEMM (+ bias) (→ activation) →
+  // bind the weight gradient to its destination → save for backward.
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor weight,
                                std::optional<at::Tensor> bias_opt,
                                std::optional<at::Tensor> ln_weight_opt,
@@ -464,6 +499,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     variable_list saved(kNumSaved);
     const GemmInput gin = prepare_gemm_input(*c, in, x2d, need_wgrad, saved);
     at::Tensor y = fprop_gemm(*c, in, gin, first, need_wgrad, saved);
+    if (cfg.activation) y = activate_output(y, cfg, saved);
     if (need_wgrad) bind_weight_gradient(*c, weight);
     ctx->save_for_backward(std::move(saved));
     ctx->saved_data["ctx"] = at::IValue::make_capsule(std::move(c));
@@ -490,7 +526,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // Unpacking runs the saved-tensor hooks: a non-reentrant checkpoint recomputes its region
     // here, with the grad mode it chooses.
     const variable_list saved = ctx->get_saved_variables();
-    const GradOutput dy = grad_output(*c, p, grads);
+    const GradOutput dy = grad_output(*c, p, saved, grads);
 
     WgradTask task;
     task.weight = c->weight;

@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "common/tensor_checks.h"
+#include "fp8/activation.h"
 #include "fp8/scaling_registry.h"
 #include "modules/block_dispatch.h"
 #include "modules/capture_check.h"
@@ -69,6 +70,14 @@ LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)), scaling_(cfg_.n
                   ", got out_features=", cfg_.out_features);
   FP8DP_CHECK_ARG(!cfg_.return_layernorm_input || cfg_.layernorm, cfg_.name,
                   ": return_layernorm_input needs a norm (LayerNormLinear)");
+  if (cfg_.activation) {
+    // q, k and v are views of the output, which an activation would replace.
+    FP8DP_CHECK_ARG(cfg_.qkv_heads == 0, cfg_.name,
+                    ": activation is not supported with qkv_heads (the output is q, k, v)");
+    FP8DP_CHECK_ARG(*cfg_.activation != Activation::kSwiglu || cfg_.out_features % 2 == 0,
+                    cfg_.name, ": activation 'swiglu' needs an even out_features ([gate | up]), ",
+                    "got out_features=", cfg_.out_features);
+  }
   set_weight_attrs({});
 }
 
@@ -93,6 +102,30 @@ Quantized LinearCore::cast_parts(at::TensorList parts, Role role, const Autocast
   if (ac.recipe.kind == RecipeKind::kDelayed)
     return scaling_.cast_parts(parts, role, ac.recipe, opts);
   return cast(join_parts(parts), role, ac, opts);
+}
+
+// Delayed scaling casts in one pass with the known scale and records the amax in the role's
+// history row; current scaling needs the amax first (one pass that writes nothing). Block scaling
+// has no fused kernel: the activation (or its derivative) in the activation dtype, then the role's
+// block cast (1x128 tiles, both orientations), as the unfused layers cast it: the same bytes.
+Quantized LinearCore::cast_activation(const at::Tensor& da, const at::Tensor& h, Activation act,
+                                      Role role, const AutocastState& ac, QuantizeOptions opts) {
+  if (ac.recipe.kind == RecipeKind::kBlock) {
+    const at::Tensor hp =
+        da.defined() ? activation_backward(da, h, act) : activation_forward(h, act);
+    return cast(hp, role, ac, opts);
+  }
+  const Format fmt = role == Role::kGradOutput ? ac.recipe.bwd_format : ac.recipe.fwd_format;
+  if (ac.recipe.kind == RecipeKind::kCurrent) {
+    const at::Tensor s = current_scale(activation_amax(da, h, act), fmt, ac.recipe.margin);
+    return activation_cast(da, h, act, s, fmt, opts);
+  }
+  // Elements cast: act(h) forward (half of h's after SwiGLU), dh (h's shape) backward.
+  const int64_t numel =
+      da.defined() ? h.numel() : (act == Activation::kSwiglu ? h.numel() / 2 : h.numel());
+  const at::Tensor s =
+      scaling_.prepare_scale(role, ac.recipe, h, [&] { return activation_amax(da, h, act); });
+  return activation_cast(da, h, act, s, fmt, opts, scaling_.amax_slot(role, numel));
 }
 
 Quantized LinearCore::weight_fp8(const at::Tensor& weight, const AutocastState& ac,
@@ -264,6 +297,9 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
     // q, k and v are three outputs, each with its own gradient: no one tensor to add to.
     FP8DP_CHECK_ARG(cfg_.qkv_heads == 0, mod,
                     ": 'residual' is not supported with qkv_heads (the output is q, k, v)");
+    // The epilogue adds the residual to the GEMM's result, before an activation would see it.
+    FP8DP_CHECK_ARG(!cfg_.activation, mod, ": 'residual' is not supported with activation='",
+                    activation_name(*cfg_.activation), "'");
     check_residual(residual, x, out, mod);
   }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "fp8/activation_math.h"
 #include "fp8/recipe.h"
 #include "fp8/scaling_state.h"
 #include "grad_buffer/grad_sink.h"
@@ -39,6 +40,16 @@ struct LinearConfig {
   // the call would stack them into one tensor first: a copy the size of y, which the FP8 cast
   // of grad_output can read in place instead, cast_parts).
   int64_t qkv_heads = 0;
+  // The layer's output goes through this activation (an MLP's fc1 among separate modules):
+  // forward returns act(x Wᵀ + b), and backward casts grad_output's activation derivative for the
+  // GEMMs in one pass (activation_cast) where a separate activation's backward would write it in
+  // high precision and the cast read it again. SwiGLU halves the columns ([gate | up]).
+  std::optional<Activation> activation;
+
+  // The columns forward returns: out_features, or half of them after SwiGLU.
+  int64_t output_features() const {
+    return activation == Activation::kSwiglu ? out_features / 2 : out_features;
+  }
 };
 
 // Attributes that live on the Python weight Parameter: the bindings fill these with callables so
@@ -114,6 +125,11 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   // cast the joined matrix (their amax pass and tiles read a plain one).
   Quantized cast_parts(at::TensorList parts, Role role, const AutocastState& ac,
                        QuantizeOptions opts);
+  // The FP8 cast of act(h) (forward, da undefined) or of its derivative da · act'(h) (backward) for
+  // `role`, in one pass that writes no high-precision result (bytes equal to cast() of the
+  // unfused result, activation.h).
+  Quantized cast_activation(const at::Tensor& da, const at::Tensor& h, Activation act, Role role,
+                            const AutocastState& ac, QuantizeOptions opts);
   Quantized weight_fp8(const at::Tensor& weight, const AutocastState& ac,
                        std::optional<bool> is_first_microbatch);
   at::Tensor main_grad_for(const at::Tensor& weight);

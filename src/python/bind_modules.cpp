@@ -3,9 +3,11 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <string>
 
 #include "common/check.h"
+#include "fp8/activation.h"
 #include "fp8/scaling_registry.h"
 #include "fp8/scaling_state.h"
 #include "modules/graph_record.h"
@@ -112,7 +114,8 @@ void bind_modules(py::module_& m) {
       .def(py::init([](std::string name, int64_t in_features, int64_t out_features,
                        bool fuse_wgrad_accumulation, bool delay_wgrad_compute, bool layernorm,
                        bool rms, float eps, bool zero_centered_gamma, bool return_layernorm_output,
-                       int64_t qkv_heads, bool return_layernorm_input) {
+                       int64_t qkv_heads, bool return_layernorm_input,
+                       const std::optional<std::string>& activation) {
              LinearConfig c;
              c.name = std::move(name);
              c.in_features = in_features;
@@ -126,13 +129,14 @@ void bind_modules(py::module_& m) {
              c.return_layernorm_output = return_layernorm_output;
              c.qkv_heads = qkv_heads;
              c.return_layernorm_input = return_layernorm_input;
+             if (activation) c.activation = parse_activation(*activation, c.name);
              return std::make_shared<LinearCore>(std::move(c));
            }),
            py::arg("name"), py::arg("in_features"), py::arg("out_features"),
            py::arg("fuse_wgrad_accumulation"), py::arg("delay_wgrad_compute"), py::arg("layernorm"),
            py::arg("rms"), py::arg("eps"), py::arg("zero_centered_gamma"),
            py::arg("return_layernorm_output"), py::arg("qkv_heads") = 0,
-           py::arg("return_layernorm_input") = false)
+           py::arg("return_layernorm_input") = false, py::arg("activation") = py::none())
       .def(
           "set_weight_attrs",
           [](LinearCore& core, py::object main_grad, py::object zero_out_wgrad,
