@@ -22,11 +22,11 @@ output gradient (LinearCore::cast_activation) instead of writing it in high prec
    C14).
 
 Mutations tried (2026-12-06, CPU build, each reverted after it failed as shown):
-- the fused route's cast without the derivative (core.cast(dy) instead of cast_activation): every
-  FP8 case of test_matches_composition fails (dx, dW differ);
-- the high-precision route not applying the derivative: every "off" case of the composition test
-  and test_matches_float64 fail;
-- activate_output returning the pre-activation: every case of both fails.
+- the fused route's cast without the derivative (core.cast(dy) instead of cast_activation): the
+  36 delayed, current and block cases of test_matches_composition fail (dx, dW differ);
+- the high-precision route not applying the derivative: its 24 cases ("off", "wgrad_hp") fail;
+- activate_output returning the pre-activation: every composition case and test_matches_float64
+  fail.
 """
 
 import copy
