@@ -23,14 +23,14 @@ from typing import Callable, Optional
 import torch
 
 from . import _C
-from .modules import LayerNormLinear, Linear, _check_bool, _check_features, _check_residual
-
-ACTIVATIONS = ("gelu", "swiglu")
-
-
-def _check_activation(activation) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected 'gelu' or 'swiglu', got {activation!r}")
+from .modules import (
+    LayerNormLinear,
+    Linear,
+    _check_activation,
+    _check_bool,
+    _check_features,
+    _check_residual,
+)
 
 
 class _Activation(torch.autograd.Function):

@@ -49,13 +49,16 @@ def _check_residual(residual) -> None:
         )
 
 
-def _check_activation(activation) -> None:
-    # The names are checked in C++ (parse_activation); here only what pybind11 would otherwise
-    # turn into a TypeError.
-    if activation is not None and not isinstance(activation, str):
-        raise ValueError(
-            f"activation: expected None, 'gelu' or 'swiglu', got {type(activation).__name__}"
-        )
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+def _check_activation(activation, optional: bool = False) -> None:
+    """A name of ACTIVATIONS (or None where optional), as the ValueError a user should see; C++
+    (parse_activation) refuses the same names for its own callers."""
+    if activation in ACTIVATIONS or (optional and activation is None):
+        return
+    allowed = ("None, " if optional else "") + "'gelu' or 'swiglu'"
+    raise ValueError(f"activation: expected {allowed}, got {activation!r}")
 
 
 class _FP8LinearBase(torch.nn.Module):
@@ -292,7 +295,7 @@ class Linear(_FP8LinearBase):
             delay_wgrad_compute,
             init_method,
         )
-        _check_activation(activation)
+        _check_activation(activation, optional=True)
         self.activation = activation
         self._make_core(
             layernorm=False,
@@ -393,7 +396,7 @@ class LayerNormLinear(_FP8LinearBase):
                 f"qkv_heads: expected None or an int > 0 with out_features ({out_features}) "
                 f"divisible by 3 * qkv_heads, got {qkv_heads!r}"
             )
-        _check_activation(activation)
+        _check_activation(activation, optional=True)
         self.activation = activation
         self.qkv_heads = qkv_heads
         self.normalization = normalization

@@ -155,8 +155,8 @@ def test_matches_float64(act):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(activation="relu"), "activation must be 'gelu' or 'swiglu', got 'relu'"),
-        (dict(activation=3), "activation: expected None, 'gelu' or 'swiglu', got int"),
+        (dict(activation="relu"), "activation: expected None, 'gelu' or 'swiglu', got 'relu'"),
+        (dict(activation=3), "activation: expected None, 'gelu' or 'swiglu', got 3"),
         (dict(activation="swiglu", out=63), "needs an even out_features"),
         (dict(activation="gelu", qkv_heads=2, out=96), "not supported with qkv_heads"),
     ],
