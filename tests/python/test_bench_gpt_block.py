@@ -40,13 +40,18 @@ def _inputs(hidden, seq=32, batch=2):
     return torch.randn(seq, batch, hidden, generator=g).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("arch", gb.ARCHS)
-def test_fp8dp_block_computes_the_baseline(arch):
+@pytest.mark.parametrize(
+    "arch, gelu", [(a, gb.GELU_PLACES[0]) for a in gb.ARCHS] + [("gpt", gb.GELU_PLACES[1])]
+)
+def test_fp8dp_block_computes_the_baseline(arch, gelu):
+    """gpt's fp8dp block with either GELU place (GELU_PLACES: in fc1, or F.gelu between)."""
     hidden, layers = 128, 2
     ref = gb.make_model(hidden, layers, "torch", arch=arch)
-    mine = gb.make_model(hidden, layers, "fp8dp", ref, arch=arch)
+    mine = gb.make_model(hidden, layers, "fp8dp", ref, arch=arch, gelu=gelu)
     if arch != "gpt":
         assert all(isinstance(b.mlp, fp8dp.LayerNormMLP) for b in mine)
+    else:
+        assert all((b.fc1.activation == "gelu") == (gelu == "fc1") for b in mine)
     x = _inputs(hidden)
     with torch.no_grad():
         want = ref(x)
