@@ -125,6 +125,14 @@ class ModelConfig:
     from the unfused run's by rounding only; parameters and checkpoints are the same. Not with the
     FP8 probe (it compares each projection's output with x · Wᵀ + bias). Default false: to be
     measured on the GPU first."""
+    fused_activation: bool = False
+    """The separate MLP's GELU applied by its up projection (``LayerNormLinear(activation=
+    "gelu")``) instead of torch's GELU after it: under FP8 the GELU's derivative is applied inside
+    the cast of up's output gradient, so the backward writes no high-precision gradient of size
+    tokens × ffn for the cast to read again. Same parameters and names; fp8dp's GELU (the exact
+    erf form, activation_math.h) differs from torch's by rounding only. Not with model.fused_mlp
+    (LayerNormMLP fuses its GELU itself) or the FP8 probe (it compares up's output with
+    x · Wᵀ + bias). Default false."""
 
     def __post_init__(self):
         for k in ("n_layer", "d_model", "n_head", "ffn_mult", "seq_len"):
@@ -140,6 +148,12 @@ class ModelConfig:
         _bool("model.tie_embeddings", self.tie_embeddings)
         _bool("model.fused_mlp", self.fused_mlp)
         _bool("model.fused_residual", self.fused_residual)
+        _bool("model.fused_activation", self.fused_activation)
+        if self.fused_activation and self.fused_mlp:
+            raise ValueError(
+                "model.fused_activation: expected false with model.fused_mlp (LayerNormMLP fuses "
+                "its GELU itself), got true"
+            )
         _choice("model.params_dtype", self.params_dtype, _DTYPES)
 
 
@@ -598,6 +612,11 @@ class TrainConfig:
                 "model.fused_residual: expected false with train.fp8_stats_every > 0 (the probe "
                 "compares each projection's output with x · Wᵀ + bias, which the residual added "
                 "in the GEMM would offset), got true"
+            )
+        if self.model.fused_activation and self.train.fp8_stats_every > 0 and self.fp8.enabled:
+            raise ValueError(
+                "model.fused_activation: expected false with train.fp8_stats_every > 0 (the probe "
+                "compares up's output with x · Wᵀ + bias, which the GELU would replace), got true"
             )
         if self.model.fused_mlp and ("up" in self.fp8.exclude) != ("down" in self.fp8.exclude):
             raise ValueError(

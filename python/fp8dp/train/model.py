@@ -95,8 +95,18 @@ class Block(torch.nn.Module):
             )
         else:
             self.mlp = None
+            # model.fused_activation: up applies the GELU (its FP8 backward casts the GELU's
+            # derivative in one pass, LayerNormLinear(activation=)).
+            self.fused_activation = cfg.fused_activation
+            act = dict(activation="gelu") if cfg.fused_activation else {}
             self.up = fp8dp.LayerNormLinear(
-                d, cfg.ffn_mult * d, init_method=partial(_normal, std), **ln, **ln_in, **proj
+                d,
+                cfg.ffn_mult * d,
+                init_method=partial(_normal, std),
+                **ln,
+                **ln_in,
+                **act,
+                **proj,
             )
             self.down = fp8dp.Linear(
                 cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **proj
@@ -132,7 +142,8 @@ class Block(torch.nn.Module):
             u = self.up(x, is_first_microbatch=first)
         if fused:
             u, x = u
-        u = F.gelu(u)
+        if not self.fused_activation:
+            u = F.gelu(u)
         with precision("down", self.exclude):
             if fused:
                 return self.down(u, is_first_microbatch=first, residual=x)
