@@ -282,6 +282,7 @@ def run_case(c, found, timeout_s: float) -> int:
         D=c["D"],
         ops=[o for cb in c["blocks"] for o in cb["ops"]],
         mlp_acts=[a for cb in c["blocks"] for a in property_model.mlp_acts(cb)],
+        out_acts=sum(property_model.out_acts(cb) for cb in c["blocks"]),
     )
     name_of = {}
     for ddp in pp.modules:
