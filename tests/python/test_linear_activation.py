@@ -36,21 +36,18 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from _linear_cases import FP8_MODES, mode_autocast, randomize_
+from _linear_cases import FP8_MODES, IN, KINDS, OUT, make_module, mode_autocast, randomize_
 
 import fp8dp
 from fp8dp import _C
 
-IN, OUT = 32, 64
 ACTS = ["gelu", "swiglu"]
-KINDS = ["Linear", "LayerNorm", "RMSNorm"]
 
 
 def _make(kind, activation, bias=True, dtype=torch.bfloat16, device="cpu", **kw):
-    args = dict(bias=bias, params_dtype=dtype, device=device, activation=activation, **kw)
-    if kind == "Linear":
-        return fp8dp.Linear(IN, OUT, **args)
-    return fp8dp.LayerNormLinear(IN, OUT, normalization=kind, **args)
+    return make_module(
+        kind, bias=bias, params_dtype=dtype, device=device, activation=activation, **kw
+    )
 
 
 def _pair(kind, act, bias, device, seed=0, **kw):
