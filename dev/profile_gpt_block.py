@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import GpuSampler  # noqa: E402
-from gpt_block_gpu import ARCHS, BATCH, SEQ, make_model, make_step  # noqa: E402
+from gpt_block_gpu import ARCHS, BATCH, GELU_PLACES, SEQ, make_model, make_step  # noqa: E402
 
 
 def kernel_table(step, steps, host=False):
@@ -69,10 +69,11 @@ def main():
     out = {"shape": args.shape, "arch": args.arch, "variants": {}}
     for v in args.variants.split(","):
         base = v.partition("@")[0]  # "bf16@index": the same stack with the old QKV split
+        gelu = "fc1" if base.endswith("_fc1gelu") else GELU_PLACES[0]
         model = (
             ref
             if base == "bf16"
-            else make_model(hidden, layers, base.split("_")[0], ref, arch=args.arch)
+            else make_model(hidden, layers, base.split("_")[0], ref, arch=args.arch, gelu=gelu)
         )
         step, _ = make_step(model, x, dy, v)
         table, cpu, gpu = kernel_table(step, args.steps, args.host)
