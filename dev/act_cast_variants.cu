@@ -1,8 +1,9 @@
 // Tuning benchmark of LayerNormMLP's fused activation casts (the tiled kernel, act_tile_kernel):
 // how far ahead each thread loads its inputs (kAhead in activation_cast.cu: 0, each pass's loads
-// followed by their use, the library's; 1, a tile's two passes loaded first; 2, also the block's
-// next tile's, while this one is computed), for the casts of the 342M model's MLP at one
-// micro-batch (bf16 16384 x 6144, the tables on): GELU forward (E4M3 bytes and their transpose)
+// followed by their use; 1, a tile's two passes loaded first; 2, also the block's next tile's,
+// into registers, while this one is computed; 3, the next tile's by cp.async into shared memory),
+// for the casts of the 342M model's MLP at one micro-batch (bf16 16384 x 6144, the tables on) and
+// of the GPT stack's at width 2048 (4096 x 8192): GELU forward (E4M3 bytes and their transpose)
 // and GELU backward (E5M2 bytes, transpose and dbias), and SwiGLU's two at the Llama block's shape
 // (bf16 8192 x 14336 outputs), next to a device-to-device copy of the input, interleaved. Every
 // variant's bytes, amax, scale_inv and dbias must equal kAhead 0's exactly (the same arithmetic
@@ -12,13 +13,13 @@
 //        -DFP8DP_WITH_CUDA=1 -I src -o build/act_variants dev/act_cast_variants.cu \
 //        src/fp8/cuda/quantize.cu
 // Run: build/act_variants   (one table per case; exit 1 on a mismatch)
-#include "fp8/cuda/activation_cast.cu"
-#include "variant_timing.cuh"
-
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "fp8/cuda/activation_cast.cu"
+#include "variant_timing.cuh"
 
 namespace fp8dp::cuda {
 namespace {
@@ -145,6 +146,10 @@ bool bench(const Case& c) {
     std::printf("MISMATCH: %s, kAhead 2 differs from kAhead 0\n", c.name);
     same = false;
   }
+  if (run_and_read<3>(b) != ref) {
+    std::printf("MISMATCH: %s, kAhead 3 differs from kAhead 0\n", c.name);
+    same = false;
+  }
   const ActParams p = b.p;
   std::vector<dev::Variant> vs;
   vs.push_back({"copy of the input", [&b] {
@@ -153,6 +158,7 @@ bool bench(const Case& c) {
   vs.push_back({"kAhead 0 (each pass loads, then uses)", [p] { launch_variant<0>(p); }});
   vs.push_back({"kAhead 1 (the tile's passes loaded first)", [p] { launch_variant<1>(p); }});
   vs.push_back({"kAhead 2 (and the next tile's, ahead)", [p] { launch_variant<2>(p); }});
+  vs.push_back({"kAhead 3 (next tile by cp.async to smem)", [p] { launch_variant<3>(p); }});
   const std::vector<float> ms = dev::time_variants(vs, nullptr);
   const double copy_bw = 2.0 * b.in_bytes / ms[0] / 1e9;
   std::printf("\n%s: bf16 %lld x %lld, copy %.2f TB/s\n", c.name, (long long)c.rows,
@@ -174,11 +180,16 @@ int main() {
   using fp8dp::cuda::bench;
   bool ok = true;
   ok &= bench({"GELU forward (E4M3 + transpose)", Activation::kGelu, false, false, 16384, 6144});
-  ok &= bench({"GELU backward (E5M2 + transpose + dbias)", Activation::kGelu, true, true, 16384,
-               6144});
-  ok &= bench({"SwiGLU forward (E4M3 + transpose)", Activation::kSwiglu, false, false, 8192,
-               14336});
-  ok &= bench({"SwiGLU backward (E5M2 + transpose)", Activation::kSwiglu, true, false, 8192,
-               14336});
+  ok &= bench(
+      {"GELU backward (E5M2 + transpose + dbias)", Activation::kGelu, true, true, 16384, 6144});
+  // The GPT stack's MLP at width 2048 (bench/gpt_block_gpu.py: 4096 tokens, ffn 8192).
+  ok &= bench(
+      {"GELU forward, 2048 stack (E4M3 + transpose)", Activation::kGelu, false, false, 4096, 8192});
+  ok &= bench({"GELU backward, 2048 stack (E5M2 + transpose + dbias)", Activation::kGelu, true,
+               true, 4096, 8192});
+  ok &=
+      bench({"SwiGLU forward (E4M3 + transpose)", Activation::kSwiglu, false, false, 8192, 14336});
+  ok &=
+      bench({"SwiGLU backward (E5M2 + transpose)", Activation::kSwiglu, true, false, 8192, 14336});
   return ok ? 0 : 1;
 }

@@ -122,7 +122,7 @@ if want dev_block_variants; then
     -o $BUILD/block_variants dev/block_cast_variants.cu src/fp8/cuda/quantize.cu && $BUILD/block_variants"
 fi
 if want dev_act_variants; then
-  # The fused activation casts' load-ahead (kAhead: 0, 1, 2; torch-free; bytes, amax and dbias
+  # The fused activation casts' load-ahead (kAhead: 0, 1, 2, 3; torch-free; bytes, amax and dbias
   # compared exactly, exit 1 on a mismatch).
   run_step dev_act_variants "$OUT/bench.log" 400 bash -c "nvcc -std=c++17 -O3 \
     -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFP8DP_WITH_CUDA=1 -I src \

@@ -313,6 +313,83 @@ __device__ __forceinline__ void load_group(const Args& a, int64_t r, int64_t oc0
   if constexpr (kBackward) load_raw(static_cast<const T*>(a.da) + r * a.cols + c0, in.g);
 }
 
+// ---------------------------------------------------------------- staging (act_tile_kernel kAhead
+// 3) The inputs of the block's next tile, copied into shared memory by cp.async while this tile is
+// computed: the copies hold no registers, so the whole next tile is in flight during the
+// arithmetic, the transpose and the stores of this one (which the register variants, kAhead 1 and
+// 2, leave idle or pay for in occupancy). Each thread copies and later reads only its own slots,
+// so a slot needs no barrier: cp.async.wait_group orders the thread's own copies before its reads.
+// Slots: [stage 2][pass][operand][16-byte chunk][thread], 16-byte words, conflict-free.
+template <Activation A, bool kBackward>
+constexpr int stage_operands() {  // h (the gate half for SwiGLU), SwiGLU's up half, da
+  return 1 + (A == Activation::kSwiglu ? 1 : 0) + (kBackward ? 1 : 0);
+}
+template <typename T>
+constexpr int raw_chunks() {
+  return static_cast<int>(kVec * sizeof(T) / 16);
+}
+
+__device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *smem = *gmem;  // before sm_80: a plain copy (still correct, nothing overlaps)
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits for every committed group of this thread but the latest one.
+__device__ __forceinline__ void cp_async_wait_all_but_last() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
+// Operand `op`'s chunks of this thread's group, at slot base `st` (one stage and pass).
+template <typename T>
+__device__ __forceinline__ void stage_raw(const T* p, uint4* st, int op) {
+#pragma unroll
+  for (int j = 0; j < raw_chunks<T>(); ++j)
+    cp_async16(st + (op * raw_chunks<T>() + j) * kThreads + threadIdx.x,
+               reinterpret_cast<const uint4*>(p) + j);
+}
+template <typename T>
+__device__ __forceinline__ void unstage_raw(const uint4* st, int op, Raw<T>& r) {
+#pragma unroll
+  for (int j = 0; j < raw_chunks<T>(); ++j)
+    r.u[j] = st[(op * raw_chunks<T>() + j) * kThreads + threadIdx.x];
+}
+
+// load_group's operands, copied asynchronously into the slots at `st` (stage_group) and read back
+// from them once they arrived (unstage_group): the same operands, so the same bits.
+template <typename T, Activation A, bool kBackward>
+__device__ __forceinline__ void stage_group(const Args& a, int64_t r, int64_t oc0, uint4* st) {
+  constexpr int kUp = 1, kDa = A == Activation::kSwiglu ? 2 : 1;
+  const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
+  const bool gate = gate_group<A, kBackward>(a, oc0);
+  const int64_t c0 = gate ? oc0 : oc0 - a.cols;
+  stage_raw(h + c0, st, 0);
+  if constexpr (A == Activation::kSwiglu) {
+    if (!kBackward || gate) stage_raw(h + a.cols + c0, st, kUp);
+  }
+  if constexpr (kBackward) stage_raw(static_cast<const T*>(a.da) + r * a.cols + c0, st, kDa);
+}
+template <typename T, Activation A, bool kBackward>
+__device__ __forceinline__ void unstage_group(const Args& a, int64_t oc0, const uint4* st,
+                                              GroupIn<T>& in) {
+  constexpr int kUp = 1, kDa = A == Activation::kSwiglu ? 2 : 1;
+  const bool gate = gate_group<A, kBackward>(a, oc0);
+  unstage_raw(st, 0, in.x);
+  if constexpr (A == Activation::kSwiglu) {
+    if (!kBackward || gate) unstage_raw(st, kUp, in.up);
+  }
+  if constexpr (kBackward) unstage_raw(st, kDa, in.g);
+}
+
 // The kVec outputs of element() from the activation's factors f (factors()) and, as the
 // activation needs them, SwiGLU's up values and the backward's da values g. The same operations
 // as element() (act::swiglu = silu(g) up; act::dswiglu's d gate = (da up) silu'(g), d up = da
@@ -489,6 +566,13 @@ constexpr int kPasses = kTileRows / kRpp;  // 2
 constexpr int kSegs = kTileRows / 16;      // 16-byte segments per transposed row (4)
 static_assert(kSegs * kTileCols == kThreads, "one transposed segment per thread");
 
+// Dynamic shared memory of kAhead 3's slots: two stages of a tile's inputs (32 KB for GELU's
+// backward in bf16: as much as its table and its tile together).
+template <typename T, Activation A, bool kBackward>
+constexpr int stage_bytes() {
+  return 2 * kPasses * stage_operands<A, kBackward>() * raw_chunks<T>() * kThreads * 16;
+}
+
 struct TileOut {
   uint8_t* out;          // [rows, out_cols] or null
   uint8_t* out_t;        // [out_cols, rows] or null
@@ -504,8 +588,10 @@ struct TileOut {
 // are followed by their use (one group's loads per memory round trip, the kernel until 12-06);
 // 1, the tile's kPasses groups are loaded before any is used; 2, also the block's next whole
 // tile's groups, before this tile's results are computed. More loads in flight, more registers
-// (fewer resident blocks): dev/act_cast_variants.cu times the three. The arithmetic and its order
-// are the same in all three.
+// (fewer resident blocks); 3, the next whole tile's groups copied into shared memory by cp.async
+// (stage_group) while this one is computed, no registers held: dynamic shared memory after the
+// tables, stage_bytes. dev/act_cast_variants.cu times the four. The arithmetic and its order
+// are the same in all of them.
 template <typename T, Activation A, bool kBackward, Format F, bool kDbias, bool kLut,
           int kAhead = 0>
 __global__ void __launch_bounds__(kThreads)
@@ -540,6 +626,23 @@ __global__ void __launch_bounds__(kThreads)
     for (int p = 0; p < kPasses; ++p)
       load_group<T, A, kBackward>(a, r0 + tr + p * kRpp, c0 + tc * kVec, in[p]);
   };
+  // kAhead 3: the slots after the tables in dynamic shared memory, stage 0 then 1.
+  uint4* slots = reinterpret_cast<uint4*>(lut_smem) + (kLut ? lut_bytes<A, kBackward>() / 16 : 0);
+  constexpr int kStageWords = stage_bytes<T, A, kBackward>() / 32;  // one stage, 16-byte words
+  constexpr int kPassWords = kStageWords / kPasses;
+  const auto stage_tile = [&](int64_t t, int s) {
+    int64_t r0, c0;
+    origin(t, r0, c0);
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p)
+      stage_group<T, A, kBackward>(a, r0 + tr + p * kRpp, c0 + tc * kVec,
+                                   slots + s * kStageWords + p * kPassWords);
+  };
+  int stage = 0;  // the slots of tile t
+  if (kAhead == 3) {
+    if (blockIdx.x < tiles && whole(blockIdx.x)) stage_tile(blockIdx.x, 0);
+    cp_async_commit();  // a group per tile, empty or not: wait_group counts them
+  }
   GroupIn<T> next[kPasses];  // kAhead 2: the inputs of the block's next tile, when it is whole
   bool next_loaded = false;
   if (kAhead == 2 && blockIdx.x < tiles && whole(blockIdx.x)) {
@@ -583,6 +686,21 @@ __global__ void __launch_bounds__(kThreads)
         compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
         finish(p, v);
       }
+    } else if (kAhead == 3 && whole(t)) {
+      const int64_t tn = t + gridDim.x;
+      if (tn < tiles && whole(tn)) stage_tile(tn, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait_all_but_last();  // tile t's copies have arrived
+      GroupIn<T> in[kPasses];
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p)
+        unstage_group<T, A, kBackward>(a, oc0, slots + stage * kStageWords + p * kPassWords, in[p]);
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        float v[kVec];
+        compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
+        finish(p, v);
+      }
     } else if (kAhead == 1 && whole(t)) {
       GroupIn<T> in[kPasses];
       load_tile(t, in);
@@ -612,7 +730,13 @@ __global__ void __launch_bounds__(kThreads)
         next_loaded = tn < tiles && whole(tn);
         if (next_loaded) load_tile(tn, next);
       }
+      if (kAhead == 3) {  // the same for the slots
+        const int64_t tn = t + gridDim.x;
+        if (tn < tiles && whole(tn)) stage_tile(tn, stage ^ 1);
+        cp_async_commit();
+      }
     }
+    if (kAhead == 3) stage ^= 1;
     __syncthreads();
     if (o.out_t != nullptr) {
       // Transposed row c0 + oc (an output column) holds the tile's 64 rows: 4 segments of 16 bytes.
@@ -657,16 +781,19 @@ int grid_for(int64_t n) {
 }
 
 // Launches Kernel (an act_tile_kernel) with the tables (lut non-null) or without.
-template <auto Kernel, Activation A, bool kBackward>
+// kStaged: the kernel's kAhead is 3 (its slots follow the tables in dynamic shared memory).
+template <auto Kernel, typename T, Activation A, bool kBackward, bool kStaged>
 void launch_tile_kernel(const Args& a, const TileOut& o, const ActParams& p, const float* lut,
                         int64_t col_tiles, int64_t tiles, cudaStream_t st) {
   int blocks = static_cast<int>(tiles < INT32_MAX ? tiles : INT32_MAX);  // more: loop over tiles
   int smem = 0;
-  if (lut != nullptr) {
-    // Each block copies the tables: kLutTiles tiles per block where there are enough, not fewer
-    // blocks than SMs, not more than fit at once.
+  if (lut != nullptr || kStaged) {
+    // Each block copies the tables (and stages its next tile: that needs a loop too): kLutTiles
+    // tiles per block where there are enough, not fewer blocks than SMs, not more than fit at
+    // once.
     static SmemAllowed smem_done;  // with dbias, SwiGLU's tables pass 48 KB
-    smem = lut_bytes<A, kBackward>();
+    smem = (lut != nullptr ? lut_bytes<A, kBackward>() : 0) +
+           (kStaged ? stage_bytes<T, A, kBackward>() : 0);
     allow_smem(Kernel, static_cast<size_t>(smem), smem_done);
     const int64_t want = (tiles + kLutTiles - 1) / kLutTiles;
     const int64_t floor = want > sm_count() ? want : sm_count();
@@ -691,21 +818,21 @@ void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStrea
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (lut != nullptr) {
       if (p.format == Format::kE4M3) {
-        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, true, kAhead>, A,
-                           kBackward>(a, o, p, lut, col_tiles, tiles, st);
+        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, true, kAhead>, T,
+                           A, kBackward, kAhead == 3>(a, o, p, lut, col_tiles, tiles, st);
       } else {
-        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, true, kAhead>, A,
-                           kBackward>(a, o, p, lut, col_tiles, tiles, st);
+        launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, true, kAhead>, T,
+                           A, kBackward, kAhead == 3>(a, o, p, lut, col_tiles, tiles, st);
       }
     }
   }
   if (lut == nullptr) {
     if (p.format == Format::kE4M3) {
-      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, false, kAhead>, A,
-                         kBackward>(a, o, p, nullptr, col_tiles, tiles, st);
+      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE4M3, kDbias, false, kAhead>, T,
+                         A, kBackward, kAhead == 3>(a, o, p, nullptr, col_tiles, tiles, st);
     } else {
-      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, false, kAhead>, A,
-                         kBackward>(a, o, p, nullptr, col_tiles, tiles, st);
+      launch_tile_kernel<act_tile_kernel<T, A, kBackward, Format::kE5M2, kDbias, false, kAhead>, T,
+                         A, kBackward, kAhead == 3>(a, o, p, nullptr, col_tiles, tiles, st);
     }
   }
   FP8DP_CHECK_CUDA(cudaGetLastError());
@@ -732,8 +859,8 @@ void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStrea
   scratch_free(o.dbias_partial, st);
 }
 
-// kAhead: act_tile_kernel's; 1 in the library, the fastest of dev/act_cast_variants.cu on an
-// H100 (12-06).
+// kAhead: act_tile_kernel's; 1 in the library, the fastest of 0-2 in dev/act_cast_variants.cu on
+// an H100 (12-06); 3 (cp.async staging) is not measured yet.
 template <typename T, Activation A, bool kBackward, int kAhead = 1>
 void launch(const ActParams& p, cudaStream_t st) {
   // kVec elements of any input dtype (2 or 4 bytes) are a whole number of 16-byte words, so
