@@ -299,18 +299,29 @@ __device__ __forceinline__ bool gate_group(const Args& a, int64_t oc0) {
   return !(A == Activation::kSwiglu && kBackward) || oc0 < a.cols;
 }
 
+// Calls f(op, p, raw) for each input operand of the group (r, oc0 .. oc0 + kVec): op numbers it
+// (h, SwiGLU's up half, da: 0, 1, 2; da is 1 for GELU), p is its first element, raw the member of
+// `in` it belongs in. An operand the activation does not read is skipped (and compiled away).
+template <typename T, Activation A, bool kBackward, typename F>
+__device__ __forceinline__ void group_operands(const Args& a, int64_t r, int64_t oc0,
+                                               GroupIn<T>& in, F&& f) {
+  const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
+  const bool gate = gate_group<A, kBackward>(a, oc0);
+  const int64_t c0 = gate ? oc0 : oc0 - a.cols;  // the input column of the group
+  f(0, h + c0, in.x);
+  if constexpr (A == Activation::kSwiglu) {
+    if (!kBackward || gate) f(1, h + a.cols + c0, in.up);
+  }
+  if constexpr (kBackward)
+    f(A == Activation::kSwiglu ? 2 : 1, static_cast<const T*>(a.da) + r * a.cols + c0, in.g);
+}
+
 // The loads of elements_vec for the group (r, oc0 .. oc0 + kVec), all inside the matrix, 16-byte
 // aligned (a.vec_in): one load instruction per operand instead of one per element and operand.
 template <typename T, Activation A, bool kBackward>
 __device__ __forceinline__ void load_group(const Args& a, int64_t r, int64_t oc0, GroupIn<T>& in) {
-  const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
-  const bool gate = gate_group<A, kBackward>(a, oc0);
-  const int64_t c0 = gate ? oc0 : oc0 - a.cols;  // the input column of the group
-  load_raw(h + c0, in.x);
-  if constexpr (A == Activation::kSwiglu) {
-    if (!kBackward || gate) load_raw(h + a.cols + c0, in.up);
-  }
-  if constexpr (kBackward) load_raw(static_cast<const T*>(a.da) + r * a.cols + c0, in.g);
+  group_operands<T, A, kBackward>(a, r, oc0, in,
+                                  [](int, const T* p, Raw<T>& raw) { load_raw(p, raw); });
 }
 
 // ---------------------------------------------------------------- staging (act_tile_kernel kAhead
@@ -368,26 +379,15 @@ __device__ __forceinline__ void unstage_raw(const uint4* st, int op, Raw<T>& r) 
 // from them once they arrived (unstage_group): the same operands, so the same bits.
 template <typename T, Activation A, bool kBackward>
 __device__ __forceinline__ void stage_group(const Args& a, int64_t r, int64_t oc0, uint4* st) {
-  constexpr int kUp = 1, kDa = A == Activation::kSwiglu ? 2 : 1;
-  const T* h = static_cast<const T*>(a.h) + r * a.in_cols;
-  const bool gate = gate_group<A, kBackward>(a, oc0);
-  const int64_t c0 = gate ? oc0 : oc0 - a.cols;
-  stage_raw(h + c0, st, 0);
-  if constexpr (A == Activation::kSwiglu) {
-    if (!kBackward || gate) stage_raw(h + a.cols + c0, st, kUp);
-  }
-  if constexpr (kBackward) stage_raw(static_cast<const T*>(a.da) + r * a.cols + c0, st, kDa);
+  GroupIn<T> unused;
+  group_operands<T, A, kBackward>(a, r, oc0, unused,
+                                  [st](int op, const T* p, Raw<T>&) { stage_raw(p, st, op); });
 }
 template <typename T, Activation A, bool kBackward>
 __device__ __forceinline__ void unstage_group(const Args& a, int64_t oc0, const uint4* st,
                                               GroupIn<T>& in) {
-  constexpr int kUp = 1, kDa = A == Activation::kSwiglu ? 2 : 1;
-  const bool gate = gate_group<A, kBackward>(a, oc0);
-  unstage_raw(st, 0, in.x);
-  if constexpr (A == Activation::kSwiglu) {
-    if (!kBackward || gate) unstage_raw(st, kUp, in.up);
-  }
-  if constexpr (kBackward) unstage_raw(st, kDa, in.g);
+  group_operands<T, A, kBackward>(
+      a, 0, oc0, in, [st](int op, const T*, Raw<T>& raw) { unstage_raw(st, op, raw); });
 }
 
 // The kVec outputs of element() from the activation's factors f (factors()) and, as the
