@@ -673,6 +673,15 @@ __global__ void __launch_bounds__(kThreads)
       if (o.out != nullptr && row_in && live > 0)
         store_bytes8(o.out + r * a.out_cols + oc0, q, o.vec, live);  // o.vec: live == kVec
     };
+    // A whole tile's results from its inputs (the register and staged variants).
+    const auto finish_tile = [&](const GroupIn<T>(&in)[kPasses]) {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        float v[kVec];
+        compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
+        finish(p, v);
+      }
+    };
     if (kAhead == 2 && next_loaded) {  // this tile is whole and its inputs are in registers
       GroupIn<T> in[kPasses];
 #pragma unroll
@@ -680,12 +689,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t tn = t + gridDim.x;
       next_loaded = tn < tiles && whole(tn);
       if (next_loaded) load_tile(tn, next);
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        float v[kVec];
-        compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
-        finish(p, v);
-      }
+      finish_tile(in);
     } else if (kAhead == 3 && whole(t)) {
       const int64_t tn = t + gridDim.x;
       if (tn < tiles && whole(tn)) stage_tile(tn, stage ^ 1);
@@ -695,21 +699,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int p = 0; p < kPasses; ++p)
         unstage_group<T, A, kBackward>(a, oc0, slots + stage * kStageWords + p * kPassWords, in[p]);
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        float v[kVec];
-        compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
-        finish(p, v);
-      }
+      finish_tile(in);
     } else if (kAhead == 1 && whole(t)) {
       GroupIn<T> in[kPasses];
       load_tile(t, in);
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        float v[kVec];
-        compute_group<T, A, kBackward, kLut>(a, oc0, in[p], v, lut);
-        finish(p, v);
-      }
+      finish_tile(in);
     } else {
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) {
