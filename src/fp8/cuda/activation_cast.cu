@@ -324,13 +324,14 @@ __device__ __forceinline__ void load_group(const Args& a, int64_t r, int64_t oc0
                                   [](int, const T* p, Raw<T>& raw) { load_raw(p, raw); });
 }
 
-// ---------------------------------------------------------------- staging (act_tile_kernel kAhead
-// 3) The inputs of the block's next tile, copied into shared memory by cp.async while this tile is
-// computed: the copies hold no registers, so the whole next tile is in flight during the
-// arithmetic, the transpose and the stores of this one (which the register variants, kAhead 1 and
-// 2, leave idle or pay for in occupancy). Each thread copies and later reads only its own slots,
-// so a slot needs no barrier: cp.async.wait_group orders the thread's own copies before its reads.
-// Slots: [stage 2][pass][operand][16-byte chunk][thread], 16-byte words, conflict-free.
+// ---------------------------------------------------------------- staging (kAhead 3)
+// act_tile_kernel's kAhead 3: the inputs of the block's next tile, copied into shared memory by
+// cp.async while this tile is computed: the copies hold no registers, so the whole next tile is in
+// flight during the arithmetic, the transpose and the stores of this one (which the register
+// variants, kAhead 1 and 2, leave idle or pay for in occupancy). Each thread copies and later reads
+// only its own slots, so a slot needs no barrier: cp.async.wait_group orders the thread's own
+// copies before its reads. Slots: [stage 2][pass][operand][16-byte chunk][thread], 16-byte words,
+// conflict-free.
 template <Activation A, bool kBackward>
 constexpr int stage_operands() {  // h (the gate half for SwiGLU), SwiGLU's up half, da
   return 1 + (A == Activation::kSwiglu ? 1 : 0) + (kBackward ? 1 : 0);
