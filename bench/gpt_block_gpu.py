@@ -14,7 +14,8 @@ fp8dp's blocks add their residuals as fp8dp does best (since 2026-12-06, RESIDUA
 epilogue of the projection before them, the gradients joined with x's in the norm's backward
 (`--compare-residual` also times FP8 delayed with torch adds on the same model);
 `--compare-activation` also times the gpt stack with fp8dp's fc1 applying the GELU itself
-(`activation="gelu"`, GELU_PLACES).
+(`activation="gelu"`) and with fc2 applying it to its input (`input_activation="gelu"`),
+GELU_PLACES.
 Activations [seq, batch, hidden], BF16 parameters, head dim 128; q, k and v are taken from the QKV output with `split_qkv` (`--compare-qkv unbind`
 or `index` also times the baseline and FP8 delayed with an earlier split; QKV_SPLITS). fp8dp's QKV
 projection returns q, k and v itself (`qkv_heads`, since 2026-12-06), so its FP8 backward casts
@@ -94,7 +95,9 @@ RESIDUALS = ("fused", "add")
 # cast of fc1's output gradient). `--compare-activation` also times FP8 delayed with "fc1" on a
 # second fp8dp model with the same weights (variant fp8dp_delayed_fc1gelu). One H100, 2026-12-06
 # 19:00: 2048 x 8 1.30 (fc1) against 1.32x (torch), 4096 x 4 1.51 / 1.51x, 8192 x 2 1.66 / 1.63x.
-GELU_PLACES = ("torch", "fc1")
+# "fc2" (Linear(input_activation="gelu"): the GELU inside the FP8 cast of fc2's input, the forward's
+# half of the fusion; the backward is F.gelu's) is timed by the same flag as fp8dp_delayed_fc2gelu.
+GELU_PLACES = ("torch", "fc1", "fc2")
 TARGETS = {
     ("gpt", 2048, 8): 1.40,
     ("gpt", 4096, 4): 1.55,
@@ -162,11 +165,14 @@ class Block(torch.nn.Module):
         self.proj = mod.Linear(hidden, hidden, **kw)
         self.mlp = None
         if arch == "gpt":
-            # fp8dp's fc1 applies the GELU itself with gelu="fc1" (GELU_PLACES).
+            # fp8dp's fc1 applies the GELU itself with gelu="fc1", fc2 to its input with
+            # gelu="fc2" (GELU_PLACES).
             self.gelu_in_fc1 = lib == "fp8dp" and gelu == "fc1"
+            self.gelu_in_fc2 = lib == "fp8dp" and gelu == "fc2"
             act = {"activation": "gelu"} if self.gelu_in_fc1 else {}
+            in_act = {"input_activation": "gelu"} if self.gelu_in_fc2 else {}
             self.fc1 = mod.LayerNormLinear(hidden, ffn, **kw, **ln_in, **act)
-            self.fc2 = mod.Linear(ffn, hidden, **kw)
+            self.fc2 = mod.Linear(ffn, hidden, **kw, **in_act)
         else:
             self.mlp = mod.LayerNormMLP(
                 hidden,
@@ -177,6 +183,7 @@ class Block(torch.nn.Module):
             )
 
     gelu_in_fc1 = False  # fp8dp's gpt fc1 with activation="gelu" (GELU_PLACES)
+    gelu_in_fc2 = False  # fp8dp's gpt fc2 with input_activation="gelu" (GELU_PLACES)
     split = QKV_SPLITS[0]  # how q, k, v come out of the QKV output (QKV_SPLITS); set per step
     residual = RESIDUALS[0]  # fp8dp's residual adds (RESIDUALS); set per step
 
@@ -203,7 +210,7 @@ class Block(torch.nn.Module):
         if self.llama:  # [gate | up], as fp8dp.LayerNormMLP's swiglu
             gate, up = u.chunk(2, dim=-1)
             u = F.silu(gate) * up
-        elif not self.gelu_in_fc1:
+        elif not (self.gelu_in_fc1 or self.gelu_in_fc2):
             u = F.gelu(u)
         return self.fc2(u, residual=x_in) if fused else x + self.fc2(u)
 
@@ -317,8 +324,9 @@ def make_step(model, x, dy, mode: str):
     """mode: 'bf16' (plain torch), 'fp8dp_delayed', 'fp8dp_delayed_fastbwd' (fast accumulation in
     the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
     'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', 'fp8dp_delayed_addres'
-    (fp8dp's residual adds as torch adds, RESIDUALS), 'fp8dp_delayed_fc1gelu' (a model built
-    with gelu="fc1", GELU_PLACES), each optionally suffixed
+    (fp8dp's residual adds as torch adds, RESIDUALS), 'fp8dp_delayed_fc1gelu' /
+    'fp8dp_delayed_fc2gelu' (a model built with gelu="fc1" / "fc2", GELU_PLACES), each optionally
+    suffixed
     '@unbind' or '@index' (the QKV split, QKV_SPLITS; default split_qkv); 'bf16_graphed' and
     'fp8dp_delayed_graphed' capture the whole stack as one callable (make_graphed_step). Returns
     (step, loss) closures."""
@@ -327,7 +335,8 @@ def make_step(model, x, dy, mode: str):
     mode, _, split = mode.partition("@")
     split = split or QKV_SPLITS[0]
     residual = "add" if mode.endswith("_addres") else RESIDUALS[0]
-    ctx, update = _context(mode.removesuffix("_addres").removesuffix("_fc1gelu"))
+    base = mode.removesuffix("_addres").removesuffix("_fc1gelu").removesuffix("_fc2gelu")
+    ctx, update = _context(base)
 
     def use_split():
         for blk in model:
@@ -413,7 +422,7 @@ def bench_shape(
     if compare_residual:
         modes.append("fp8dp_delayed_addres")
     if compare_activation and arch == "gpt":
-        modes.append("fp8dp_delayed_fc1gelu")
+        modes += ["fp8dp_delayed_fc1gelu", "fp8dp_delayed_fc2gelu"]
     if graphs:  # each on its own copy of the model: capture replaces its forward
         modes += ["bf16_graphed", "fp8dp_delayed_graphed"]
     if fast_backward:
@@ -437,10 +446,11 @@ def bench_shape(
             for m in modes:
                 if m.startswith(lib) and not m.endswith("_graphed"):
                     models[m] = model
-    if "fp8dp_delayed_fc1gelu" in modes:  # a model of its own: fc1 is built with its GELU
-        models["fp8dp_delayed_fc1gelu"] = make_model(
-            hidden, layers, "fp8dp", ref, arch=arch, gelu="fc1"
-        )
+    for place in GELU_PLACES[1:]:  # a model of its own: fc1 or fc2 is built with the GELU
+        if f"fp8dp_delayed_{place}gelu" in modes:
+            models[f"fp8dp_delayed_{place}gelu"] = make_model(
+                hidden, layers, "fp8dp", ref, arch=arch, gelu=place
+            )
     if graphs:
         models["bf16_graphed"] = make_model(hidden, layers, "torch", arch=arch)
         models["fp8dp_delayed_graphed"] = make_model(hidden, layers, "fp8dp", ref, arch=arch)
@@ -524,7 +534,8 @@ def main():
         "--compare-activation",
         action="store_true",
         help="also time fp8dp FP8 delayed (gpt) with fc1 applying the GELU "
-        '(LayerNormLinear(activation="gelu"), GELU_PLACES)',
+        '(LayerNormLinear(activation="gelu")) and with fc2 applying it to its input '
+        '(Linear(input_activation="gelu")), GELU_PLACES',
     )
     ap.add_argument(
         "--graphs",

@@ -69,7 +69,7 @@ def main():
     out = {"shape": args.shape, "arch": args.arch, "variants": {}}
     for v in args.variants.split(","):
         base = v.partition("@")[0]  # "bf16@index": the same stack with the old QKV split
-        gelu = "fc1" if base.endswith("_fc1gelu") else GELU_PLACES[0]
+        gelu = next((p for p in GELU_PLACES[1:] if base.endswith(f"_{p}gelu")), GELU_PLACES[0])
         model = (
             ref
             if base == "bf16"

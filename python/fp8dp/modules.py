@@ -52,13 +52,13 @@ def _check_residual(residual) -> None:
 ACTIVATIONS = ("gelu", "swiglu")
 
 
-def _check_activation(activation, optional: bool = False) -> None:
+def _check_activation(activation, optional: bool = False, arg: str = "activation") -> None:
     """A name of ACTIVATIONS (or None where optional), as the ValueError a user should see; C++
     (parse_activation) refuses the same names for its own callers."""
     if activation in ACTIVATIONS or (optional and activation is None):
         return
     allowed = ("None, " if optional else "") + "'gelu' or 'swiglu'"
-    raise ValueError(f"activation: expected {allowed}, got {activation!r}")
+    raise ValueError(f"{arg}: expected {allowed}, got {activation!r}")
 
 
 class _FP8LinearBase(torch.nn.Module):
@@ -250,6 +250,11 @@ class _FP8LinearBase(torch.nn.Module):
             f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
             f"delay_wgrad_compute={self.delay_wgrad_compute}"
             + (f", activation={self.activation!r}" if self.activation else "")
+            + (
+                f", input_activation={self.input_activation!r}"
+                if getattr(self, "input_activation", None)
+                else ""
+            )
         )
 
 
@@ -271,6 +276,13 @@ class Linear(_FP8LinearBase):
         modules. Under FP8 the backward applies the activation's derivative inside the cast of
         the output gradient, where a separate activation would write that gradient in high
         precision for the cast to read again. Not with ``residual``.
+    input_activation: None, "gelu" or "swiglu" (the same functions): forward returns
+        act(x) · weightᵀ + bias, the fc2 of an MLP built from separate modules; the input then
+        has in_features columns (2 * in_features for "swiglu": [gate | up]). Under FP8 the
+        activation is applied inside the FP8 cast of the GEMM's input, where a separate activation
+        would write act(x) in high precision for the cast to read again; backward returns
+        dgrad · act'(x). Bytes equal to ``Linear()(fp8dp.activation(x, act))``. Not together with
+        ``activation`` (fc1 applying it instead saves in the backward, this in the forward).
     """
 
     def __init__(
@@ -284,6 +296,7 @@ class Linear(_FP8LinearBase):
         delay_wgrad_compute: bool = False,
         init_method: Optional[Callable[[torch.Tensor], None]] = None,
         activation: Optional[str] = None,
+        input_activation: Optional[str] = None,
     ):
         super().__init__(
             in_features,
@@ -296,7 +309,14 @@ class Linear(_FP8LinearBase):
             init_method,
         )
         _check_activation(activation, optional=True)
+        _check_activation(input_activation, optional=True, arg="input_activation")
+        if activation is not None and input_activation is not None:
+            raise ValueError(
+                f"input_activation: not supported together with activation={activation!r}, "
+                f"got input_activation={input_activation!r}"
+            )
         self.activation = activation
+        self.input_activation = input_activation
         self._make_core(
             layernorm=False,
             rms=False,
@@ -304,6 +324,7 @@ class Linear(_FP8LinearBase):
             zero_centered_gamma=False,
             return_layernorm_output=False,
             activation=activation,
+            input_activation=input_activation,
         )
 
     def forward(

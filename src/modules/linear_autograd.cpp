@@ -48,6 +48,8 @@ enum Saved : size_t {
   kLnWeight,
   // With an activation: its input, the GEMM's output [tokens, out] (the derivative reads it)
   kPreAct,
+  // With an input activation: its input, x [tokens, input_features] (the derivative reads it)
+  kInPreAct,
   kNumSaved
 };
 
@@ -174,19 +176,24 @@ GemmInput norm_and_cast_input(LinearCtx& c, const ForwardInputs& in, const at::T
   return gin;
 }
 
-// The fprop GEMM's input: the (normalized) input, cast to FP8 under fp8_autocast (with its
-// transpose when a weight gradient will be wanted).
+// The fprop GEMM's input: the (normalized or activated) input, cast to FP8 under fp8_autocast
+// (with its transpose when a weight gradient will be wanted). With an input activation the cast
+// applies it in its pass, and x is saved for the derivative when x wants a gradient.
 GemmInput prepare_gemm_input(LinearCtx& c, const ForwardInputs& in, const at::Tensor& x2d,
                              bool need_wgrad, variable_list& saved) {
-  if (c.core->config().layernorm) return norm_and_cast_input(c, in, x2d, need_wgrad, saved);
+  LinearCore& core = *c.core;
+  if (core.config().layernorm) return norm_and_cast_input(c, in, x2d, need_wgrad, saved);
+  const std::optional<Activation>& act = core.config().input_activation;
+  if (act && in.x.requires_grad()) saved[kInPreAct] = x2d;  // (grad mode is off in here)
   GemmInput gin;
   if (c.ac.enabled) {
     const HighPrecision hp = high_precision(c.ac, need_wgrad);
-    gin.q = c.core->cast(x2d, Role::kInput, c.ac,
-                         QuantizeOptions{true, need_wgrad && !hp.wgrad, false});
-    if (hp.input()) gin.hp_under_fp8 = x2d;
+    const QuantizeOptions opts{true, need_wgrad && !hp.wgrad, false};
+    gin.q = act ? core.cast_activation(at::Tensor(), x2d, *act, Role::kInput, c.ac, opts)
+                : core.cast(x2d, Role::kInput, c.ac, opts);
+    if (hp.input()) gin.hp_under_fp8 = act ? activation_forward(x2d, *act) : x2d;
   } else {
-    gin.hp = x2d;
+    gin.hp = act ? activation_forward(x2d, *act) : x2d;
   }
   return gin;
 }
@@ -449,7 +456,8 @@ DgradResult dgrad_and_wgrad_operands(LinearCore& core, const LinearCtx& c, const
 }
 
 // The gradients of the inputs: dx (through the norm's backward for LayerNormLinear, with the
-// gradient of the returned norm output added) and the norm's weight and bias gradients.
+// gradient of the returned norm output added; through the input activation's derivative) and the
+// norm's weight and bias gradients.
 struct InputGrads {
   at::Tensor dx, dln_w, dln_b;
 };
@@ -471,6 +479,8 @@ InputGrads input_grads(const LinearCtx& c, const BackwardPlan& p, const variable
     r.dx = ng.dx.view(c.x_shape);
     r.dln_w = ng.dgamma;
     r.dln_b = ng.dbeta;
+  } else if (p.need_x && cfg.input_activation) {
+    r.dx = activation_backward(dgrad, saved[kInPreAct], *cfg.input_activation).view(c.x_shape);
   } else if (p.need_x) {
     r.dx = dgrad.view(c.x_shape);
   }
@@ -495,7 +505,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                            ln_bias_opt.value_or(at::Tensor()),
                            residual_opt.value_or(at::Tensor())};
     auto c = make_context(in, std::move(core), ac);
-    const at::Tensor x2d = x.reshape({-1, cfg.in_features});
+    const at::Tensor x2d = x.reshape({-1, cfg.input_features()});
     variable_list saved(kNumSaved);
     const GemmInput gin = prepare_gemm_input(*c, in, x2d, need_wgrad, saved);
     at::Tensor y = fprop_gemm(*c, in, gin, first, need_wgrad, saved);

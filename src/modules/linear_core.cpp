@@ -78,6 +78,14 @@ LinearCore::LinearCore(LinearConfig cfg) : cfg_(std::move(cfg)), scaling_(cfg_.n
                     cfg_.name, ": activation 'swiglu' needs an even out_features ([gate | up]), ",
                     "got out_features=", cfg_.out_features);
   }
+  if (cfg_.input_activation) {
+    // The norm's output is cast in the norm's own pass, and an output activation would need two
+    // saved pre-activations of different shapes: neither combination has a user yet.
+    FP8DP_CHECK_ARG(!cfg_.layernorm, cfg_.name,
+                    ": input_activation is not supported with a norm (LayerNormLinear)");
+    FP8DP_CHECK_ARG(!cfg_.activation, cfg_.name,
+                    ": input_activation and activation together are not supported");
+  }
   set_weight_attrs({});
 }
 
@@ -287,8 +295,14 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
     if (ln_bias.defined()) check_param(ln_bias, "layer_norm_bias", {in}, weight, mod);
   }
   FP8DP_CHECK_ARG(x.defined(), mod, ": input is undefined");
-  FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod, ": input must have in_features=", in,
-                  " as its last dimension, got shape ", x.sizes());
+  if (cfg_.input_activation == Activation::kSwiglu) {
+    FP8DP_CHECK_ARG(
+        x.dim() >= 1 && x.size(-1) == 2 * in, mod, ": input must have 2 * in_features=", 2 * in,
+        " as its last dimension (input_activation='swiglu': [gate | up]), got shape ", x.sizes());
+  } else {
+    FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod, ": input must have in_features=", in,
+                    " as its last dimension, got shape ", x.sizes());
+  }
   FP8DP_CHECK_ARG(x.scalar_type() == dt, mod, ": input has dtype ", x.scalar_type(),
                   " but the parameters have dtype ", dt, " (cast the input to params_dtype)");
   FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
@@ -344,7 +358,7 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
     FP8DP_CHECK_ARG(in % 16 == 0, mod, ": FP8 needs in_features to be a multiple of 16, got ", in);
     FP8DP_CHECK_ARG(out % 16 == 0, mod, ": FP8 needs out_features to be a multiple of 16, got ",
                     out);
-    const int64_t tokens = x.numel() / in;
+    const int64_t tokens = x.numel() / cfg_.input_features();
     FP8DP_CHECK_ARG(!need_wgrad || tokens % 16 == 0, mod,
                     ": FP8 training needs the number of tokens (the product of the input's leading "
                     "dimensions) to be a multiple of 16, got ",

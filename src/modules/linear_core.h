@@ -45,10 +45,20 @@ struct LinearConfig {
   // GEMMs in one pass (activation_cast) where a separate activation's backward would write it in
   // high precision and the cast read it again. SwiGLU halves the columns ([gate | up]).
   std::optional<Activation> activation;
+  // The layer's input goes through this activation first (an MLP's fc2 among separate modules):
+  // forward computes act(x) Wᵀ + b, the activation applied inside the FP8 cast of the GEMM's input
+  // (activation_cast) where a separate activation would write act(x) in high precision for the
+  // cast to read again; backward returns dgrad · act'(x). Linear only (not with a norm or with
+  // `activation`). SwiGLU's input has 2 * in_features columns ([gate | up]).
+  std::optional<Activation> input_activation;
 
   // The columns forward returns: out_features, or half of them after SwiGLU.
   int64_t output_features() const {
     return activation == Activation::kSwiglu ? out_features / 2 : out_features;
+  }
+  // The columns forward takes: in_features, or twice them before SwiGLU.
+  int64_t input_features() const {
+    return input_activation == Activation::kSwiglu ? 2 * in_features : in_features;
   }
 };
 
@@ -76,7 +86,7 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   const LinearConfig& config() const { return cfg_; }
   void set_weight_attrs(WeightAttrs attrs);
 
-  // x: [..., in_features] in the parameters' dtype and device. ln_weight / ln_bias only for
+  // x: [..., input_features()] in the parameters' dtype and device. ln_weight / ln_bias only for
   // LayerNormLinear (ln_bias undefined for RMSNorm), bias optional. Returns {y} (q, k, v with
   // qkv_heads), then ln_out with return_layernorm_output, then x with return_layernorm_input.
   // Differentiable through a C++ autograd function.

@@ -115,7 +115,8 @@ void bind_modules(py::module_& m) {
                        bool fuse_wgrad_accumulation, bool delay_wgrad_compute, bool layernorm,
                        bool rms, float eps, bool zero_centered_gamma, bool return_layernorm_output,
                        int64_t qkv_heads, bool return_layernorm_input,
-                       const std::optional<std::string>& activation) {
+                       const std::optional<std::string>& activation,
+                       const std::optional<std::string>& input_activation) {
              LinearConfig c;
              c.name = std::move(name);
              c.in_features = in_features;
@@ -130,13 +131,15 @@ void bind_modules(py::module_& m) {
              c.qkv_heads = qkv_heads;
              c.return_layernorm_input = return_layernorm_input;
              if (activation) c.activation = parse_activation(*activation, c.name);
+             if (input_activation) c.input_activation = parse_activation(*input_activation, c.name);
              return std::make_shared<LinearCore>(std::move(c));
            }),
            py::arg("name"), py::arg("in_features"), py::arg("out_features"),
            py::arg("fuse_wgrad_accumulation"), py::arg("delay_wgrad_compute"), py::arg("layernorm"),
            py::arg("rms"), py::arg("eps"), py::arg("zero_centered_gamma"),
            py::arg("return_layernorm_output"), py::arg("qkv_heads") = 0,
-           py::arg("return_layernorm_input") = false, py::arg("activation") = py::none())
+           py::arg("return_layernorm_input") = false, py::arg("activation") = py::none(),
+           py::arg("input_activation") = py::none())
       .def(
           "set_weight_attrs",
           [](LinearCore& core, py::object main_grad, py::object zero_out_wgrad,

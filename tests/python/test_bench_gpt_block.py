@@ -41,10 +41,11 @@ def _inputs(hidden, seq=32, batch=2):
 
 
 @pytest.mark.parametrize(
-    "arch, gelu", [(a, gb.GELU_PLACES[0]) for a in gb.ARCHS] + [("gpt", gb.GELU_PLACES[1])]
+    "arch, gelu",
+    [(a, gb.GELU_PLACES[0]) for a in gb.ARCHS] + [("gpt", p) for p in gb.GELU_PLACES[1:]],
 )
 def test_fp8dp_block_computes_the_baseline(arch, gelu):
-    """gpt's fp8dp block with either GELU place (GELU_PLACES: in fc1, or F.gelu between)."""
+    """gpt's fp8dp block with each GELU place (GELU_PLACES: F.gelu between, in fc1, in fc2)."""
     hidden, layers = 128, 2
     ref = gb.make_model(hidden, layers, "torch", arch=arch)
     mine = gb.make_model(hidden, layers, "fp8dp", ref, arch=arch, gelu=gelu)
@@ -52,6 +53,7 @@ def test_fp8dp_block_computes_the_baseline(arch, gelu):
         assert all(isinstance(b.mlp, fp8dp.LayerNormMLP) for b in mine)
     else:
         assert all((b.fc1.activation == "gelu") == (gelu == "fc1") for b in mine)
+        assert all((b.fc2.input_activation == "gelu") == (gelu == "fc2") for b in mine)
     x = _inputs(hidden)
     with torch.no_grad():
         want = ref(x)
