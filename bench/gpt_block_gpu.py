@@ -417,6 +417,7 @@ def bench_shape(
     graphs=False,
     compare_residual=False,
     compare_activation=False,
+    gelu=GELU_PLACES[0],
 ):
     modes = ["bf16", "fp8dp_delayed", "fp8dp_current", "fp8dp_off"]
     if compare_residual:
@@ -442,7 +443,7 @@ def bench_shape(
     models = {"bf16": ref}
     for lib in ("fp8dp", "te"):
         if any(m.startswith(lib) and not m.endswith("_graphed") for m in modes):
-            model = make_model(hidden, layers, lib, ref, arch=arch)
+            model = make_model(hidden, layers, lib, ref, arch=arch, gelu=gelu)
             for m in modes:
                 if m.startswith(lib) and not m.endswith("_graphed"):
                     models[m] = model
@@ -453,7 +454,9 @@ def bench_shape(
             )
     if graphs:
         models["bf16_graphed"] = make_model(hidden, layers, "torch", arch=arch)
-        models["fp8dp_delayed_graphed"] = make_model(hidden, layers, "fp8dp", ref, arch=arch)
+        models["fp8dp_delayed_graphed"] = make_model(
+            hidden, layers, "fp8dp", ref, arch=arch, gelu=gelu
+        )
     steps, losses, graph_errors = {}, {}, {}
     for m in list(modes):
         try:
@@ -543,6 +546,12 @@ def main():
         help="also time the stack captured in CUDA graphs: torch BF16 (torch.cuda."
         "make_graphed_callables) and fp8dp FP8 delayed (fp8dp.make_graphed_callables)",
     )
+    ap.add_argument(
+        "--gelu",
+        default=GELU_PLACES[0],
+        choices=GELU_PLACES,
+        help="where the fp8dp gpt models apply the GELU (GELU_PLACES), the graphed one included",
+    )
     ap.add_argument("--json", default="bench/results/gpt_block_gpu.json")
     args = ap.parse_args()
     if te is None:
@@ -576,6 +585,7 @@ def main():
                     args.graphs,
                     args.compare_residual,
                     args.compare_activation,
+                    args.gelu,
                 )
             )
         except Exception as e:  # one shape failing must not hide the others
@@ -659,7 +669,7 @@ def main():
             "command": " ".join(["python3"] + sys.argv),
             "qkv_split": QKV_SPLITS[0],
             "fp8dp_residual": RESIDUALS[0],
-            "fp8dp_gelu": GELU_PLACES[0],
+            "fp8dp_gelu": args.gelu,
             "results": results,
         },
     )
