@@ -31,7 +31,15 @@ class GenModel(nn.Module):
                 delay_wgrad_compute=m["delay"] and fuse_and_delay,
             )
             if m["kind"] == "Linear":
-                mods.append(fp8dp.Linear(D, D, activation=m.get("out_act"), **kw))
+                mods.append(
+                    fp8dp.Linear(
+                        D,
+                        D,
+                        activation=m.get("out_act") or None,
+                        input_activation=m.get("in_act") or None,
+                        **kw,
+                    )
+                )
             elif is_mlp(m):
                 mods.append(
                     fp8dp.LayerNormMLP(
@@ -54,7 +62,7 @@ class GenModel(nn.Module):
                         return_layernorm_output=m.get("ret_ln", False),
                         return_layernorm_input=m.get("res_in", False),
                         zero_centered_gamma=m.get("zcg", False),
-                        activation=m.get("out_act"),
+                        activation=m.get("out_act") or None,
                         **kw,
                     )
                 )
@@ -144,6 +152,8 @@ def ref_forward64(model: GenModel, R: dict, ids, x, k):
             inp = h
             if isinstance(m, fp8dp.LayerNormLinear):
                 inp = _norm64(m, R, h)
+            elif m.input_activation == "gelu":  # in_act
+                inp = F.gelu(h)
             z = F.linear(inp, R[id(m.weight)], R[id(m.bias)] if m.bias is not None else None)
             if m.activation == "gelu":  # out_act
                 z = F.gelu(z)
@@ -270,9 +280,14 @@ def mlp_acts(c) -> list:
 
 
 def out_acts(c) -> int:
-    """How many ops run a Linear / LayerNormLinear with an output activation (out_act)."""
+    """How many ops run a Linear / LayerNormLinear with an output activation (out_act) or a Linear
+    with an input activation (in_act): each one more elementwise stage."""
     mods = c["fp8_mods"]
-    return sum(1 for kind, i in c["ops"] if kind == "fp8" and mods[i].get("out_act"))
+    return sum(
+        1
+        for kind, i in c["ops"]
+        if kind == "fp8" and (mods[i].get("out_act") or mods[i].get("in_act"))
+    )
 
 
 def grad_tolerance(c, mag: torch.Tensor) -> float:
@@ -296,7 +311,8 @@ def grad_tolerance(c, mag: torch.Tensor) -> float:
     n_terms = c["ws"] * c["n_mb"] * len(c["ops"])
     # A LayerNormMLP op is two GEMMs deep, with inner sizes up to its fc1 width (2 D, or 4 D for
     # SwiGLU's [gate | up]) and an activation between them whose derivative is at most ~1.13.
-    # An output activation (out_act) adds one more elementwise stage of derivative <= ~1.13.
+    # An output or input activation (out_act, in_act) adds one more elementwise stage of
+    # derivative <= ~1.13.
     acts = c["mlp_acts"] if "mlp_acts" in c else mlp_acts(c)
     n_out_acts = c["out_acts"] if "out_acts" in c else out_acts(c)
     depth = len(c["ops"]) + 1 + len(acts) + n_out_acts

@@ -138,7 +138,7 @@ def shrink_candidates(c):
     if c.get("input_3d"):
         out.append(with_(input_3d=False))
     for i, m in enumerate(c["fp8_mods"]):
-        for key in ("ret_ln", "zcg", "zero_out_wgrad", "res_in", "out_act"):
+        for key in ("ret_ln", "zcg", "zero_out_wgrad", "res_in", "out_act", "in_act"):
             if m.get(key):
                 d = with_()
                 d["fp8_mods"][i][key] = False
