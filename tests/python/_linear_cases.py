@@ -4,6 +4,9 @@ micro-batch runner that follows the C2/C3 call order of a Megatron-style loop.""
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
+import random
 
 import torch
 
@@ -53,6 +56,16 @@ def mode_recipe(mode: str):
 def mode_autocast(mode: str):
     r = mode_recipe(mode)
     return fp8dp.fp8_autocast(enabled=r is not None, fp8_recipe=r)
+
+
+def random_cases(n: int):
+    """n generated cases for the float64 comparisons: (case seed, tokens, input scale), from a seed
+    that is printed (FP8DP_SEED repeats it)."""
+    seed = int(os.environ.get("FP8DP_SEED", random.randrange(2**31)))
+    print(f"seed {seed} (FP8DP_SEED={seed} repeats it)")
+    rnd = random.Random(seed)
+    for case in range(n):
+        yield seed + case, 16 * rnd.randint(1, 4), 10.0 ** rnd.uniform(-1, 1)
 
 
 def randomize_(module: torch.nn.Module, seed: int) -> None:
@@ -206,3 +219,33 @@ def gemm_operands(kind: str, m: int, n: int, k: int, gen: torch.Generator):
     a = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(n, k, generator=gen).to(dtype)
     return (a, None, b, None), (a.double(), b.double())
+
+
+def check_dw_and_checkpoint(make, mode: str, device, in_cols: int = IN, out_cols: int = OUT):
+    """make(**kw) builds a layer. backward_dw into main_grad, and torch.utils.checkpoint around the
+    layer, against the plain immediate run of the same parameters under mode_autocast(mode): the
+    same bits in every output and gradient."""
+    base = make()
+    randomize_(base, 3)
+    ckpt = copy.deepcopy(base)
+    delayed = make(delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    delayed.load_state_dict(base.state_dict())
+    attach_main_grad(delayed)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, in_cols, generator=g).to(torch.bfloat16).to(device)
+    dy = torch.randn(32, out_cols, generator=g).to(torch.bfloat16).to(device)
+    xs = [x.clone().requires_grad_() for _ in range(3)]
+    with mode_autocast(mode):
+        y0 = base(xs[0])
+        y1 = torch.utils.checkpoint.checkpoint(ckpt, xs[1], use_reentrant=False)
+        y2 = delayed(xs[2])
+    for y in (y1, y2):
+        assert torch.equal(y, y0)
+    for y in (y0, y1, y2):
+        y.backward(dy)
+    delayed.backward_dw()
+    assert torch.equal(xs[1].grad, xs[0].grad) and torch.equal(xs[2].grad, xs[0].grad)
+    for (name, p0), p1, p2 in zip(base.named_parameters(), ckpt.parameters(), delayed.parameters()):
+        assert torch.equal(p1.grad, p0.grad), name
+        got = p2.main_grad if name == "weight" else p2.grad
+        assert torch.equal(got.to(p0.grad.dtype), p0.grad), name

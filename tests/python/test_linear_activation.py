@@ -29,14 +29,20 @@ Mutations tried (2026-12-06, CPU build, each reverted after it failed as shown):
   fail.
 """
 
-import copy
-import os
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
-from _linear_cases import FP8_MODES, IN, KINDS, OUT, make_module, mode_autocast, randomize_
+from _linear_cases import (
+    FP8_MODES,
+    IN,
+    KINDS,
+    OUT,
+    check_dw_and_checkpoint,
+    make_module,
+    mode_autocast,
+    random_cases,
+    randomize_,
+)
 
 import fp8dp
 from fp8dp import _C
@@ -120,15 +126,10 @@ def _gemm_err(x, w, b):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_matches_float64(act):
-    seed = int(os.environ.get("FP8DP_SEED", random.randrange(2**31)))
-    print(f"seed {seed} (FP8DP_SEED={seed} repeats it)")
-    rnd = random.Random(seed)
-    for case in range(6):
-        tokens = 16 * rnd.randint(1, 4)
-        scale = 10.0 ** rnd.uniform(-1, 1)
+    for cseed, tokens, scale in random_cases(6):
         m = _make("Linear", act, True, dtype=torch.float32)
-        randomize_(m, seed + case)
-        g = torch.Generator().manual_seed(seed + case)
+        randomize_(m, cseed)
+        g = torch.Generator().manual_seed(cseed)
         x = (torch.randn(tokens, IN, generator=g) * scale).requires_grad_()
         y = m(x)
         w64, b64, x64 = m.weight.double(), m.bias.double(), x.detach().double()
@@ -144,7 +145,7 @@ def test_matches_float64(act):
             bound = 1.1 * up.abs() * eg + F.silu(gate).abs() * eu
             bound = bound + 2e-7 * (gate.abs() + 1) * up.abs() + 4 * 2.0**-24 * ref.abs()
         err = (y.detach().double() - ref).abs()
-        assert bool((err <= 2 * bound).all()), (seed, case, float((err / bound).max()))
+        assert bool((err <= 2 * bound).all()), (cseed, float((err / bound).max()))
         # The check can fail: the pre-activation instead of the activation.
         assert not bool(((pre64[:, : ref.shape[1]] - ref).abs() <= 2 * bound).all())
 
@@ -176,33 +177,6 @@ def test_residual_refused():
 def test_delayed_wgrad_and_checkpoint(mode, device):
     """backward_dw into main_grad, and torch.utils.checkpoint around the layer, against the plain
     immediate run: the same bits."""
-    base = _make("LayerNorm", "gelu", device=device)
-    randomize_(base, 3)
-    delayed = copy.deepcopy(base)
-    delayed2 = _make(
-        "LayerNorm", "gelu", device=device, delay_wgrad_compute=True, fuse_wgrad_accumulation=True
+    check_dw_and_checkpoint(
+        lambda **kw: _make("LayerNorm", "gelu", device=device, **kw), mode, device
     )
-    delayed2.load_state_dict(base.state_dict())
-    for p in delayed2.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(32, IN, generator=g).to(torch.bfloat16).to(device)
-    dy = torch.randn(32, OUT, generator=g).to(torch.bfloat16).to(device)
-    xs = [x.clone().requires_grad_() for _ in range(3)]
-    with mode_autocast(mode):
-        y0 = base(xs[0])
-        y1 = torch.utils.checkpoint.checkpoint(delayed, xs[1], use_reentrant=False)
-        y2 = delayed2(xs[2])
-    for y in (y0, y1, y2):
-        assert torch.equal(y, y0)
-    y0.backward(dy)
-    y1.backward(dy)
-    y2.backward(dy)
-    delayed2.backward_dw()
-    assert torch.equal(xs[1].grad, xs[0].grad) and torch.equal(xs[2].grad, xs[0].grad)
-    for (name, p0), p1, p2 in zip(
-        base.named_parameters(), delayed.parameters(), delayed2.parameters()
-    ):
-        assert torch.equal(p1.grad, p0.grad), name
-        got = p2.main_grad if name == "weight" else p2.grad
-        assert torch.equal(got.to(p0.grad.dtype), p0.grad), name

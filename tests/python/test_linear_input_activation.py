@@ -30,14 +30,18 @@ Mutations tried (2026-12-07, CPU build, each reverted after it failed as shown):
   test_input_without_grad[off] and both test_matches_float64 cases fail.
 """
 
-import copy
-import os
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
-from _linear_cases import FP8_MODES, IN, OUT, mode_recipe, randomize_
+from _linear_cases import (
+    FP8_MODES,
+    IN,
+    OUT,
+    check_dw_and_checkpoint,
+    mode_recipe,
+    random_cases,
+    randomize_,
+)
 
 import fp8dp
 
@@ -114,15 +118,10 @@ def _reference(m, x64, act):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_matches_float64(act):
-    seed = int(os.environ.get("FP8DP_SEED", random.randrange(2**31)))
-    print(f"seed {seed} (FP8DP_SEED={seed} repeats it)")
-    rnd = random.Random(seed)
-    for case in range(6):
-        tokens = 16 * rnd.randint(1, 4)
-        scale = 10.0 ** rnd.uniform(-1, 1)
+    for cseed, tokens, scale in random_cases(6):
         m = fp8dp.Linear(IN, OUT, params_dtype=torch.float32, input_activation=act)
-        randomize_(m, seed + case)
-        g = torch.Generator().manual_seed(seed + case)
+        randomize_(m, cseed)
+        g = torch.Generator().manual_seed(cseed)
         x = (torch.randn(tokens, _cols(act), generator=g) * scale).requires_grad_()
         dy = torch.randn(tokens, OUT, generator=g)
         y = m(x)
@@ -139,7 +138,7 @@ def test_matches_float64(act):
         e_a = 1e-6 * a.abs() + ACT_ABS * (1 + big)
         e_y = 2 * (IN + 1) * U32 * (a.abs() @ W.t() + b) + 4 * U32 * yr.abs() + e_a @ W.t()
         err = (y.detach().double() - yr).abs()
-        assert bool((err <= e_y).all()), (seed, case, float((err / e_y).max()))
+        assert bool((err <= e_y).all()), (cseed, float((err / e_y).max()))
         # The check can fail: the GEMM on x instead of act(x).
         pre = x64.detach()[:, :IN] @ params["weight"].detach().t() + params["bias"].detach()
         assert not bool(((pre - yr).abs() <= e_y).all())
@@ -148,7 +147,7 @@ def test_matches_float64(act):
         ]
         for name, got, ref in grads:
             rel = float((got.double() - ref).norm() / ref.norm())
-            assert rel < 1e-4, (seed, case, name, rel)
+            assert rel < 1e-4, (cseed, name, rel)
         # The gradient check can fail: dgrad without the activation's derivative.
         da = dy.double() @ params["weight"].detach()
         if act == "gelu":
@@ -189,34 +188,17 @@ def test_input_width_refused(act, cols, match):
 
 
 @pytest.mark.parametrize("mode", ["off", "delayed"])
-def test_delayed_wgrad_and_checkpoint(mode, device):
+@pytest.mark.parametrize("act", ACTS)
+def test_delayed_wgrad_and_checkpoint(act, mode, device):
     """backward_dw into main_grad, and torch.utils.checkpoint around the layer, against the plain
     immediate run: the same bits."""
-    base, _ = _pair("gelu", True, device, seed=3)
-    ckpt = copy.deepcopy(base)
-    delayed, _ = _pair("gelu", True, device, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
-    delayed.load_state_dict(base.state_dict())
-    for p in delayed.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(32, IN, generator=g).to(torch.bfloat16).to(device)
-    dy = torch.randn(32, OUT, generator=g).to(torch.bfloat16).to(device)
-    xs = [x.clone().requires_grad_() for _ in range(3)]
-    recipe = mode_recipe(mode)
-    with fp8dp.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-        y0 = base(xs[0])
-        y1 = torch.utils.checkpoint.checkpoint(ckpt, xs[1], use_reentrant=False)
-        y2 = delayed(xs[2])
-    for y in (y1, y2):
-        assert torch.equal(y, y0)
-    for y in (y0, y1, y2):
-        y.backward(dy)
-    delayed.backward_dw()
-    assert torch.equal(xs[1].grad, xs[0].grad) and torch.equal(xs[2].grad, xs[0].grad)
-    for (name, p0), p1, p2 in zip(base.named_parameters(), ckpt.parameters(), delayed.parameters()):
-        assert torch.equal(p1.grad, p0.grad), name
-        got = p2.main_grad if name == "weight" else p2.grad
-        assert torch.equal(got.to(p0.grad.dtype), p0.grad), name
+
+    def make(**kw):
+        return fp8dp.Linear(
+            IN, OUT, params_dtype=torch.bfloat16, device=device, input_activation=act, **kw
+        )
+
+    check_dw_and_checkpoint(make, mode, device, in_cols=_cols(act))
 
 
 @pytest.mark.parametrize("mode", ["off", "delayed"])
