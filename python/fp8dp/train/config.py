@@ -125,14 +125,23 @@ class ModelConfig:
     from the unfused run's by rounding only; parameters and checkpoints are the same. Not with the
     FP8 probe (it compares each projection's output with x · Wᵀ + bias). Default false: to be
     measured on the GPU first."""
-    fused_activation: bool = False
-    """The separate MLP's GELU applied by its up projection (``LayerNormLinear(activation=
-    "gelu")``) instead of torch's GELU after it: under FP8 the GELU's derivative is applied inside
-    the cast of up's output gradient, so the backward writes no high-precision gradient of size
-    tokens × ffn for the cast to read again. Same parameters and names; fp8dp's GELU (the exact
-    erf form, activation_math.h) differs from torch's by rounding only. Not with model.fused_mlp
-    (LayerNormMLP fuses its GELU itself) or the FP8 probe (it compares up's output with
+    fused_activation: Any = False
+    """Which projection of the separate MLP applies its GELU instead of torch's GELU between them:
+    false (neither), true or "up" (``LayerNormLinear(activation="gelu")``: under FP8 the GELU's
+    derivative is applied inside the cast of up's output gradient, so the backward writes no
+    high-precision gradient of size tokens × ffn for the cast to read again), or "down"
+    (``Linear(input_activation="gelu")``: under FP8 the GELU is applied inside the cast of down's
+    input, so the forward writes no high-precision activation of that size for the cast to read
+    again). Same parameters and names; fp8dp's GELU (the exact erf form, activation_math.h)
+    differs from torch's by rounding only. Not with model.fused_mlp (LayerNormMLP fuses its GELU
+    itself, both halves) or the FP8 probe (it compares each projection's output with
     x · Wᵀ + bias). Default false."""
+
+    def activation_place(self) -> str:
+        """Where the separate MLP's GELU runs: "torch", "up" or "down" (model.fused_activation)."""
+        if self.fused_activation is True:
+            return "up"
+        return self.fused_activation or "torch"
 
     def __post_init__(self):
         for k in ("n_layer", "d_model", "n_head", "ffn_mult", "seq_len"):
@@ -148,11 +157,15 @@ class ModelConfig:
         _bool("model.tie_embeddings", self.tie_embeddings)
         _bool("model.fused_mlp", self.fused_mlp)
         _bool("model.fused_residual", self.fused_residual)
-        _bool("model.fused_activation", self.fused_activation)
+        if not (isinstance(self.fused_activation, bool) or self.fused_activation in ("up", "down")):
+            raise ValueError(
+                "model.fused_activation: expected false, true, 'up' or 'down', "
+                f"got {self.fused_activation!r}"
+            )
         if self.fused_activation and self.fused_mlp:
             raise ValueError(
                 "model.fused_activation: expected false with model.fused_mlp (LayerNormMLP fuses "
-                "its GELU itself), got true"
+                f"its GELU itself), got {self.fused_activation!r}"
             )
         _choice("model.params_dtype", self.params_dtype, _DTYPES)
 
@@ -616,7 +629,8 @@ class TrainConfig:
         if self.model.fused_activation and self.train.fp8_stats_every > 0 and self.fp8.enabled:
             raise ValueError(
                 "model.fused_activation: expected false with train.fp8_stats_every > 0 (the probe "
-                "compares up's output with x · Wᵀ + bias, which the GELU would replace), got true"
+                "compares each projection's output with x · Wᵀ + bias, which a GELU inside up or "
+                f"down would change), got {self.model.fused_activation!r}"
             )
         if self.model.fused_mlp and ("up" in self.fp8.exclude) != ("down" in self.fp8.exclude):
             raise ValueError(

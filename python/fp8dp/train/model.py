@@ -96,9 +96,11 @@ class Block(torch.nn.Module):
         else:
             self.mlp = None
             # model.fused_activation: up applies the GELU (its FP8 backward casts the GELU's
-            # derivative in one pass, LayerNormLinear(activation=)).
-            self.fused_activation = cfg.fused_activation
-            act = dict(activation="gelu") if cfg.fused_activation else {}
+            # derivative in one pass, LayerNormLinear(activation=)), or down to its input (its
+            # FP8 forward casts the GELU of its input in one pass, Linear(input_activation=)).
+            self.gelu_place = cfg.activation_place()
+            act = dict(activation="gelu") if self.gelu_place == "up" else {}
+            in_act = dict(input_activation="gelu") if self.gelu_place == "down" else {}
             self.up = fp8dp.LayerNormLinear(
                 d,
                 cfg.ffn_mult * d,
@@ -109,7 +111,7 @@ class Block(torch.nn.Module):
                 **proj,
             )
             self.down = fp8dp.Linear(
-                cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **proj
+                cfg.ffn_mult * d, d, init_method=partial(_normal, out_std), **in_act, **proj
             )
 
     def forward(self, x: torch.Tensor, is_first_microbatch) -> torch.Tensor:
@@ -142,7 +144,7 @@ class Block(torch.nn.Module):
             u = self.up(x, is_first_microbatch=first)
         if fused:
             u, x = u
-        if not self.fused_activation:
+        if self.gelu_place == "torch":
             u = F.gelu(u)
         with precision("down", self.exclude):
             if fused:
