@@ -18,7 +18,8 @@ written in high precision first; backward returns dgrad · act'(x).
    wrong width (SwiGLU takes 2 * in_features), each a ValueError naming the argument.
 4. Delayed wgrad into main_grad (backward_dw) and activation checkpointing give the same bits as
    the plain immediate run (x is saved through save_for_backward, C14); an input without
-   requires_grad saves nothing for the derivative and still gives the weight's gradient.
+   requires_grad saves nothing for the derivative and still gives the weight's gradient; a
+   residual (a block's fc2(h, residual=x)) gives the composition's bits.
 
 Mutations tried (2026-12-07, CPU build, each reverted after it failed as shown):
 - the input cast without the activation (core.cast(x2d) instead of cast_activation): all 20 FP8
@@ -216,5 +217,29 @@ def test_input_without_grad(mode, device):
     y.backward(dy)
     want.backward(dy)
     assert x.grad is None
+    for a, b in zip(fused.parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("mode", ["off", "delayed"])
+def test_with_residual(mode, device):
+    """fc2(h, residual=x) of a block: act(h) · Wᵀ + b + residual in the epilogue, the residual's
+    gradient y's own; the same bits as the composition with the same residual."""
+    fused, plain = _pair("gelu", True, device)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(32, IN, generator=g).to(torch.bfloat16).to(device)
+    r = torch.randn(32, OUT, generator=g).to(torch.bfloat16).to(device)
+    dy = torch.randn(32, OUT, generator=g).to(torch.bfloat16).to(device)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    rs = [r.clone().requires_grad_() for _ in range(2)]
+    recipe = mode_recipe(mode)
+    with fp8dp.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+        y = fused(xs[0], residual=rs[0])
+        want = plain(fp8dp.activation(xs[1], "gelu"), residual=rs[1])
+    assert torch.equal(y, want)
+    y.backward(dy)
+    want.backward(dy)
+    assert torch.equal(xs[0].grad, xs[1].grad) and torch.equal(rs[0].grad, dy)
+    assert torch.equal(rs[1].grad, dy)
     for a, b in zip(fused.parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad)
