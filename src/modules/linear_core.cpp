@@ -178,18 +178,13 @@ at::Tensor LinearCore::main_grad_for(const at::Tensor& weight) {
 
 at::Tensor LinearCore::dummy_wgrad(const at::Tensor& weight) {
   // Autograd needs a gradient for the weight so that its AccumulateGrad hooks fire (C2 b); its
-  // values are never used (grad_added_to_main_grad says so), so one cached tensor serves every
-  // micro-batch. AccumulateGrad copies it rather than stealing it because the cache holds a
-  // reference, so nothing ever writes into the cached tensor.
-  const bool zero = attrs_.zero_out_wgrad();
-  if (!dummy_.defined() || dummy_.sizes() != weight.sizes() ||
-      dummy_.scalar_type() != weight.scalar_type() || dummy_.device() != weight.device() ||
-      (zero && !dummy_zeroed_)) {
-    dummy_ = zero ? at::zeros(weight.sizes(), weight.options())
-                  : at::empty(weight.sizes(), weight.options());
-    dummy_zeroed_ = zero;
-  }
-  return dummy_;
+  // values are never used (grad_added_to_main_grad says so). A fresh tensor each backward, which
+  // nothing else references, so AccumulateGrad takes it as `.grad` as it is: a cached one would be
+  // copied, a full pass over the weight's bytes per micro-batch (measured as a copy kernel of the
+  // weight's size in the unbound fused step; TE hands out a fresh one too). The allocation comes
+  // from the caching allocator, and empty writes nothing; zero_out_wgrad asks for zeros.
+  return attrs_.zero_out_wgrad() ? at::zeros(weight.sizes(), weight.options())
+                                 : at::empty(weight.sizes(), weight.options());
 }
 
 void LinearCore::mark_grad_added_to_main_grad() { attrs_.mark_grad_added_to_main_grad(); }

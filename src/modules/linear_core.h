@@ -168,8 +168,6 @@ class LinearCore : public std::enable_shared_from_this<LinearCore> {
   RecipeKind weight_cache_kind_ = RecipeKind::kDelayed;
   const void* weight_cache_ptr_ = nullptr;  // the weight the cache was made from, and its version
   uint32_t weight_cache_version_ = 0;
-  at::Tensor dummy_;  // the cached dummy weight gradient of the fused route (C2 b)
-  bool dummy_zeroed_ = false;
   WeightGradStore store_;
   // The fp8_autocast state of the latest forward outside backward, which a recompute by activation
   // checkpointing repeats (forward()).
