@@ -27,7 +27,10 @@ step's first call to its return, without a synchronisation). With --graphs the g
 also get speedup_vs_bf16_graphed; a capture that fails is printed with its traceback, recorded in
 the shape's graph_errors (exit status 1) and left out, and the eager variants are still timed.
 Their peak memory leaves out the graphs' pool (activations live there), and fp8dp's graphed step
-copies each parameter gradient out of its static buffer (torch's hands the buffer over).
+copies each parameter gradient out of its static buffer (torch's hands the buffer over, so a second
+backward before the gradients are used overwrites them), so --graphs also times fp8dp on a model
+whose weights add their gradients into FP32 main_grad in the wgrad GEMM (MG_GRAPHED, and its eager
+twin fp8dp_delayed_mg): no weight gradient to copy.
 
 Then each variant runs alone for a sustained block (~1.5 s after 0.5 s of warm-up): its ms per step
 at its own clock, and from the GPU's energy counter (NVML) its joules per step and mean power.
@@ -105,6 +108,12 @@ TARGETS = {
     ("llama", 4096, 4): 1.50,
 }
 ARCHS = ("gpt", "gpt_fused", "llama")
+# With --graphs, fp8dp FP8 delayed is also timed on models whose weights' gradients go into an FP32
+# main_grad inside the wgrad GEMM (fuse_wgrad_accumulation, as a Megatron-style loop and fp8dp's
+# DDP use them), eager ("fp8dp_delayed_mg") and graphed (MG_GRAPHED): fp8dp's graphed backward
+# returns a copy of each static gradient buffer (C2: a second micro-batch must not overwrite the
+# first's gradient), where a fused weight gets no `.grad` and so nothing to copy.
+MG_GRAPHED = "fp8dp_delayed_mg_graphed"
 DEVICE = "cuda"  # tests/python/test_bench_gpt_block.py builds the blocks on the CPU
 
 
@@ -121,7 +130,14 @@ class Block(torch.nn.Module):
     nn.Linear, the activation in between), 'fp8dp' or 'te' (LayerNormLinear + Linear, and for
     gpt_fused and llama LayerNormMLP)."""
 
-    def __init__(self, hidden: int, lib: str, arch: str = "gpt", gelu: str = GELU_PLACES[0]):
+    def __init__(
+        self,
+        hidden: int,
+        lib: str,
+        arch: str = "gpt",
+        gelu: str = GELU_PLACES[0],
+        main_grad: bool = False,
+    ):
         super().__init__()
         self.heads = hidden // HEAD_DIM
         self.llama = arch == "llama"
@@ -149,6 +165,10 @@ class Block(torch.nn.Module):
             return
         mod = fp8dp if lib == "fp8dp" else te
         kw = dict(params_dtype=torch.bfloat16, device=DEVICE, bias=bias)
+        if main_grad:  # make_model gives each weight its main_grad
+            if lib != "fp8dp":
+                raise ValueError(f"main_grad: fp8dp blocks only, got lib={lib!r}")
+            kw["fuse_wgrad_accumulation"] = True
         if self.llama:
             kw["normalization"] = "RMSNorm"
         # fp8dp's QKV projection returns q, k, v itself (qkv_heads), so that its FP8 backward
@@ -274,15 +294,37 @@ def copy_weights(blk: Block, rblk: Block) -> None:
 
 
 def make_model(
-    hidden: int, layers: int, lib: str, ref=None, arch: str = "gpt", gelu: str = GELU_PLACES[0]
+    hidden: int,
+    layers: int,
+    lib: str,
+    ref=None,
+    arch: str = "gpt",
+    gelu: str = GELU_PLACES[0],
+    main_grad: bool = False,
 ):
+    """main_grad (fp8dp only): every layer built with fuse_wgrad_accumulation=True, its weight
+    given an FP32 `main_grad` that the wgrad GEMM adds into (beta = 1), as in a Megatron-style
+    loop; `.grad` then holds the fused route's stand-in, none when graphed (variants `*_mg`,
+    MG_GRAPHED)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(hidden, lib, arch, gelu) for _ in range(layers)])
+    model = torch.nn.Sequential(*[Block(hidden, lib, arch, gelu, main_grad) for _ in range(layers)])
     if ref is not None:  # the baseline's weights, so that the losses compare
         with torch.no_grad():
             for blk, rblk in zip(model, ref):
                 copy_weights(blk, rblk)
+    if main_grad:  # the GEMM weights: the blocks' only 2-D parameters
+        for w in model.parameters():
+            if w.dim() == 2:
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     return model
+
+
+def _recipe_mode(mode: str) -> str:
+    """A mode without its model-variant suffixes (residual adds, GELU place, main_grad): the name
+    _context knows."""
+    for suffix in ("_mg", "_addres", "_fc1gelu", "_fc2gelu"):
+        mode = mode.removesuffix(suffix)
+    return mode
 
 
 def _context(mode: str):
@@ -325,18 +367,18 @@ def make_step(model, x, dy, mode: str):
     the dgrad and wgrad GEMMs too: other numerics than TransformerEngine's recipe), 'fp8dp_current',
     'fp8dp_block', 'fp8dp_off', 'te_delayed', 'te_block', 'te_off', 'fp8dp_delayed_addres'
     (fp8dp's residual adds as torch adds, RESIDUALS), 'fp8dp_delayed_fc1gelu' /
-    'fp8dp_delayed_fc2gelu' (a model built with gelu="fc1" / "fc2", GELU_PLACES), each optionally
-    suffixed
-    '@unbind' or '@index' (the QKV split, QKV_SPLITS; default split_qkv); 'bf16_graphed' and
-    'fp8dp_delayed_graphed' capture the whole stack as one callable (make_graphed_step). Returns
-    (step, loss) closures."""
+    'fp8dp_delayed_fc2gelu' (a model built with gelu="fc1" / "fc2", GELU_PLACES),
+    'fp8dp_delayed_mg' (a model built with main_grad=True: the weights' gradients added into FP32
+    main_grad by the wgrad GEMM), each optionally suffixed '@unbind' or '@index' (the QKV split,
+    QKV_SPLITS; default split_qkv); 'bf16_graphed', 'fp8dp_delayed_graphed' and
+    'fp8dp_delayed_mg_graphed' capture the whole stack as one callable (make_graphed_step).
+    Returns (step, loss) closures."""
     if mode.endswith("_graphed"):
         return make_graphed_step(model, x, dy, mode)
     mode, _, split = mode.partition("@")
     split = split or QKV_SPLITS[0]
     residual = "add" if mode.endswith("_addres") else RESIDUALS[0]
-    base = mode.removesuffix("_addres").removesuffix("_fc1gelu").removesuffix("_fc2gelu")
-    ctx, update = _context(base)
+    ctx, update = _context(_recipe_mode(mode))
 
     def use_split():
         for blk in model:
@@ -370,7 +412,7 @@ def make_graphed_step(model, x, dy, mode: str):
     base = mode[: -len("_graphed")]
     eager_step, _ = make_step(model, x, dy, base)
     eager_step()
-    ctx, update = _context(base)
+    ctx, update = _context(_recipe_mode(base))
     params = list(model.parameters())
     xs = x.detach().clone().requires_grad_(True)
     with ctx():
@@ -425,7 +467,7 @@ def bench_shape(
     if compare_activation and arch == "gpt":
         modes += ["fp8dp_delayed_fc1gelu", "fp8dp_delayed_fc2gelu"]
     if graphs:  # each on its own copy of the model: capture replaces its forward
-        modes += ["bf16_graphed", "fp8dp_delayed_graphed"]
+        modes += ["bf16_graphed", "fp8dp_delayed_graphed", "fp8dp_delayed_mg", MG_GRAPHED]
     if fast_backward:
         modes.append("fp8dp_delayed_fastbwd")
     if block:
@@ -457,6 +499,10 @@ def bench_shape(
         models["fp8dp_delayed_graphed"] = make_model(
             hidden, layers, "fp8dp", ref, arch=arch, gelu=gelu
         )
+        for m in ("fp8dp_delayed_mg", MG_GRAPHED):
+            models[m] = make_model(
+                hidden, layers, "fp8dp", ref, arch=arch, gelu=gelu, main_grad=True
+            )
     steps, losses, graph_errors = {}, {}, {}
     for m in list(modes):
         try:

@@ -115,18 +115,21 @@ def test_graphed_step_runs_for_every_arch(monkeypatch):
         return out
 
     monkeypatch.setattr(fp8dp, "make_graphed_callables", capture)
-    for arch in gb.ARCHS:
+    cases = [(arch, "fp8dp_delayed_graphed") for arch in gb.ARCHS] + [("gpt", gb.MG_GRAPHED)]
+    for arch, mode in cases:
         ref = gb.make_model(128, 1, "torch", arch=arch)
-        model = gb.make_model(128, 1, "fp8dp", ref, arch=arch)
+        model = gb.make_model(128, 1, "fp8dp", ref, arch=arch, main_grad=mode == gb.MG_GRAPHED)
         x = _inputs(128, seq=16)
         HostGraphs.Graph.replays.clear()
-        step, loss = gb.make_graphed_step(
-            model, x, torch.ones_like(x) * 1e-2, "fp8dp_delayed_graphed"
-        )
+        step, loss = gb.make_graphed_step(model, x, torch.ones_like(x) * 1e-2, mode)
         for _ in range(3):
             step()
         assert len(HostGraphs.Graph.replays) >= 2 * 3, (arch, len(HostGraphs.Graph.replays))
         assert torch.isfinite(torch.tensor(loss())), arch
+        if mode == gb.MG_GRAPHED:  # the eager step and the capture's warm-up added into it
+            assert all(
+                torch.count_nonzero(w.main_grad) > 0 for w in model.parameters() if w.dim() == 2
+            )
 
 
 @pytest.mark.parametrize("split", gb.QKV_SPLITS[1:])
@@ -147,3 +150,36 @@ def test_every_qkv_split_computes_the_same(split):
         runs.append([xi.grad] + [p.grad for p in model.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", gb.ARCHS)
+def test_main_grad_model_delivers_the_same_gradients(arch):
+    """make_model(main_grad=True) (the *_mg variants): the same forward as the plain fp8dp model,
+    every weight's gradient in its FP32 main_grad (`.grad` holds the fused route's stand-in,
+    grad_added_to_main_grad set), the other parameters' gradients in `.grad` as before. FP8 off on the CPU: the wgrad GEMM is the same FP32 product on
+    both sides, rounded once to BF16 by the plain model, so main_grad rounded to BF16 equals it bit
+    for bit (measured; a gradient sent nowhere leaves main_grad zero and fails)."""
+    ref = gb.make_model(128, 2, "torch", arch=arch)
+    plain = gb.make_model(128, 2, "fp8dp", ref, arch=arch)
+    mg = gb.make_model(128, 2, "fp8dp", ref, arch=arch, main_grad=True)
+    x = _inputs(128, seq=16)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    outs = []
+    for model in (plain, mg):
+        step, _ = gb.make_step(model, x, dy, "fp8dp_off")
+        xi = x.clone().requires_grad_()
+        with fp8dp.fp8_autocast(enabled=False):
+            y = model(xi)
+        y.backward(dy)
+        outs.append(y.detach())
+    assert torch.equal(outs[0], outs[1])
+    weights = 0
+    for (name, p), q in zip(plain.named_parameters(), mg.parameters()):
+        if p.dim() == 2:
+            weights += 1
+            assert q.grad_added_to_main_grad, name
+            assert q.main_grad.dtype == torch.float32, name
+            assert torch.equal(q.main_grad.to(torch.bfloat16), p.grad), name
+        else:
+            assert not hasattr(q, "main_grad") and torch.equal(q.grad, p.grad), name
+    assert weights == 2 * 4, weights  # qkv, proj, fc1, fc2 per block
