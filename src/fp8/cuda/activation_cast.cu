@@ -855,7 +855,9 @@ void launch_tiled(const ActParams& p, const Args& a, const float* lut, cudaStrea
 }
 
 // kAhead: act_tile_kernel's; 1 in the library, the fastest of 0-2 in dev/act_cast_variants.cu on
-// an H100 (12-06); 3 (cp.async staging) is not measured yet.
+// an H100 (12-06). 3 (cp.async staging), same harness, H100, 12-07: level with 1 on the GELU
+// forward at 16384 x 6144, 3% faster on the SwiGLU backward, 3-5% slower on the other four
+// (bench/results/act_variants_kahead3_h100.txt), so 1 stays.
 template <typename T, Activation A, bool kBackward, int kAhead = 1>
 void launch(const ActParams& p, cudaStream_t st) {
   // kVec elements of any input dtype (2 or 4 bytes) are a whole number of 16-byte words, so
