@@ -110,8 +110,15 @@ def test_graphed_step_runs_for_every_arch(monkeypatch):
     def capture(model, sample_args, num_warmup_iters=3, **kw):
         graph._check_arguments((model,), (sample_args,), num_warmup_iters, True)
         (out,) = graph._capture(
-            (model,), (sample_args,), num_warmup_iters, False, None, SmallGradients(None)
+            (model,),
+            (sample_args,),
+            num_warmup_iters,
+            False,
+            None,
+            SmallGradients(None),
+            kw.pop("clone_param_grads_on_return", True),
         )
+        assert not kw, kw
         return out
 
     monkeypatch.setattr(fp8dp, "make_graphed_callables", capture)

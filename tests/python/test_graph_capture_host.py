@@ -7,11 +7,19 @@ which FP8 states it accepts under delayed scaling, and that the warm-up leaves n
   it so, refused when the warm-up made it cast (it had no scale to capture with).
 - The warm-up's changes are put back: every FP8 state bit for bit (and in place), main_grad,
   grad_added_to_main_grad, the registry's observed mark.
+- clone_param_grads_on_return: the parameters' gradients copied out of the static buffers (the
+  default; micro-batches accumulate) or handed over without a copy, where a backward that finds
+  the buffer still in .grad is refused. Mutations, each tried and reverted: returning the static
+  tensors undetached with False fails the copy test (and the refusal one: nothing to refuse);
+  without the refusal the refusal test fails.
 """
+
+import contextlib
 
 import pytest
 import torch
 from _host_graphs import HostGraphs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8dp
 from fp8dp import _C, graph
@@ -170,3 +178,97 @@ def test_an_unbound_layer_is_captured_in_every_wgrad_route(fuse, delay):
         assert m.weight.grad_added_to_main_grad is True
     else:  # the static gradient the capture computed reaches .grad through autograd
         assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
+
+
+class _OpLog(TorchDispatchMode):
+    """The aten ops dispatched while active, with their tensor arguments' shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(
+            (func.overloadpacket.__name__, [tuple(a.shape) for a in args if torch.is_tensor(a)])
+        )
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_capture(clone: bool):
+    """A plain Linear (gradients through autograd) captured with clone_param_grads_on_return."""
+    torch.manual_seed(0)
+    m = fp8dp.Linear(H, H)
+    x, dy = _data()
+    recipe = fp8dp.DelayedScaling()
+    _step(m, x, dy, recipe)
+    m.zero_grad(set_to_none=True)
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        graph._capture(
+            (m,), ((x.clone().requires_grad_(True),),), 2, False, None, HostGraphs(dy), clone
+        )
+    return m, x, dy, recipe
+
+
+def _graphed_backward(m, x, dy, recipe, log=None):
+    with fp8dp.fp8_autocast(fp8_recipe=recipe):
+        y = m(x.clone().requires_grad_(True))
+    with log if log is not None else contextlib.nullcontext():
+        y.backward(dy)
+
+
+def test_param_grads_copied_or_handed_over():
+    """clone_param_grads_on_return: True copies each parameter's static gradient into .grad
+    (AccumulateGrad's new_empty_strided + copy_, or clone, of the parameter's shape); False hands
+    the static buffer over, with no copy. The values are the same (the replay's gradient)."""
+    grads = {}
+    for c in (True, False):
+        m, x, dy, recipe = _plain_capture(c)
+        log = _OpLog()
+        _graphed_backward(m, x, dy, recipe, log)
+        shapes = {tuple(p.shape) for p in m.parameters()}
+        copies = [
+            op for op in log.ops if op[0] in ("copy_", "clone") and op[1] and op[1][0] in shapes
+        ]
+        assert bool(copies) == c, (c, copies)
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+        grads[c] = [p.grad.clone() for p in m.parameters()]
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+
+
+def test_a_backward_into_a_handed_over_grad_is_refused():
+    """clone_param_grads_on_return=False: a second backward while .grad still holds the static
+    buffer is refused before its backward graph replays (the replay would overwrite that gradient
+    and autograd would add the buffer to itself: twice the second micro-batch, none of the
+    first); once .grad is cleared it runs."""
+    m, x, dy, recipe = _plain_capture(False)
+    _graphed_backward(m, x, dy, recipe)
+    before = [p.grad.clone() for p in m.parameters()]
+    replays = len(HostGraphs.Graph.replays)
+    with pytest.raises(RuntimeError, match="'weight' still holds the previous backward's gradient"):
+        _graphed_backward(m, x, dy, recipe)
+    assert len(HostGraphs.Graph.replays) == replays + 1  # the forward graph only
+    for p, b in zip(m.parameters(), before):
+        assert torch.equal(p.grad, b)
+    m.zero_grad(set_to_none=True)
+    _graphed_backward(m, x, dy, recipe)
+    for p, b in zip(m.parameters(), before):
+        assert torch.equal(p.grad, b)
+
+
+def test_copied_grads_accumulate_over_micro_batches():
+    """The default (clone_param_grads_on_return=True): two backwards without clearing add, each
+    once (on the host stand-in every replay hands back the capture's gradient: exactly twice)."""
+    m, x, dy, recipe = _plain_capture(True)
+    _graphed_backward(m, x, dy, recipe)
+    once = [p.grad.clone() for p in m.parameters()]
+    _graphed_backward(m, x, dy, recipe)
+    for p, g in zip(m.parameters(), once):
+        assert torch.equal(p.grad, 2 * g)
+
+
+def test_clone_param_grads_on_return_must_be_a_bool():
+    m = fp8dp.Linear(H, H)
+    x, _ = _data()
+    with pytest.raises(ValueError, match="clone_param_grads_on_return: expected True or False"):
+        fp8dp.make_graphed_callables(m, (x,), clone_param_grads_on_return=1)

@@ -104,9 +104,9 @@ def _assert_same_state(eager, graphed, where):
             ), f"{where}: {le._core.name}.{k}"
 
 
-def _graph_copy(eager, recipe):
+def _graph_copy(eager, recipe, **graph_kw):
     """One eager step on both copies (delayed scaling needs scales before capture), then the
-    copy is graphed."""
+    copy is graphed (graph_kw: make_graphed_callables' keyword arguments)."""
     graphed = copy.deepcopy(eager)
     _give_main_grads(eager)
     _give_main_grads(graphed)
@@ -116,7 +116,7 @@ def _graph_copy(eager, recipe):
         _clear(m)
     fp8dp.update_fp8_scales()
     with fp8dp.fp8_autocast(fp8_recipe=recipe):
-        fp8dp.make_graphed_callables(graphed, (x.clone().requires_grad_(True),))
+        fp8dp.make_graphed_callables(graphed, (x.clone().requires_grad_(True),), **graph_kw)
     return graphed
 
 
@@ -156,6 +156,21 @@ def test_replays_match_eager_bit_for_bit(kind, recipe_name, wgrad):
                 pg.mul_(0.99)
         _clear(eager)
         _clear(graphed)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP-gelu"])
+def test_handed_over_grads_match_eager(kind):
+    """clone_param_grads_on_return=False: .grad is the graph's static buffer (no copy), the same
+    values as the eager step's, bit for bit, over three steps that clear .grad between them; a
+    backward before clearing is refused (on the CPU: test_graph_capture_host.py)."""
+    recipe = RECIPES["delayed"]()
+    eager = _layer(kind)
+    graphed = _graph_copy(eager, recipe, clone_param_grads_on_return=False)
+    _steps_match(eager, graphed, recipe, 3)
+    x, dy = _inputs(7)
+    _step(graphed, x, dy, recipe)
+    with pytest.raises(RuntimeError, match="still holds the previous backward's gradient"):
+        _step(graphed, x, dy, recipe)
 
 
 class _Stack(torch.nn.Module):
