@@ -6,6 +6,8 @@ runs that the torch BF16 baseline does not, and how many launches each layer cos
     python3 dev/profile_gpt_block.py [--shape 8192x2] [--variants bf16,fp8dp_off,fp8dp_delayed]
                                        [--steps 3] [--top 25] [--host] [--json out.json]
 
+Variants are bench/gpt_block_gpu.py's modes, the graphed ones (bf16_graphed,
+fp8dp_delayed_graphed, fp8dp_delayed_mg_graphed) and main_grad ones (*_mg) included.
 --host adds the host side: CPU time per step by operator (self time: the operator's own work,
 not its children's), to say where a variant's enqueue time goes.
 """
@@ -70,10 +72,21 @@ def main():
     for v in args.variants.split(","):
         base = v.partition("@")[0]  # "bf16@index": the same stack with the old QKV split
         gelu = next((p for p in GELU_PLACES[1:] if base.endswith(f"_{p}gelu")), GELU_PLACES[0])
+        # "*_mg": weights with FP32 main_grad (fuse_wgrad_accumulation); "*_graphed": a model of
+        # its own, whose forward the capture replaces (bf16_graphed a torch one).
+        lib = "torch" if base.startswith("bf16") else base.split("_")[0]
         model = (
             ref
             if base == "bf16"
-            else make_model(hidden, layers, base.split("_")[0], ref, arch=args.arch, gelu=gelu)
+            else make_model(
+                hidden,
+                layers,
+                lib,
+                None if lib == "torch" else ref,
+                arch=args.arch,
+                gelu=gelu,
+                main_grad="_mg" in base,
+            )
         )
         step, _ = make_step(model, x, dy, v)
         table, cpu, gpu = kernel_table(step, args.steps, args.host)
