@@ -64,6 +64,8 @@ def _check_activation(activation, optional: bool = False, arg: str = "activation
 class _FP8LinearBase(torch.nn.Module):
     """What Linear and LayerNormLinear share: weight/bias, the C++ core and the C3 API."""
 
+    input_activation: Optional[str] = None  # Linear's argument; LayerNormLinear has none
+
     def __init__(
         self,
         in_features,
@@ -250,11 +252,7 @@ class _FP8LinearBase(torch.nn.Module):
             f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
             f"delay_wgrad_compute={self.delay_wgrad_compute}"
             + (f", activation={self.activation!r}" if self.activation else "")
-            + (
-                f", input_activation={self.input_activation!r}"
-                if getattr(self, "input_activation", None)
-                else ""
-            )
+            + (f", input_activation={self.input_activation!r}" if self.input_activation else "")
         )
 
 

@@ -180,9 +180,10 @@ at::Tensor LinearCore::dummy_wgrad(const at::Tensor& weight) {
   // Autograd needs a gradient for the weight so that its AccumulateGrad hooks fire (C2 b); its
   // values are never used (grad_added_to_main_grad says so). A fresh tensor each backward, which
   // nothing else references, so AccumulateGrad takes it as `.grad` as it is: a cached one would be
-  // copied, a full pass over the weight's bytes per micro-batch (measured as a copy kernel of the
-  // weight's size in the unbound fused step; TE hands out a fresh one too). The allocation comes
-  // from the caching allocator, and empty writes nothing; zero_out_wgrad asks for zeros.
+  // copied, a full pass over the weight's bytes per micro-batch (new_empty_strided + copy_ of the
+  // weight's shape among the backward's ops, test_fused_wgrad_stand_in.py; TE hands out a fresh
+  // one too). The allocation comes from the caching allocator, and empty writes nothing;
+  // zero_out_wgrad asks for zeros.
   return attrs_.zero_out_wgrad() ? at::zeros(weight.sizes(), weight.options())
                                  : at::empty(weight.sizes(), weight.options());
 }
@@ -290,14 +291,12 @@ std::vector<at::Tensor> LinearCore::forward(const at::Tensor& x, const at::Tenso
     if (ln_bias.defined()) check_param(ln_bias, "layer_norm_bias", {in}, weight, mod);
   }
   FP8DP_CHECK_ARG(x.defined(), mod, ": input is undefined");
-  if (cfg_.input_activation == Activation::kSwiglu) {
-    FP8DP_CHECK_ARG(
-        x.dim() >= 1 && x.size(-1) == 2 * in, mod, ": input must have 2 * in_features=", 2 * in,
-        " as its last dimension (input_activation='swiglu': [gate | up]), got shape ", x.sizes());
-  } else {
-    FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == in, mod, ": input must have in_features=", in,
-                    " as its last dimension, got shape ", x.sizes());
-  }
+  const bool gate_up = cfg_.input_activation == Activation::kSwiglu;  // [gate | up] input
+  FP8DP_CHECK_ARG(x.dim() >= 1 && x.size(-1) == cfg_.input_features(), mod, ": input must have ",
+                  gate_up ? "2 * in_features=" : "in_features=", cfg_.input_features(),
+                  " as its last dimension",
+                  gate_up ? " (input_activation='swiglu': [gate | up])" : "", ", got shape ",
+                  x.sizes());
   FP8DP_CHECK_ARG(x.scalar_type() == dt, mod, ": input has dtype ", x.scalar_type(),
                   " but the parameters have dtype ", dt, " (cast the input to params_dtype)");
   FP8DP_CHECK_ARG(x.device() == weight.device(), mod, ": input is on ", x.device(),
